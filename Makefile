@@ -1,0 +1,45 @@
+# pdflash make targets. `make test` is the README's test command and what .ci/run calls.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+CC ?= cc
+SAN_FLAGS = -std=c11 -O1 -g -fno-omit-frame-pointer -pthread -Wall -Wextra -Wno-unused-parameter
+STRESS_SRC = native/stress/stress.c native/pf_sched.c
+
+.PHONY: install native test test-fast stress stress-asan stress-tsan bench demo clean
+
+# Install pdflash (editable) with its test extras. PyTorch is taken as already
+# installed when importable, so a CPU or CUDA build you chose stays in place.
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch
+	$(PIP) install -q --no-build-isolation -e ".[test]" || $(PIP) install -q -e ".[test]"
+
+native:
+	$(PYTHON) -m pdflash.cli.main build-native
+
+test: install stress
+	$(PYTHON) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
+
+test-fast:
+	$(PYTHON) -m pytest -q -x tests
+
+# C stress test of the scheduler under AddressSanitizer + UBSan and ThreadSanitizer.
+stress: stress-asan stress-tsan
+
+native/stress/stress_asan: $(STRESS_SRC) native/pf_sched.h
+	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(STRESS_SRC) -ldl
+
+native/stress/stress_tsan: $(STRESS_SRC) native/pf_sched.h
+	$(CC) $(SAN_FLAGS) -fsanitize=thread -Inative -o $@ $(STRESS_SRC) -ldl
+
+stress-asan: native/stress/stress_asan
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ./native/stress/stress_asan
+
+stress-tsan: native/stress/stress_tsan
+	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/stress_tsan
+
+bench: install
+	$(PYTHON) benchmarks/bench_scheduler.py
+
+clean:
+	rm -f native/_pf_sched*.so native/stress/stress_asan native/stress/stress_tsan
+	rm -rf build *.egg-info

@@ -1,0 +1,1 @@
+"""The ``pdflash`` command line: ``main.py`` assembles one module per command."""

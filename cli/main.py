@@ -1,0 +1,69 @@
+"""Assemble the ``pdflash`` command line.
+
+Each command lives in its own module and is registered here. Expected failures
+raise :class:`pdflash.PdflashError`; ``main`` prints them as one ``Error:`` line
+on stderr and exits with the error's code. Set PDFLASH_DEBUG=1 for tracebacks.
+
+Exit codes: 0 success; 1 an error the message explains; 2 bad usage (unknown
+option, bad value); 3 the command ran but a check it makes did not hold
+(``smoke``); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from pdflash import PdflashError
+
+app = typer.Typer(
+    name="pdflash",
+    help="Run Mixture-of-Experts models larger than the GPU, with a priority-banded expert fetch scheduler.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    from pdflash.cli import build_native, smoke
+
+    app.command("build-native")(build_native.build_native)
+    app.command("smoke")(smoke.smoke)
+    for name, module, func in _OPTIONAL:
+        try:
+            mod = __import__(f"pdflash.cli.{module}", fromlist=[func])
+        except ModuleNotFoundError as exc:  # command module not present in this build
+            if exc.name != f"pdflash.cli.{module}":
+                raise
+            continue
+        app.command(name)(getattr(mod, func))
+
+
+# (command name, module in pdflash.cli, function)
+_OPTIONAL = [
+    ("fetch-models", "fetch_models", "fetch_models"),
+    ("make-synthetic", "make_synthetic", "make_synthetic"),
+    ("generate", "generate", "generate"),
+    ("bench-priority", "bench_priority", "bench_priority"),
+]
+
+
+def main() -> None:
+    _register()
+    try:
+        app()
+    except PdflashError as exc:
+        if os.environ.get("PDFLASH_DEBUG") == "1":
+            raise
+        print(f"Error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,430 @@
+"""The native priority-banded fetch scheduler.
+
+Every expert byte pdflash moves goes through one :class:`Scheduler`. It wraps
+the C library in ``pf_sched.c`` (built by ``build_ffi.py`` through cffi's API
+mode): worker threads copy tasks chunk by chunk, most urgent priority first.
+
+    from pdflash.native import Scheduler, Band
+    with Scheduler(backend="memcpy", workers=2, link_gbps=20) as s:
+        t = s.submit(make_key(3, 7), src_tensor, dst_tensor, priority=Band.ROUTE_AHEAD)
+        assert s.wait(t) is WaitStatus.DONE
+
+Caller contract: src and dst stay alive and untouched until the ticket ends or
+``reset()`` / ``close()`` returns. The wrapper keeps a reference to tensors and
+buffers passed in until then.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+from typing import Any
+
+from pdflash import PdflashError
+
+NUM_PRIORITY = 20
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+class Band(enum.IntEnum):
+    """Named priority levels (lower number is served first)."""
+
+    ON_DEMAND = 0
+    ROUTE_AHEAD = 1
+    BACKGROUND = 2
+
+
+class WaitStatus(enum.Enum):
+    DONE = 0
+    CANCELLED = 1
+    TIMEOUT = 2
+    FAILED = 3
+    CLOSED = 4
+    PENDING = 5
+    EXPIRED = 6
+
+
+class SchedulerError(PdflashError):
+    """A scheduler call was refused (bad argument, conflict, backend failure)."""
+
+
+class SchedulerClosed(SchedulerError):
+    """The scheduler was closed; create a new one."""
+
+
+class NativeLibraryMissing(PdflashError):
+    """The compiled library is not importable."""
+
+
+def make_key(layer: int, expert: int) -> int:
+    """64-bit task key of one (layer, expert)."""
+    if not (0 <= layer < 2**32 and 0 <= expert < 2**32):
+        raise SchedulerError(f"layer and expert must be in [0, 2**32): got ({layer}, {expert})")
+    return (layer << 32) | expert
+
+
+def split_key(key: int) -> tuple[int, int]:
+    return key >> 32, key & 0xFFFFFFFF
+
+
+def _load():
+    try:
+        from pdflash.native import _pf_sched  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise NativeLibraryMissing(
+            f"the native scheduler is not built ({exc}); run 'pdflash build-native' or 'pip install -e .'"
+        ) from None
+    return _pf_sched.ffi, _pf_sched.lib
+
+
+_STAT_FIELDS = (
+    "submitted",
+    "deduplicated",
+    "promoted",
+    "cancelled",
+    "completed",
+    "failed",
+    "bytes",
+    "queue_depth",
+    "in_flight",
+    "queue_wait_ns",
+    "max_queue_wait_ns",
+    "transfer_ns",
+    "stall_ns",
+    "stall_waits",
+)
+
+
+def _find_cudart() -> str | None:
+    """Path of the CUDA runtime already mapped into this process (PyTorch's), if any."""
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "libcudart.so" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+class _Pin:
+    """Resolve a submit argument to (address, size in bytes, owner to keep alive)."""
+
+    @staticmethod
+    def resolve(obj: Any, ffi, what: str, want_device: str | None, device_index: int):
+        if isinstance(obj, int):
+            if obj <= 0:
+                raise SchedulerError(f"{what} address must be a positive integer, got {obj}")
+            return obj, None, None
+        if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # torch.Tensor
+            if not obj.is_contiguous():
+                raise SchedulerError(f"{what} tensor must be contiguous")
+            dev = obj.device.type
+            if want_device == "cuda" and what == "dst":
+                if dev != "cuda" or (obj.device.index or 0) != device_index:
+                    raise SchedulerError(
+                        f"dst tensor must be on cuda:{device_index} for the cuda backend, got {obj.device}"
+                    )
+            elif dev != "cpu":
+                raise SchedulerError(f"{what} tensor must be in host memory for this backend, got {obj.device}")
+            return obj.data_ptr(), obj.numel() * obj.element_size(), obj
+        try:
+            buf = ffi.from_buffer(obj, require_writable=(what == "dst"))
+        except TypeError:
+            raise SchedulerError(
+                f"{what} must be a torch tensor, a buffer object or an integer address, got {type(obj).__name__}"
+            ) from None
+        return int(ffi.cast("uintptr_t", buf)), len(buf), (obj, buf)
+
+
+class Scheduler:
+    """A running pf_sched. Thread-safe; ``close()`` is terminal, ``reset()`` is not."""
+
+    def __init__(
+        self,
+        backend: str = "memcpy",
+        workers: int = 2,
+        link_gbps: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        device: int = 0,
+        latency_us: float = 0.0,
+        history: int = 1 << 16,
+    ):
+        ffi, lib = _load()
+        self._ffi, self._lib = ffi, lib
+        if backend not in ("memcpy", "cuda"):
+            raise SchedulerError(f"unknown backend {backend!r}: use 'memcpy' or 'cuda'")
+        if workers < 1:
+            raise SchedulerError(f"workers must be at least 1, got {workers}")
+        if chunk_bytes < 4096:
+            raise SchedulerError(f"chunk_bytes must be at least 4096, got {chunk_bytes}")
+        if link_gbps is not None and link_gbps <= 0:
+            raise SchedulerError(f"link_gbps must be positive, got {link_gbps}")
+        self.backend = backend
+        self.device = device
+        self.workers = workers
+        self.chunk_bytes = chunk_bytes
+        self.link_gbps = link_gbps
+        cfg = ffi.new("pf_config *")
+        lib.pf_config_default(cfg)
+        cfg.backend = lib.PF_BACKEND_CUDA if backend == "cuda" else lib.PF_BACKEND_MEMCPY
+        cfg.workers = workers
+        cfg.chunk_bytes = chunk_bytes
+        cfg.link_gbps = link_gbps or 0.0
+        cfg.latency_us = latency_us
+        cfg.device = device
+        cfg.history = history
+        keep = None
+        if backend == "cuda":
+            path = _find_cudart()
+            if path is None:
+                try:  # make PyTorch load its CUDA runtime, then look again
+                    import torch
+
+                    if torch.cuda.is_available():
+                        torch.cuda.init()
+                        torch.empty(1, device=f"cuda:{device}")
+                except Exception:
+                    pass
+                path = _find_cudart()
+            if path is not None:
+                keep = ffi.new("char[]", path.encode())
+                cfg.cudart_path = keep
+        err = ffi.new("char[256]")
+        out = ffi.new("pf_sched **")
+        rc = lib.pf_create(cfg, out, err, 256)
+        if rc != 0:
+            raise SchedulerError(f"could not start the {backend} scheduler: {ffi.string(err).decode() or self._strerror(rc)}")
+        self._s = out[0]
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active = 0
+        self._closed = False
+        self._owners: dict[int, list] = {}  # ticket -> objects kept alive until it ends
+
+    # -- plumbing -----------------------------------------------------------------
+    def _strerror(self, rc: int) -> str:
+        return self._ffi.string(self._lib.pf_strerror(rc)).decode()
+
+    def _enter(self):
+        with self._lock:
+            if self._closed:
+                raise SchedulerClosed("the scheduler is closed; create a new Scheduler")
+            self._active += 1
+        return self._s
+
+    def _leave(self):
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.notify_all()
+
+    def _check(self, rc: int, what: str) -> int:
+        if rc >= 0:
+            return rc
+        if rc == self._lib.PF_ECLOSED:
+            raise SchedulerClosed(f"{what}: the scheduler is closed")
+        raise SchedulerError(f"{what}: {self._strerror(rc)}")
+
+    @staticmethod
+    def _priority(priority) -> int:
+        p = int(priority)
+        if not 0 <= p < NUM_PRIORITY:
+            raise SchedulerError(f"priority must be in [0, {NUM_PRIORITY}), got {priority}")
+        return p
+
+    # -- API -----------------------------------------------------------------------
+    def submit(self, key: int, src, dst, nbytes: int | None = None, priority=Band.BACKGROUND) -> int:
+        """Queue a copy of ``nbytes`` from src to dst under ``key``; returns its ticket.
+
+        src / dst: torch tensors, buffer objects or integer addresses. ``nbytes``
+        defaults to the size of src (both must be known then) and may not exceed
+        either buffer's size. A key already queued or in flight returns that
+        task's ticket (promoted if ``priority`` is more urgent).
+        """
+        p = self._priority(priority)
+        if not 0 <= key < 2**64:
+            raise SchedulerError(f"key must fit in 64 bits, got {key}")
+        want = "cuda" if self.backend == "cuda" else None
+        src_addr, src_len, src_owner = _Pin.resolve(src, self._ffi, "src", want, self.device)
+        dst_addr, dst_len, dst_owner = _Pin.resolve(dst, self._ffi, "dst", want, self.device)
+        if nbytes is None:
+            if src_len is None:
+                raise SchedulerError("nbytes is required when src is a raw address")
+            nbytes = src_len
+        if nbytes <= 0:
+            raise SchedulerError(f"nbytes must be positive, got {nbytes}")
+        for name, size in (("src", src_len), ("dst", dst_len)):
+            if size is not None and nbytes > size:
+                raise SchedulerError(f"{name} holds {size} bytes but the copy needs {nbytes}")
+        s = self._enter()
+        try:
+            out = self._ffi.new("uint64_t *")
+            rc = self._lib.pf_submit(s, key, self._ffi.cast("void *", src_addr), self._ffi.cast("void *", dst_addr), nbytes, p, out)
+            self._check(rc, "submit")
+            ticket = int(out[0])
+        finally:
+            self._leave()
+        owners = [o for o in (src_owner, dst_owner) if o is not None]
+        if owners:
+            with self._lock:
+                self._owners.setdefault(ticket, []).extend(owners)
+        return ticket
+
+    def wait(self, ticket: int, timeout: float | None = None) -> WaitStatus:
+        """Block (GIL released) until the ticket ends or ``timeout`` seconds pass."""
+        s = self._enter()
+        try:
+            rc = self._lib.pf_wait(s, ticket, -1.0 if timeout is None else float(timeout))
+        finally:
+            self._leave()
+        if rc == self._lib.PF_ENOTICKET:
+            raise SchedulerError(f"wait: ticket {ticket} was not issued by this scheduler")
+        self._check(rc, "wait")
+        status = WaitStatus(rc)
+        if status not in (WaitStatus.TIMEOUT, WaitStatus.PENDING):
+            with self._lock:
+                self._owners.pop(ticket, None)
+        return status
+
+    def query(self, ticket: int) -> WaitStatus:
+        """Non-blocking status: PENDING while queued or in flight."""
+        s = self._enter()
+        try:
+            rc = self._lib.pf_query(s, ticket)
+        finally:
+            self._leave()
+        if rc == self._lib.PF_ENOTICKET:
+            raise SchedulerError(f"query: ticket {ticket} was not issued by this scheduler")
+        return WaitStatus(self._check(rc, "query"))
+
+    def ticket_error(self, ticket: int) -> str:
+        s = self._enter()
+        try:
+            buf = self._ffi.new("char[256]")
+            self._lib.pf_ticket_error(s, ticket, buf, 256)
+            return self._ffi.string(buf).decode()
+        finally:
+            self._leave()
+
+    def promote(self, key: int, priority) -> bool:
+        p = self._priority(priority)
+        s = self._enter()
+        try:
+            return bool(self._check(self._lib.pf_promote(s, key, p), "promote"))
+        finally:
+            self._leave()
+
+    def cancel(self, key: int) -> bool:
+        s = self._enter()
+        try:
+            return bool(self._check(self._lib.pf_cancel(s, key), "cancel"))
+        finally:
+            self._leave()
+
+    def cancel_band(self, priority) -> int:
+        p = self._priority(priority)
+        s = self._enter()
+        try:
+            return self._check(self._lib.pf_cancel_band(s, p), "cancel_band")
+        finally:
+            self._leave()
+
+    def cancel_below_layer(self, layer: int, min_priority=0) -> int:
+        p = self._priority(min_priority)
+        if not 0 <= layer < 2**32:
+            raise SchedulerError(f"layer must be in [0, 2**32), got {layer}")
+        s = self._enter()
+        try:
+            return self._check(self._lib.pf_cancel_below_layer(s, layer, p), "cancel_below_layer")
+        finally:
+            self._leave()
+
+    def reset(self) -> None:
+        """Cancel queued work, let chunks in flight land, zero statistics. Not terminal."""
+        s = self._enter()
+        try:
+            self._check(self._lib.pf_reset(s), "reset")
+        finally:
+            self._leave()
+        with self._lock:
+            self._owners.clear()
+
+    def stats(self) -> dict:
+        """Plain-dict statistics: one dict per priority level plus link totals (seconds)."""
+        s = self._enter()
+        try:
+            st = self._ffi.new("pf_stats *")
+            self._check(self._lib.pf_get_stats(s, st), "stats")
+        finally:
+            self._leave()
+        levels = []
+        for p in range(NUM_PRIORITY):
+            lv = st.level[p]
+            d = {name: int(getattr(lv, name)) for name in _STAT_FIELDS}
+            d["priority"] = p
+            d["queue_wait_s"] = d["queue_wait_ns"] / 1e9
+            d["max_queue_wait_s"] = d["max_queue_wait_ns"] / 1e9
+            d["transfer_s"] = d["transfer_ns"] / 1e9
+            d["stall_s"] = d["stall_ns"] / 1e9
+            levels.append(d)
+        elapsed = (st.now_ns - st.since_ns) / 1e9
+        return {
+            "levels": levels,
+            "link_busy_s": st.link_busy_ns / 1e9,
+            "chunks": int(st.chunks),
+            "elapsed_s": elapsed,
+            "backend": self.backend,
+            "workers": self.workers,
+        }
+
+    def band_stats(self) -> list[dict]:
+        """The three named bands' level statistics, with their names."""
+        levels = self.stats()["levels"]
+        return [dict(levels[b], band=int(b), name=b.name.lower().replace("_", "-")) for b in Band]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Terminal and idempotent: wake every waiter with CLOSED, join workers, free memory."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._lib.pf_shutdown(self._s)  # every blocked call returns PF_CLOSED promptly
+        with self._lock:
+            while self._active:
+                self._idle.wait()
+            self._lib.pf_destroy(self._s)
+            self._s = self._ffi.NULL
+            self._owners.clear()
+
+    def __enter__(self) -> "Scheduler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # safety net only; close() explicitly
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+
+__all__ = [
+    "Band",
+    "NUM_PRIORITY",
+    "Scheduler",
+    "SchedulerClosed",
+    "SchedulerError",
+    "NativeLibraryMissing",
+    "WaitStatus",
+    "make_key",
+    "split_key",
+]
