@@ -273,7 +273,7 @@ static void task_end(pf_sched *s, task *t, int status) {
     map_del(&s->by_ticket, t, 0);
     hist_entry *h = &s->hist[t->ticket & s->hist_mask];
     h->ticket = t->ticket;
-    h->status = status;
+    h->status = (status == PF_CANCELLED && s->stopping) ? PF_CLOSED : status; /* cancelled by shutdown */
     wake_ticket(s, t->ticket);
     t->tnext = s->free_tasks; /* reuse the chain link for the free list */
     s->free_tasks = t;
