@@ -1,0 +1,1 @@
+"""Benchmarks that are part of the product: the route-ahead band ablation (``bench-priority``)."""
