@@ -72,7 +72,12 @@ def _scheduler(backend: str, device: int, **kw) -> Scheduler:
 
 def _slow(backend: str) -> dict:
     # A link slow enough that queues form: 1 GB/s simulated; on a GPU the real link.
-    return dict(workers=2, link_gbps=1.0, chunk_bytes=256 * 1024)
+    return dict(workers=2, link_gbps=1.0, chunk_bytes=256 * 1024 if backend == "memcpy" else 4 * MiB)
+
+
+def _scale(backend: str) -> int:
+    """Size factor that keeps queues formed for milliseconds on a ~50 GB/s real link."""
+    return 32 if backend == "cuda" else 4
 
 
 def check_bytes(backend: str, device: int) -> Check:
@@ -90,10 +95,11 @@ def check_bytes(backend: str, device: int) -> Check:
 def check_bands_order(backend: str, device: int) -> Check:
     """Work queued behind a saturated link is served band 0, then 1, then 2."""
     bufs = _Buffers(backend, device)
-    big = 8 * MiB if backend == "memcpy" else 256 * MiB
+    k = _scale(backend)
+    big = 4 * MiB * k
     with _scheduler(backend, device, **_slow(backend)) as s:
         filler = [bufs.pair(big) for _ in range(2)]
-        small = {band: bufs.pair(MiB) for band in (Band.BACKGROUND, Band.ROUTE_AHEAD, Band.ON_DEMAND)}
+        small = {band: bufs.pair(MiB * k // 2) for band in (Band.BACKGROUND, Band.ROUTE_AHEAD, Band.ON_DEMAND)}
         fill_t = [s.submit(make_key(9, i), a, b, priority=Band.BACKGROUND) for i, (a, b) in enumerate(filler)]
         queued = {}
         for band, (src, dst) in small.items():  # submitted least urgent first
@@ -119,7 +125,8 @@ def check_bands_order(backend: str, device: int) -> Check:
 def check_dedup(backend: str, device: int) -> Check:
     bufs = _Buffers(backend, device)
     with _scheduler(backend, device, **_slow(backend)) as s:
-        fill = bufs.pair(8 * MiB)
+        k = _scale(backend)
+        fill = bufs.pair(8 * MiB * k)
         src, dst = bufs.pair(2 * MiB)
         s.submit(make_key(9, 0), *fill, priority=Band.ON_DEMAND)  # keeps every worker busy
         key = make_key(2, 5)
@@ -129,7 +136,7 @@ def check_dedup(backend: str, device: int) -> Check:
         st = s.wait(t1, timeout=60)
         lv = s.stats()["levels"]
         exact = bufs.same(src, dst)
-    copied_once = lv[0]["bytes"] + lv[2]["bytes"] == 10 * MiB
+    copied_once = lv[0]["bytes"] + lv[2]["bytes"] == 8 * MiB * k + 2 * MiB
     ok = t1 == t2 == t3 and st is WaitStatus.DONE and lv[0]["promoted"] == 1 and exact and copied_once
     dedups = lv[2]["deduplicated"] + lv[0]["deduplicated"]
     return Check("dedup and promote in place", ok, f"one ticket for 3 submits, {dedups} deduplicated, 1 promoted")
@@ -138,7 +145,7 @@ def check_dedup(backend: str, device: int) -> Check:
 def check_cancel(backend: str, device: int) -> Check:
     bufs = _Buffers(backend, device)
     with _scheduler(backend, device, **_slow(backend)) as s:
-        fill = bufs.pair(16 * MiB)
+        fill = bufs.pair(16 * MiB * _scale(backend))
         work = {make_key(layer, int(band)): (band, *bufs.pair(MiB)) for layer in range(4) for band in (Band.ROUTE_AHEAD, Band.BACKGROUND)}
         s.submit(make_key(9, 0), *fill, priority=Band.ON_DEMAND)  # keeps every worker busy
         pairs = {key: (s.submit(key, src, dst, priority=band), dst) for key, (band, src, dst) in work.items()}
@@ -169,7 +176,7 @@ def check_reset(backend: str, device: int) -> Check:
 def check_close(backend: str, device: int) -> Check:
     bufs = _Buffers(backend, device)
     s = _scheduler(backend, device, **_slow(backend))
-    fill = bufs.pair(64 * MiB if backend == "memcpy" else 2048 * MiB)  # ~40 ms of link time
+    fill = bufs.pair(16 * MiB * _scale(backend))  # tens of ms of link time
     work = [bufs.pair(MiB) for _ in range(4)]
     s.submit(make_key(9, 0), *fill, priority=Band.ON_DEMAND)  # keeps every worker busy
     tickets = [s.submit(make_key(1, i), *pair, priority=Band.BACKGROUND) for i, pair in enumerate(work)]
