@@ -29,6 +29,8 @@
 #define NBUCKET 64   /* waiter condition variables, chosen by ticket */
 #define NERR 64      /* remembered error messages of failed tickets */
 #define ERRLEN 160
+#define MAX_TIMEOUT_S 1e9 /* about 31 years: pf_wait treats longer limits as none */
+#define MAX_LINK_NS 1e15  /* simulated link: longest time one chunk may occupy it */
 
 /* task states */
 enum { T_LIVE = 0, T_CANCELLING, T_FAILING };
@@ -280,17 +282,30 @@ static void task_end(pf_sched *s, task *t, int status) {
 }
 
 /* Stop a live task from claiming more chunks. Caller holds s->mu. Returns 1 if the
- * task was still claimable (and is now cancelled), 0 otherwise. */
+ * task was still claimable (and is now cancelled), 0 otherwise. A task cancelled
+ * with chunks still out stays in the key map until they land, so a submit of the
+ * same key in that window revives it instead of starting a second copy into the
+ * same destination (see pf_submit). */
 static int task_cancel(pf_sched *s, task *t) {
     if (!t->in_queue || t->state != T_LIVE) return 0;
     q_remove(s, t);
     t->state = T_CANCELLING;
-    if (t->in_keymap) {
-        map_del(&s->by_key, t, 1);
-        t->in_keymap = 0;
-    }
     if (t->chunks_out == 0) task_end(s, t, PF_CANCELLED);
     return 1;
+}
+
+/* Move a live task to the more urgent level `priority`. Caller holds s->mu. */
+static void task_promote(pf_sched *s, task *t, int priority) {
+    int inq = t->in_queue;
+    if (inq) q_remove(s, t);
+    if (t->chunks_out) {
+        s->st.level[t->prio].in_flight--;
+        s->st.level[priority].in_flight++;
+    }
+    t->prio = priority;
+    if (inq) q_push(s, t);
+    s->st.level[priority].promoted++;
+    if (inq && s->idle_workers) pthread_cond_signal(&s->work_cv);
 }
 
 static int cancel_where(pf_sched *s, int prio_lo, int prio_hi, int by_layer, uint32_t layer) {
@@ -392,7 +407,8 @@ static int copy_chunk(worker *w, char *dst, const char *src, uint64_t n, uint64_
     }
     memcpy(dst, src, (size_t)n);
     if (link_end) {
-        uint64_t until = link_end + (uint64_t)(s->cfg.latency_us * 1000.0);
+        double lat = s->cfg.latency_us * 1000.0;
+        uint64_t until = link_end + (uint64_t)(lat < MAX_LINK_NS ? lat : MAX_LINK_NS);
         struct timespec ts;
         ns_to_timespec(until, &ts);
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
@@ -444,7 +460,8 @@ static void *worker_main(void *arg) {
         s->busy_prefetch += prefetch;
         uint64_t link_end = 0;
         if (s->cfg.backend == PF_BACKEND_MEMCPY && s->cfg.link_gbps > 0) {
-            uint64_t dur = (uint64_t)((double)n / s->cfg.link_gbps); /* GB/s == B/ns */
+            double d = (double)n / s->cfg.link_gbps; /* GB/s == B/ns */
+            uint64_t dur = (uint64_t)(d < MAX_LINK_NS ? d : MAX_LINK_NS);
             uint64_t start = s->link_free_ns > now ? s->link_free_ns : now;
             link_end = start + dur;
             s->link_free_ns = link_end;
@@ -581,24 +598,31 @@ int pf_submit(pf_sched *s, uint64_t key, const void *src, void *dst, uint64_t nb
         return PF_ECLOSED;
     }
     task *t = map_get(&s->by_key, key, 1);
+    int same = t && t->src == src && t->dst == dst && t->nbytes == nbytes;
+    if (t && t->state == T_CANCELLING && !same) {
+        /* cancelled, last chunks landing elsewhere: the key is free for a new task */
+        map_del(&s->by_key, t, 1);
+        t->in_keymap = 0;
+        t = NULL;
+    }
     if (t) {
-        if (t->src != src || t->dst != dst || t->nbytes != nbytes) {
+        if (!same) {
             pthread_mutex_unlock(&s->mu);
             return PF_ECONFLICT;
         }
         s->st.level[priority].deduplicated++;
-        if (priority < t->prio) {
-            /* promote in place: same task, same ticket, nothing copied twice */
-            int inq = t->in_queue;
-            if (inq) q_remove(s, t);
-            if (t->chunks_out) {
-                s->st.level[t->prio].in_flight--;
-                s->st.level[priority].in_flight++;
+        if (t->state == T_CANCELLING) {
+            /* cancelled but chunks still out: revive it; the unclaimed rest is queued
+             * again and the landed prefix is not copied a second time */
+            t->state = T_LIVE;
+            if (priority < t->prio) task_promote(s, t, priority);
+            if (t->claimed < t->nbytes) {
+                q_push(s, t);
+                if (s->idle_workers) pthread_cond_signal(&s->work_cv);
             }
-            t->prio = priority;
-            if (inq) q_push(s, t);
-            s->st.level[priority].promoted++;
-            if (inq && s->idle_workers) pthread_cond_signal(&s->work_cv);
+        } else if (priority < t->prio) {
+            /* promote in place: same task, same ticket, nothing copied twice */
+            task_promote(s, t, priority);
         }
         *ticket = t->ticket;
         pthread_mutex_unlock(&s->mu);
@@ -639,17 +663,8 @@ int pf_promote(pf_sched *s, uint64_t key, int priority) {
         return PF_ECLOSED;
     }
     task *t = map_get(&s->by_key, key, 1);
-    if (t && priority < t->prio) {
-        int inq = t->in_queue;
-        if (inq) q_remove(s, t);
-        if (t->chunks_out) {
-            s->st.level[t->prio].in_flight--;
-            s->st.level[priority].in_flight++;
-        }
-        t->prio = priority;
-        if (inq) q_push(s, t);
-        s->st.level[priority].promoted++;
-        if (inq && s->idle_workers) pthread_cond_signal(&s->work_cv);
+    if (t && t->state == T_LIVE && priority < t->prio) {
+        task_promote(s, t, priority);
         moved = 1;
     }
     pthread_mutex_unlock(&s->mu);
@@ -703,15 +718,15 @@ static int ended_status(pf_sched *s, uint64_t ticket) {
 int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s) {
     if (!s) return PF_EINVAL;
     pthread_mutex_lock(&s->mu);
+    if (s->stopping) {
+        pthread_mutex_unlock(&s->mu);
+        return PF_ECLOSED;
+    }
     task *t = map_get(&s->by_ticket, ticket, 0);
     if (!t) {
         int st = ended_status(s, ticket);
         pthread_mutex_unlock(&s->mu);
         return st;
-    }
-    if (s->stopping) {
-        pthread_mutex_unlock(&s->mu);
-        return PF_CLOSED;
     }
     if (timeout_s == 0) {
         pthread_mutex_unlock(&s->mu);
@@ -720,7 +735,8 @@ int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s) {
     int prio = t->prio; /* stall is charged to the level the awaited task is at */
     int b = (int)(ticket % NBUCKET);
     uint64_t start = now_ns();
-    uint64_t deadline = timeout_s > 0 ? start + (uint64_t)(timeout_s * 1e9) : 0;
+    /* a limit beyond MAX_TIMEOUT_S (or +inf) is no limit; the conversion below stays in range */
+    uint64_t deadline = timeout_s > 0 && timeout_s < MAX_TIMEOUT_S ? start + (uint64_t)(timeout_s * 1e9) : 0;
     int result = PF_TIMEOUT;
     s->waiters[b]++;
     for (;;) {
@@ -732,13 +748,15 @@ int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s) {
         } else {
             pthread_cond_wait(&s->wait_cv[b], &s->mu);
         }
+        /* shutdown answers every blocked waiter with PF_CLOSED, also when it ended the
+         * awaited task itself (cancelled as queued work) */
+        if (s->stopping) {
+            result = PF_CLOSED;
+            break;
+        }
         t = map_get(&s->by_ticket, ticket, 0);
         if (!t) {
             result = ended_status(s, ticket);
-            break;
-        }
-        if (s->stopping) {
-            result = PF_CLOSED;
             break;
         }
         if (deadline && now_ns() >= deadline) {
@@ -757,7 +775,7 @@ int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s) {
 int pf_query(pf_sched *s, uint64_t ticket) {
     if (!s) return PF_EINVAL;
     pthread_mutex_lock(&s->mu);
-    int st = map_get(&s->by_ticket, ticket, 0) ? PF_PENDING : ended_status(s, ticket);
+    int st = s->stopping ? PF_ECLOSED : map_get(&s->by_ticket, ticket, 0) ? PF_PENDING : ended_status(s, ticket);
     pthread_mutex_unlock(&s->mu);
     return st;
 }
@@ -765,6 +783,11 @@ int pf_query(pf_sched *s, uint64_t ticket) {
 int pf_ticket_error(pf_sched *s, uint64_t ticket, char *buf, size_t len) {
     if (!s || !buf || len == 0) return PF_EINVAL;
     pthread_mutex_lock(&s->mu);
+    if (s->stopping) {
+        pthread_mutex_unlock(&s->mu);
+        buf[0] = '\0';
+        return PF_ECLOSED;
+    }
     err_entry *e = &s->errs[ticket % NERR];
     if (e->ticket == ticket) snprintf(buf, len, "%s", e->msg);
     else buf[0] = '\0';
@@ -808,6 +831,10 @@ int pf_reset(pf_sched *s) {
 int pf_get_stats(pf_sched *s, pf_stats *out) {
     if (!s || !out) return PF_EINVAL;
     pthread_mutex_lock(&s->mu);
+    if (s->stopping) {
+        pthread_mutex_unlock(&s->mu);
+        return PF_ECLOSED;
+    }
     *out = s->st;
     uint64_t now = now_ns();
     if (s->cfg.link_gbps <= 0 && s->chunks_out > 0) out->link_busy_ns += now - s->busy_since_ns;

@@ -113,7 +113,9 @@ int pf_submit(pf_sched *s, uint64_t key, const void *src, void *dst, uint64_t nb
 int pf_promote(pf_sched *s, uint64_t key, int priority);
 
 /* Cancel the live task of key. Chunks already being copied finish; no further chunk
- * starts. Returns 1 if cancelled, 0 if not live. */
+ * starts. Returns 1 if cancelled, 0 if not live (or all its bytes are already claimed:
+ * then it completes). A pf_submit of the same key, src, dst and size before those
+ * chunks have landed revives the task under its ticket (it then ends done). */
 int pf_cancel(pf_sched *s, uint64_t key);
 
 /* Cancel every live task at `priority`. Returns the number cancelled. */
@@ -123,12 +125,12 @@ int pf_cancel_band(pf_sched *s, int priority);
  * priority number is >= min_priority. Returns the number cancelled. */
 int pf_cancel_below_layer(pf_sched *s, uint32_t layer, int min_priority);
 
-/* Block until the ticket ends or timeout_s passes (timeout_s < 0: no limit).
+/* Block until the ticket ends or timeout_s passes (timeout_s < 0, +inf or >= 1e9: no limit).
  * Returns PF_DONE, PF_CANCELLED, PF_FAILED, PF_TIMEOUT, PF_CLOSED, PF_EXPIRED or a
  * negative error. Time spent blocked is added to the stall of the task's level. */
 int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s);
 
-/* Non-blocking: PF_PENDING while live, else as pf_wait. */
+/* Non-blocking: PF_PENDING while live, else as pf_wait (PF_ECLOSED after pf_shutdown). */
 int pf_query(pf_sched *s, uint64_t ticket);
 
 /* Error text of a failed ticket (empty if none); copies at most len bytes. */

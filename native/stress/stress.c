@@ -1,0 +1,942 @@
+/*
+ * stress.c: concurrency and integrity stress test of pf_sched (C11 + pthreads).
+ *
+ * Built with pf_sched.c by `make stress-asan` / `make stress-tsan` (or plainly:
+ * cc -std=c11 -O2 -pthread -Inative native/stress/stress.c native/pf_sched.c -ldl).
+ *
+ *   stress [--quick] [--seed N]
+ *
+ * Phases:
+ *   api       caller mistakes give PF_EINVAL / PF_ECONFLICT / PF_ENOTICKET; config checks.
+ *   layers    cancel_below_layer and cancel_band hit exactly the queued tasks they name.
+ *   expired   a small history ring: long-ended tickets answer PF_EXPIRED, recent ones their status.
+ *   chaos     several rounds (memcpy backend, with and without a simulated link, small chunks):
+ *             many threads submit / re-submit (dedup) / promote / cancel / cancel_band /
+ *             cancel_below_layer / wait / query / stats / reset at random. Afterwards:
+ *             - every ticket ends DONE or CANCELLED, and a status once seen never changes;
+ *             - a slot with a DONE ticket has dst == src byte for byte;
+ *             - a slot whose tickets were all cancelled holds a chunk-aligned prefix of src
+ *               (the chunks claimed before the cancel) and untouched bytes after it;
+ *             - rounds without reset account exactly: submitted, deduplicated, completed,
+ *               cancelled, bytes == sum of nbytes of DONE tickets, chunks issued == chunks
+ *               needed, and with a 1 GB/s link the link time in ns == bytes copied by chunks,
+ *               so no byte is copied twice;
+ *             - nothing is left queued or in flight; reset zeroes the counters and the
+ *               scheduler works afterwards.
+ *   close     waiters blocked in pf_wait (and a pf_reset draining) when pf_shutdown runs all
+ *             return PF_CLOSED; shutdown from several threads at once is idempotent; every
+ *             later call returns PF_ECLOSED; then pf_destroy.
+ *
+ * Exit 0 only if every check held; the last line is "stress: N passed, M failed".
+ */
+#define _GNU_SOURCE
+#include "pf_sched.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ---- checks ------------------------------------------------------------------ */
+static atomic_int g_pass, g_fail;
+
+static int check(int ok, const char *fmt, ...) {
+    if (ok) {
+        atomic_fetch_add(&g_pass, 1);
+        return 1;
+    }
+    atomic_fetch_add(&g_fail, 1);
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "FAIL: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    return 0;
+}
+
+/* A check that may fire thousands of times in a loop: count failures, report a few. */
+typedef struct tally {
+    atomic_long bad;
+    const char *what;
+} tally;
+
+static void tally_bad(tally *t, const char *fmt, ...) {
+    long n = atomic_fetch_add(&t->bad, 1);
+    if (n >= 5) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "  %s: ", t->what);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+}
+
+static void tally_close(tally *t) {
+    long n = atomic_load(&t->bad);
+    check(n == 0, "%s: %ld violation(s)", t->what, n);
+}
+
+/* ---- small helpers ---------------------------------------------------------- */
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void sleep_s(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+typedef struct rng {
+    uint64_t s;
+} rng;
+
+static uint64_t rnd(rng *r) { /* xorshift64* */
+    r->s ^= r->s >> 12;
+    r->s ^= r->s << 25;
+    r->s ^= r->s >> 27;
+    return r->s * 2685821657736338717ull;
+}
+
+static uint64_t rnd_below(rng *r, uint64_t n) { return n ? rnd(r) % n : 0; }
+
+/* Pattern byte i of slot `id`: never 0, so 0 marks "never written". */
+static uint8_t pattern(uint64_t id, uint64_t i) {
+    uint64_t x = (id + 1) * 0x9e3779b97f4a7c15ull ^ (i * 0xbf58476d1ce4e5b9ull);
+    x ^= x >> 31;
+    return (uint8_t)(x % 255u + 1u);
+}
+
+static uint64_t mk_key(uint32_t layer, uint32_t expert) { return ((uint64_t)layer << 32) | expert; }
+
+static pf_sched *make_sched(int workers, uint64_t chunk, double gbps, double lat_us, uint32_t history) {
+    pf_config cfg;
+    pf_config_default(&cfg);
+    cfg.workers = workers;
+    cfg.chunk_bytes = chunk;
+    cfg.link_gbps = gbps;
+    cfg.latency_us = lat_us;
+    cfg.history = history;
+    pf_sched *s = NULL;
+    char err[256] = "";
+    int rc = pf_create(&cfg, &s, err, sizeof(err));
+    if (!check(rc == 0 && s, "pf_create(workers=%d chunk=%llu gbps=%g) = %d (%s)", workers,
+               (unsigned long long)chunk, gbps, rc, err)) {
+        fprintf(stderr, "cannot continue without a scheduler\n");
+        exit(2);
+    }
+    return s;
+}
+
+static void close_sched(pf_sched *s) {
+    check(pf_shutdown(s) == 0, "pf_shutdown");
+    pf_destroy(s);
+}
+
+static void sum_levels(const pf_stats *st, pf_level_stats *tot) {
+    memset(tot, 0, sizeof(*tot));
+    for (int p = 0; p < PF_NUM_PRIORITY; p++) {
+        const pf_level_stats *l = &st->level[p];
+        tot->submitted += l->submitted;
+        tot->deduplicated += l->deduplicated;
+        tot->promoted += l->promoted;
+        tot->cancelled += l->cancelled;
+        tot->completed += l->completed;
+        tot->failed += l->failed;
+        tot->bytes += l->bytes;
+        tot->queue_depth += l->queue_depth;
+        tot->in_flight += l->in_flight;
+        tot->stall_waits += l->stall_waits;
+    }
+}
+
+/* ---- phase: api ---------------------------------------------------------------- */
+static void phase_api(void) {
+    pf_config cfg;
+    pf_sched *s = (pf_sched *)1;
+    char err[128];
+    struct {
+        int workers;
+        uint64_t chunk;
+        int backend;
+        double gbps, lat;
+    } bad[] = {{0, 4096, PF_BACKEND_MEMCPY, 0, 0},  {257, 4096, PF_BACKEND_MEMCPY, 0, 0},
+               {2, 0, PF_BACKEND_MEMCPY, 0, 0},     {2, 4096, 7, 0, 0},
+               {2, 4096, PF_BACKEND_MEMCPY, -1, 0}, {2, 4096, PF_BACKEND_MEMCPY, 0, -5}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        pf_config_default(&cfg);
+        cfg.workers = bad[i].workers;
+        cfg.chunk_bytes = bad[i].chunk;
+        cfg.backend = bad[i].backend;
+        cfg.link_gbps = bad[i].gbps;
+        cfg.latency_us = bad[i].lat;
+        err[0] = '\0';
+        s = (pf_sched *)1;
+        int rc = pf_create(&cfg, &s, err, sizeof(err));
+        check(rc == PF_EINVAL && s == NULL && err[0], "bad config %zu: rc=%d err='%s'", i, rc, err);
+    }
+    check(pf_create(NULL, &s, NULL, 0) == PF_EINVAL, "pf_create(NULL cfg)");
+    for (int c = 1; c >= -7; c--) check(pf_strerror(c) && pf_strerror(c)[0], "pf_strerror(%d)", c);
+
+    /* a cuda backend either starts (a runtime and device are present) or says why not */
+    pf_config_default(&cfg);
+    cfg.backend = PF_BACKEND_CUDA;
+    cfg.workers = 1;
+    err[0] = '\0';
+    s = NULL;
+    int rc = pf_create(&cfg, &s, err, sizeof(err));
+    check(rc == 0 || (rc == PF_EBACKEND && err[0]), "cuda backend: rc=%d err='%s'", rc, err);
+    if (rc == 0) close_sched(s);
+
+    /* 0.001 GB/s: a 64 KiB task takes ~65 ms, so it stays live while we poke it */
+    s = make_sched(1, 4096, 0.001, 0, 1024);
+    static uint8_t src[1 << 16], dst[1 << 16], other[1 << 16];
+    for (size_t i = 0; i < sizeof(src); i++) src[i] = pattern(77, i);
+    uint64_t t = 0, t2 = 0;
+    check(pf_submit(s, 1, NULL, dst, 10, 2, &t) == PF_EINVAL, "submit NULL src");
+    check(pf_submit(s, 1, src, NULL, 10, 2, &t) == PF_EINVAL, "submit NULL dst");
+    check(pf_submit(s, 1, src, dst, 0, 2, &t) == PF_EINVAL, "submit 0 bytes");
+    check(pf_submit(s, 1, src, dst, 10, -1, &t) == PF_EINVAL, "submit priority -1");
+    check(pf_submit(s, 1, src, dst, 10, PF_NUM_PRIORITY, &t) == PF_EINVAL, "submit priority 20");
+    check(pf_submit(s, 1, src, dst, 10, 2, NULL) == PF_EINVAL, "submit NULL ticket");
+    check(pf_submit(NULL, 1, src, dst, 10, 2, &t) == PF_EINVAL, "submit NULL scheduler");
+    check(pf_promote(s, 1, PF_NUM_PRIORITY) == PF_EINVAL, "promote priority 20");
+    check(pf_cancel_band(s, -1) == PF_EINVAL, "cancel_band -1");
+    check(pf_cancel_below_layer(s, 3, 99) == PF_EINVAL, "cancel_below_layer min_priority 99");
+    check(pf_wait(s, 0, 0) == PF_ENOTICKET, "wait ticket 0");
+    check(pf_wait(s, 12345, 0) == PF_ENOTICKET, "wait never-issued ticket");
+    check(pf_query(s, 12345) == PF_ENOTICKET, "query never-issued ticket");
+
+    check(pf_submit(s, 5, src, dst, sizeof(src), 2, &t) == 0, "submit live task");
+    check(pf_submit(s, 5, src, other, sizeof(src), 2, &t2) == PF_ECONFLICT, "same key, other dst");
+    check(pf_submit(s, 5, other, dst, sizeof(src), 2, &t2) == PF_ECONFLICT, "same key, other src");
+    check(pf_submit(s, 5, src, dst, 100, 2, &t2) == PF_ECONFLICT, "same key, other size");
+    check(pf_submit(s, 5, src, dst, sizeof(src), 3, &t2) == 0 && t2 == t, "dedup at a lower urgency");
+    check(pf_submit(s, 5, src, dst, sizeof(src), 1, &t2) == 0 && t2 == t, "dedup with promotion");
+    check(pf_promote(s, 5, 1) == 0, "promote to the same level is a no-op");
+    check(pf_promote(s, 5, 0) == 1, "promote to 0");
+    check(pf_promote(s, 99, 0) == 0, "promote unknown key");
+    check(pf_query(s, t) == PF_PENDING, "query live task");
+    check(pf_wait(s, t, 0) == PF_TIMEOUT, "wait(0) on a live task");
+    double t0 = now_s();
+    int w = pf_wait(s, t, 0.005);
+    double dt = now_s() - t0;
+    check(w == PF_TIMEOUT && dt >= 0.004, "wait(5 ms) on a live task: %d after %.4f s", w, dt);
+    pf_stats st;
+    check(pf_get_stats(s, &st) == 0, "stats");
+    check(st.level[2].submitted == 1 && st.level[3].deduplicated == 1 && st.level[1].deduplicated == 1 &&
+              st.level[1].promoted == 1 && st.level[0].promoted == 1 && st.level[0].stall_waits == 1,
+          "counters after dedup/promote: sub2=%llu dd3=%llu dd1=%llu pr1=%llu pr0=%llu stall0=%llu",
+          (unsigned long long)st.level[2].submitted, (unsigned long long)st.level[3].deduplicated,
+          (unsigned long long)st.level[1].deduplicated, (unsigned long long)st.level[1].promoted,
+          (unsigned long long)st.level[0].promoted, (unsigned long long)st.level[0].stall_waits);
+    check(pf_cancel(s, 5) == 1, "cancel live task");
+    check(pf_cancel(s, 5) == 0, "cancel again");
+    w = pf_wait(s, t, 10.0);
+    check(w == PF_CANCELLED, "cancelled ticket waits CANCELLED: %d", w);
+    /* a huge or infinite timeout is no limit, not an overflow */
+    uint64_t t3 = 0;
+    check(pf_submit(s, 6, src, dst, 64, 0, &t3) == 0, "submit small");
+    check(pf_wait(s, t3, 1e300) == PF_DONE, "wait with a 1e300 s timeout");
+    check(memcmp(src, dst, 64) == 0, "small copy exact");
+    check(pf_ticket_error(s, t3, (char *)other, 16) == 0 && other[0] == 0, "no error text for a done ticket");
+    close_sched(s);
+
+    /* Cancel while a chunk is in flight, then submit the key again: the task is revived
+     * under its ticket and no chunk is copied twice. With one worker and one task, a
+     * chunk of it is always out until its last one lands. 16 chunks of ~4 ms. */
+    s = make_sched(1, 4096, 0.001, 0, 1024);
+    memset(dst, 0, sizeof(dst));
+    check(pf_submit(s, 7, src, dst, sizeof(src), PF_BACKGROUND, &t) == 0, "submit for revive");
+    check(pf_wait(s, t, 0.006) == PF_TIMEOUT, "first chunk under way");
+    check(pf_cancel(s, 7) == 1, "cancel with a chunk in flight");
+    check(pf_query(s, t) == PF_PENDING, "cancelled task pending until its chunk lands");
+    check(pf_promote(s, 7, 0) == 0, "a cancelled task is not promoted");
+    check(pf_submit(s, 7, src, dst, sizeof(src), PF_ROUTE_AHEAD, &t2) == 0 && t2 == t, "revived under its ticket");
+    w = pf_wait(s, t, 30.0);
+    check(w == PF_DONE && memcmp(src, dst, sizeof(src)) == 0, "revived task done and exact (%d)", w);
+    check(pf_get_stats(s, &st) == 0 && st.chunks == sizeof(src) / 4096 && st.level[2].cancelled == 0 &&
+              st.level[1].completed == 1 && st.level[1].deduplicated == 1 && st.level[1].promoted == 1,
+          "revive: %llu chunks (want %zu), completed at level 1", (unsigned long long)st.chunks, sizeof(src) / 4096);
+    /* the same key with another destination while the cancelled one lands: a new task */
+    memset(dst, 0, sizeof(dst));
+    memset(other, 0, sizeof(other));
+    check(pf_submit(s, 8, src, dst, sizeof(src), PF_BACKGROUND, &t) == 0, "submit");
+    check(pf_wait(s, t, 0.006) == PF_TIMEOUT, "first chunk under way");
+    check(pf_cancel(s, 8) == 1, "cancel with a chunk in flight");
+    check(pf_submit(s, 8, src, other, sizeof(src), PF_BACKGROUND, &t2) == 0 && t2 != t, "other dst: new ticket");
+    check(pf_wait(s, t, 30.0) == PF_CANCELLED, "old ticket cancelled");
+    check(pf_wait(s, t2, 30.0) == PF_DONE && memcmp(src, other, sizeof(src)) == 0, "new ticket done and exact");
+    close_sched(s);
+}
+
+/* ---- phase: layers -------------------------------------------------------------- */
+/* One worker held busy by a long on-demand task, so every other task stays queued. */
+static void phase_layers(void) {
+    pf_sched *s = make_sched(1, 65536, 0.02, 0, 1024);
+    enum { NL = 5, NP = 4, SZ = 256, BIG = 4 << 20 };
+    uint8_t *big_src = malloc(BIG), *big_dst = calloc(1, BIG);
+    static uint8_t src[NL][NP][SZ], dst[NL][NP][SZ];
+    uint64_t tk[NL][NP], tbig;
+    memset(big_src, 1, BIG);
+    memset(dst, 0, sizeof(dst));
+    for (int l = 0; l < NL; l++)
+        for (int p = 0; p < NP; p++)
+            for (int i = 0; i < SZ; i++) src[l][p][i] = pattern((uint64_t)(l * NP + p), (uint64_t)i);
+    check(pf_submit(s, mk_key(100, 0), big_src, big_dst, BIG, PF_ON_DEMAND, &tbig) == 0, "submit blocker");
+    for (int l = 0; l < NL; l++)
+        for (int p = 0; p < NP; p++)
+            check(pf_submit(s, mk_key((uint32_t)l, (uint32_t)p), src[l][p], dst[l][p], SZ, p + 1, &tk[l][p]) == 0,
+                  "submit l%d p%d", l, p + 1);
+    /* layers 0..2 at priority >= 2 (p index >= 1): 3 layers x 3 levels */
+    int n = pf_cancel_below_layer(s, 3, 2);
+    check(n == 9, "cancel_below_layer(3, 2) cancelled %d, want 9", n);
+    n = pf_cancel_band(s, 4); /* p index 3: layers 3 and 4 remain there */
+    check(n == 2, "cancel_band(4) cancelled %d, want 2", n);
+    n = pf_cancel_band(s, 4);
+    check(n == 0, "cancel_band(4) again cancelled %d", n);
+    n = pf_cancel_below_layer(s, 0, 0);
+    check(n == 0, "cancel_below_layer(0) cancelled %d", n);
+    check(pf_query(s, tbig) == PF_PENDING, "blocker still running (precondition)");
+    check(pf_cancel(s, mk_key(100, 0)) == 1, "cancel blocker");
+    tally bad = {0, "layers"};
+    for (int l = 0; l < NL; l++)
+        for (int p = 0; p < NP; p++) {
+            int want_cancel = (l < 3 && p >= 1) || p == 3;
+            int w = pf_wait(s, tk[l][p], 30.0);
+            int want = want_cancel ? PF_CANCELLED : PF_DONE;
+            if (w != want) tally_bad(&bad, "l%d p%d: status %d want %d", l, p + 1, w, want);
+            int same = memcmp(src[l][p], dst[l][p], SZ) == 0;
+            uint8_t zero[SZ] = {0};
+            int untouched = memcmp(zero, dst[l][p], SZ) == 0;
+            if (want_cancel ? !untouched : !same) tally_bad(&bad, "l%d p%d: wrong bytes", l, p + 1);
+        }
+    tally_close(&bad);
+    check(pf_wait(s, tbig, 30.0) == PF_CANCELLED, "blocker cancelled");
+    close_sched(s);
+    free(big_src);
+    free(big_dst);
+}
+
+/* ---- phase: expired -------------------------------------------------------------- */
+static void phase_expired(void) {
+    pf_sched *s = make_sched(2, 4096, 0, 0, 4); /* history of 4 tickets */
+    uint8_t src[64], dst[16][64];
+    uint64_t tk[16];
+    for (int i = 0; i < 64; i++) src[i] = pattern(5, (uint64_t)i);
+    for (int i = 0; i < 16; i++) {
+        check(pf_submit(s, (uint64_t)i, src, dst[i], 64, i % 3, &tk[i]) == 0, "submit %d", i);
+        check(pf_wait(s, tk[i], 10.0) == PF_DONE, "wait %d", i);
+    }
+    for (int i = 0; i < 12; i++) {
+        check(pf_wait(s, tk[i], 0) == PF_EXPIRED, "old ticket %d expired", i);
+        check(pf_query(s, tk[i]) == PF_EXPIRED, "old ticket %d query expired", i);
+    }
+    for (int i = 12; i < 16; i++) check(pf_wait(s, tk[i], 0) == PF_DONE, "recent ticket %d done", i);
+    check(pf_wait(s, tk[15] + 1, 0) == PF_ENOTICKET, "next ticket not issued yet");
+    close_sched(s);
+}
+
+/* ---- phase: chaos ---------------------------------------------------------------- */
+#define MAXT 24      /* tickets recorded per slot */
+#define RESUBMIT_MAX 4
+
+typedef struct slot {
+    uint64_t key;
+    uint8_t *src, *dst;
+    uint64_t nbytes;
+    atomic_int published;
+    pthread_mutex_t mu;
+    int ntk;
+    uint64_t tk[MAXT];
+    atomic_int status[MAXT]; /* -1 unknown, else the terminal status seen */
+} slot;
+
+typedef struct round_cfg {
+    const char *name;
+    int workers;
+    uint64_t chunk;
+    double gbps, latency_us;
+    int resets;
+    int nslots;
+    int threads;
+    double seconds;
+    uint64_t max_bytes;
+} round_cfg;
+
+typedef struct round_state {
+    const round_cfg *cfg;
+    pf_sched *s;
+    slot *slots;
+    uint8_t *arena;
+    atomic_int next_slot;
+    double t0, deadline;
+    int ops_per_thread;
+    /* caller-side counts */
+    atomic_long submit_ok, cancel_hits, promote_hits, waits, resets_done;
+    tally t_wait, t_query, t_status, t_stats, t_submit;
+} round_state;
+
+typedef struct thread_ctx {
+    round_state *r;
+    uint64_t seed;
+} thread_ctx;
+
+static int record_ticket(slot *sl, uint64_t t) {
+    pthread_mutex_lock(&sl->mu);
+    int i;
+    for (i = 0; i < sl->ntk; i++)
+        if (sl->tk[i] == t) break;
+    int fresh = i == sl->ntk;
+    if (fresh && sl->ntk < MAXT) sl->tk[sl->ntk++] = t;
+    pthread_mutex_unlock(&sl->mu);
+    return fresh;
+}
+
+static void note_status(round_state *r, slot *sl, uint64_t t, int st) {
+    if (st != PF_DONE && st != PF_CANCELLED) return;
+    pthread_mutex_lock(&sl->mu);
+    for (int i = 0; i < sl->ntk; i++) {
+        if (sl->tk[i] != t) continue;
+        int expect = -1;
+        if (!atomic_compare_exchange_strong(&sl->status[i], &expect, st) && expect != st)
+            tally_bad(&r->t_status, "ticket %llu was %d, now %d", (unsigned long long)t, expect, st);
+    }
+    pthread_mutex_unlock(&sl->mu);
+}
+
+static slot *random_published(round_state *r, rng *g) {
+    int n = atomic_load(&r->next_slot);
+    if (n > r->cfg->nslots) n = r->cfg->nslots;
+    for (int tries = 0; tries < 4 && n > 0; tries++) {
+        slot *sl = &r->slots[rnd_below(g, (uint64_t)n)];
+        if (atomic_load(&sl->published)) return sl;
+    }
+    return NULL;
+}
+
+/* An even slot among the last 48 handed out: mostly still live, so a submit of its key dedups. */
+static slot *recent_published(round_state *r, rng *g) {
+    int n = atomic_load(&r->next_slot);
+    if (n > r->cfg->nslots) n = r->cfg->nslots;
+    if (n <= 0) return NULL;
+    int lo = n > 48 ? n - 48 : 0;
+    int i = lo + (int)rnd_below(g, (uint64_t)(n - lo));
+    i &= ~1; /* odd slots keep one ticket, so their accounting is exact */
+    return atomic_load(&r->slots[i].published) ? &r->slots[i] : NULL;
+}
+
+static int random_prio(rng *g) {
+    uint64_t x = rnd_below(g, 100);
+    if (x < 15) return PF_ON_DEMAND;
+    if (x < 40) return PF_ROUTE_AHEAD;
+    if (x < 75) return PF_BACKGROUND;
+    return 3 + (int)rnd_below(g, PF_NUM_PRIORITY - 3);
+}
+
+static int slot_ticket(slot *sl, rng *g, uint64_t *t) {
+    pthread_mutex_lock(&sl->mu);
+    int n = sl->ntk;
+    if (n) *t = sl->tk[rnd_below(g, (uint64_t)n)];
+    pthread_mutex_unlock(&sl->mu);
+    return n > 0;
+}
+
+static void do_submit(round_state *r, slot *sl, int prio) {
+    uint64_t t = 0;
+    int rc = pf_submit(r->s, sl->key, sl->src, sl->dst, sl->nbytes, prio, &t);
+    if (rc != 0) {
+        tally_bad(&r->t_submit, "submit key %llx: rc %d", (unsigned long long)sl->key, rc);
+        return;
+    }
+    atomic_fetch_add(&r->submit_ok, 1);
+    record_ticket(sl, t);
+}
+
+static void do_wait(round_state *r, slot *sl, uint64_t t, double timeout) {
+    int st = pf_wait(r->s, t, timeout);
+    atomic_fetch_add(&r->waits, 1);
+    if (st != PF_DONE && st != PF_CANCELLED && st != PF_TIMEOUT)
+        tally_bad(&r->t_wait, "wait %llu (timeout %g): %d", (unsigned long long)t, timeout, st);
+    else if (st == PF_TIMEOUT && timeout < 0)
+        tally_bad(&r->t_wait, "wait %llu without limit timed out", (unsigned long long)t);
+    note_status(r, sl, t, st);
+}
+
+static void *chaos_thread(void *arg) {
+    thread_ctx *c = arg;
+    round_state *r = c->r;
+    const round_cfg *cfg = r->cfg;
+    rng g = {c->seed * 0x2545f4914f6cdd1dull + 1};
+    for (int op = 0; op < r->ops_per_thread; op++) {
+        if ((op & 63) == 0 && now_s() > r->deadline) break;
+        uint64_t x = rnd_below(&g, 1000);
+        slot *sl;
+        uint64_t t;
+        if (x < 200) { /* fresh slot, paced so fresh work arrives all through the round */
+            double frac = (now_s() - r->t0) / (0.8 * (r->deadline - r->t0));
+            if (atomic_load(&r->next_slot) >= (int)(frac * cfg->nslots) + 8) continue;
+            int i = atomic_fetch_add(&r->next_slot, 1);
+            if (i >= cfg->nslots) continue;
+            sl = &r->slots[i];
+            uint64_t tk = 0;
+            int rc = pf_submit(r->s, sl->key, sl->src, sl->dst, sl->nbytes, random_prio(&g), &tk);
+            if (rc != 0) {
+                tally_bad(&r->t_submit, "fresh submit: rc %d", rc);
+                continue;
+            }
+            atomic_fetch_add(&r->submit_ok, 1);
+            record_ticket(sl, tk);
+            atomic_store(&sl->published, 1);
+        } else if (x < 330) { /* same key again: dedup (maybe promote), or a new ticket once ended */
+            if (!(sl = recent_published(r, &g))) continue;
+            pthread_mutex_lock(&sl->mu);
+            int n = sl->ntk;
+            pthread_mutex_unlock(&sl->mu);
+            if (n >= RESUBMIT_MAX) continue;
+            do_submit(r, sl, random_prio(&g));
+        } else if (x < 420) { /* promote */
+            if (!(sl = random_published(r, &g))) continue;
+            int rc = pf_promote(r->s, sl->key, (int)rnd_below(&g, 3));
+            if (rc < 0 || rc > 1) tally_bad(&r->t_submit, "promote rc %d", rc);
+            atomic_fetch_add(&r->promote_hits, rc == 1);
+        } else if (x < 470) { /* cancel one key */
+            if (!(sl = random_published(r, &g))) continue;
+            int rc = pf_cancel(r->s, sl->key);
+            if (rc < 0 || rc > 1) tally_bad(&r->t_submit, "cancel rc %d", rc);
+            atomic_fetch_add(&r->cancel_hits, rc == 1);
+        } else if (x < 474) { /* cancel a band */
+            int rc = pf_cancel_band(r->s, 3 + (int)rnd_below(&g, PF_NUM_PRIORITY - 3));
+            if (rc < 0) tally_bad(&r->t_submit, "cancel_band rc %d", rc);
+            else atomic_fetch_add(&r->cancel_hits, rc);
+        } else if (x < 478) { /* stale prefetch */
+            int rc = pf_cancel_below_layer(r->s, (uint32_t)rnd_below(&g, 4), 1 + (int)rnd_below(&g, 4));
+            if (rc < 0) tally_bad(&r->t_submit, "cancel_below_layer rc %d", rc);
+            else atomic_fetch_add(&r->cancel_hits, rc);
+        } else if (x < 780) { /* wait with a short or no limit */
+            if (!(sl = random_published(r, &g)) || !slot_ticket(sl, &g, &t)) continue;
+            uint64_t y = rnd_below(&g, 10);
+            double timeout = y < 3 ? 0.0 : y < 8 ? 1e-4 * (double)(1 + rnd_below(&g, 50)) : -1.0;
+            if (timeout < 0 && cfg->gbps > 0) timeout = 0.05; /* a slow link keeps waits bounded */
+            do_wait(r, sl, t, timeout);
+        } else if (x < 900) { /* query */
+            if (!(sl = random_published(r, &g)) || !slot_ticket(sl, &g, &t)) continue;
+            int st = pf_query(r->s, t);
+            if (st != PF_PENDING && st != PF_DONE && st != PF_CANCELLED)
+                tally_bad(&r->t_query, "query %llu: %d", (unsigned long long)t, st);
+            note_status(r, sl, t, st);
+        } else if (x < 999) { /* stats: "now" counters stay within what is possible */
+            pf_stats st;
+            if (pf_get_stats(r->s, &st) != 0) {
+                tally_bad(&r->t_stats, "pf_get_stats failed");
+                continue;
+            }
+            uint64_t pre = 0, all = 0;
+            for (int p = 0; p < PF_NUM_PRIORITY; p++) {
+                all += st.level[p].in_flight;
+                if (p > 0) pre += st.level[p].in_flight;
+                if (st.level[p].queue_depth > (uint64_t)cfg->nslots)
+                    tally_bad(&r->t_stats, "level %d queue depth %llu", p,
+                              (unsigned long long)st.level[p].queue_depth);
+            }
+            int limit = cfg->workers > 1 ? cfg->workers - 1 : 1;
+            if (all > (uint64_t)cfg->workers || pre > (uint64_t)limit)
+                tally_bad(&r->t_stats, "in flight %llu (prefetch %llu) with %d workers", (unsigned long long)all,
+                          (unsigned long long)pre, cfg->workers);
+            if (st.now_ns < st.since_ns) tally_bad(&r->t_stats, "now before since");
+        } else if (cfg->resets && rnd_below(&g, 40) == 0) { /* reset: never terminal */
+            int rc = pf_reset(r->s);
+            if (rc != 0) tally_bad(&r->t_submit, "reset rc %d", rc);
+            atomic_fetch_add(&r->resets_done, 1);
+        }
+    }
+    return NULL;
+}
+
+/* Length of the prefix of dst that equals src, and whether everything after it is 0. */
+static uint64_t copied_prefix(const slot *sl, int *rest_untouched) {
+    uint64_t k = 0;
+    while (k < sl->nbytes && sl->dst[k] == sl->src[k]) k++;
+    *rest_untouched = 1;
+    for (uint64_t i = k; i < sl->nbytes; i++)
+        if (sl->dst[i] != 0) {
+            *rest_untouched = 0;
+            break;
+        }
+    return k;
+}
+
+static void chaos_round(const round_cfg *cfg, uint64_t seed, double scale) {
+    round_state *r = calloc(1, sizeof(*r));
+    r->cfg = cfg;
+    r->t_wait.what = "chaos waits";
+    r->t_query.what = "chaos queries";
+    r->t_status.what = "status stability";
+    r->t_stats.what = "live stats";
+    r->t_submit.what = "chaos calls";
+    rng g = {seed * 0x9e3779b97f4a7c15ull + 7};
+    r->slots = calloc((size_t)cfg->nslots, sizeof(slot));
+    /* sizes: mostly under a chunk, some a few chunks, a few many chunks */
+    uint64_t total = 0;
+    uint64_t *sizes = malloc(sizeof(uint64_t) * (size_t)cfg->nslots);
+    for (int i = 0; i < cfg->nslots; i++) {
+        uint64_t x = rnd_below(&g, 100), n;
+        if (x < 60) n = 1 + rnd_below(&g, cfg->chunk);
+        else if (x < 92) n = cfg->chunk + rnd_below(&g, 6 * cfg->chunk);
+        else n = 8 * cfg->chunk + rnd_below(&g, 40 * cfg->chunk);
+        if (x % 7 == 0) n = (n / cfg->chunk + 1) * cfg->chunk; /* exact multiples too */
+        sizes[i] = n;
+        total += 2 * n;
+    }
+    r->arena = calloc(1, (size_t)total);
+    uint8_t *p = r->arena;
+    for (int i = 0; i < cfg->nslots; i++) {
+        slot *sl = &r->slots[i];
+        sl->nbytes = sizes[i];
+        sl->src = p;
+        p += sizes[i];
+        sl->dst = p;
+        p += sizes[i];
+        for (uint64_t j = 0; j < sl->nbytes; j++) sl->src[j] = pattern((uint64_t)i + seed * 100003u, j);
+        sl->key = mk_key((uint32_t)(i % 6), (uint32_t)i);
+        pthread_mutex_init(&sl->mu, NULL);
+        for (int k = 0; k < MAXT; k++) atomic_init(&sl->status[k], -1);
+    }
+    free(sizes);
+
+    r->s = make_sched(cfg->workers, cfg->chunk, cfg->gbps, cfg->latency_us, 1u << 16);
+    r->ops_per_thread = 1 << 30; /* the deadline ends the round */
+    double t0 = now_s();
+    r->t0 = t0;
+    r->deadline = t0 + cfg->seconds * scale;
+    pthread_t th[16];
+    thread_ctx ctx[16];
+    for (int i = 0; i < cfg->threads; i++) {
+        ctx[i].r = r;
+        ctx[i].seed = seed * 131 + (uint64_t)i;
+        pthread_create(&th[i], NULL, chaos_thread, &ctx[i]);
+    }
+    for (int i = 0; i < cfg->threads; i++) pthread_join(th[i], NULL);
+    double t_ops = now_s() - t0;
+
+    /* every ticket ends DONE or CANCELLED */
+    tally t_end = {0, "ticket end"};
+    long ntk = 0, ndone = 0, ncanc = 0, multi = 0;
+    uint64_t done_bytes = 0;
+    int nused = atomic_load(&r->next_slot);
+    if (nused > cfg->nslots) nused = cfg->nslots;
+    for (int i = 0; i < nused; i++) {
+        slot *sl = &r->slots[i];
+        for (int k = 0; k < sl->ntk; k++) {
+            int st = pf_wait(r->s, sl->tk[k], 60.0);
+            if (st != PF_DONE && st != PF_CANCELLED) {
+                tally_bad(&t_end, "slot %d ticket %llu ended %d", i, (unsigned long long)sl->tk[k], st);
+                continue;
+            }
+            if (pf_query(r->s, sl->tk[k]) != st) tally_bad(&t_end, "query disagrees with wait");
+            note_status(r, sl, sl->tk[k], st);
+            ntk++;
+            if (st == PF_DONE) {
+                ndone++;
+                done_bytes += sl->nbytes;
+            } else {
+                ncanc++;
+            }
+        }
+        multi += sl->ntk > 1;
+    }
+    tally_close(&t_end);
+
+    /* data: DONE -> exact; all cancelled -> chunk-aligned prefix, rest untouched */
+    tally t_data = {0, "data"};
+    uint64_t chunks_lo = 0, chunks_hi = 0, link_lo = 0, link_hi = 0;
+    for (int i = 0; i < nused; i++) {
+        slot *sl = &r->slots[i];
+        int any_done = 0;
+        uint64_t nch = (sl->nbytes + cfg->chunk - 1) / cfg->chunk;
+        for (int k = 0; k < sl->ntk; k++) {
+            if (atomic_load(&sl->status[k]) == PF_DONE) {
+                any_done = 1;
+                chunks_lo += nch;
+                chunks_hi += nch;
+                link_lo += sl->nbytes;
+                link_hi += sl->nbytes;
+            }
+        }
+        int untouched;
+        uint64_t k = copied_prefix(sl, &untouched);
+        if (any_done) {
+            if (k != sl->nbytes) tally_bad(&t_data, "slot %d: done but differs at byte %llu", i, (unsigned long long)k);
+        } else {
+            if (!untouched || k % cfg->chunk != 0 || k >= sl->nbytes)
+                tally_bad(&t_data, "slot %d: cancelled, prefix %llu of %llu (untouched after: %d)", i,
+                          (unsigned long long)k, (unsigned long long)sl->nbytes, untouched);
+        }
+        /* cancelled tickets: exact when the slot has one ticket, else bounded */
+        int ncancelled = 0;
+        for (int j = 0; j < sl->ntk; j++) ncancelled += atomic_load(&sl->status[j]) == PF_CANCELLED;
+        if (ncancelled) {
+            if (sl->ntk == 1) {
+                chunks_lo += k / cfg->chunk;
+                chunks_hi += k / cfg->chunk;
+                link_lo += k;
+                link_hi += k;
+            } else {
+                if (!any_done) {
+                    chunks_lo += k / cfg->chunk;
+                    link_lo += k;
+                }
+                chunks_hi += (uint64_t)ncancelled * (nch - 1);
+                link_hi += (uint64_t)ncancelled * (nch - 1) * cfg->chunk;
+            }
+        }
+    }
+    tally_close(&t_data);
+    tally_close(&r->t_wait);
+    tally_close(&r->t_query);
+    tally_close(&r->t_status);
+    tally_close(&r->t_stats);
+    tally_close(&r->t_submit);
+
+    pf_stats st;
+    pf_level_stats tot;
+    check(pf_get_stats(r->s, &st) == 0, "stats");
+    sum_levels(&st, &tot);
+    check(tot.queue_depth == 0 && tot.in_flight == 0, "[%s] drained: queue depth %llu, in flight %llu", cfg->name,
+          (unsigned long long)tot.queue_depth, (unsigned long long)tot.in_flight);
+    check(tot.failed == 0, "[%s] no failures", cfg->name);
+    if (!cfg->resets) {
+        long sub = atomic_load(&r->submit_ok);
+        check(tot.submitted == (uint64_t)ntk, "[%s] submitted %llu == tickets %ld", cfg->name,
+              (unsigned long long)tot.submitted, ntk);
+        check(tot.deduplicated == (uint64_t)(sub - ntk), "[%s] deduplicated %llu == submits %ld - tickets %ld",
+              cfg->name, (unsigned long long)tot.deduplicated, sub, ntk);
+        check(tot.completed == (uint64_t)ndone, "[%s] completed %llu == DONE tickets %ld", cfg->name,
+              (unsigned long long)tot.completed, ndone);
+        check(tot.cancelled == (uint64_t)ncanc, "[%s] cancelled %llu == CANCELLED tickets %ld", cfg->name,
+              (unsigned long long)tot.cancelled, ncanc);
+        /* a cancelled task whose key is submitted again before its last chunks land is
+         * revived and ends done, so cancel calls can outnumber cancelled tickets */
+        check(tot.cancelled <= (uint64_t)atomic_load(&r->cancel_hits),
+              "[%s] cancelled %llu <= successful cancel calls %ld", cfg->name, (unsigned long long)tot.cancelled,
+              atomic_load(&r->cancel_hits));
+        check(tot.bytes == done_bytes, "[%s] bytes %llu == nbytes of DONE tickets %llu", cfg->name,
+              (unsigned long long)tot.bytes, (unsigned long long)done_bytes);
+        check(tot.promoted >= (uint64_t)atomic_load(&r->promote_hits), "[%s] promoted %llu >= promote hits %ld",
+              cfg->name, (unsigned long long)tot.promoted, atomic_load(&r->promote_hits));
+        check(tot.stall_waits <= (uint64_t)atomic_load(&r->waits) + (uint64_t)ntk, "[%s] stall waits bounded",
+              cfg->name);
+        check(st.chunks >= chunks_lo && st.chunks <= chunks_hi, "[%s] chunks %llu in [%llu, %llu]", cfg->name,
+              (unsigned long long)st.chunks, (unsigned long long)chunks_lo, (unsigned long long)chunks_hi);
+        if (cfg->gbps == 1.0) /* 1 GB/s == 1 B/ns: link time in ns counts every byte a chunk copied */
+            check(st.link_busy_ns >= link_lo && st.link_busy_ns <= link_hi,
+                  "[%s] bytes through the link %llu in [%llu, %llu]", cfg->name,
+                  (unsigned long long)st.link_busy_ns, (unsigned long long)link_lo, (unsigned long long)link_hi);
+    }
+
+    /* reset zeroes counters and the scheduler works at once */
+    check(pf_reset(r->s) == 0, "[%s] reset", cfg->name);
+    check(pf_get_stats(r->s, &st) == 0, "stats");
+    sum_levels(&st, &tot);
+    check(tot.submitted == 0 && tot.completed == 0 && tot.bytes == 0 && tot.cancelled == 0 && st.chunks == 0,
+          "[%s] counters zero after reset", cfg->name);
+    uint8_t a[3000], b[3000] = {0};
+    for (int i = 0; i < 3000; i++) a[i] = pattern(999, (uint64_t)i);
+    uint64_t t = 0;
+    check(pf_submit(r->s, mk_key(9999, 1), a, b, sizeof(a), PF_BACKGROUND, &t) == 0 &&
+              pf_wait(r->s, t, 30.0) == PF_DONE && memcmp(a, b, sizeof(a)) == 0,
+          "[%s] usable after reset", cfg->name);
+    close_sched(r->s);
+
+    printf("chaos %-10s workers=%d chunk=%-5llu link=%-4g resets=%ld: %d slots, %ld tickets (%ld done, %ld "
+           "cancelled, %ld multi), %ld submits, %.2f s\n",
+           cfg->name, cfg->workers, (unsigned long long)cfg->chunk, cfg->gbps, atomic_load(&r->resets_done), nused,
+           ntk, ndone, ncanc, multi, atomic_load(&r->submit_ok), t_ops);
+    for (int i = 0; i < cfg->nslots; i++) pthread_mutex_destroy(&r->slots[i].mu);
+    free(r->arena);
+    free(r->slots);
+    free(r);
+}
+
+/* ---- phase: close ------------------------------------------------------------- */
+typedef struct waiter_arg {
+    pf_sched *s;
+    uint64_t ticket;
+    atomic_int *ready;
+    double t_enter;
+    int result;
+} waiter_arg;
+
+static void *waiter_main(void *p) {
+    waiter_arg *w = p;
+    atomic_fetch_add(w->ready, 1);
+    w->t_enter = now_s();
+    w->result = pf_wait(w->s, w->ticket, -1.0);
+    return NULL;
+}
+
+typedef struct reset_arg {
+    pf_sched *s;
+    int result;
+} reset_arg;
+
+static void *resetter_main(void *p) {
+    reset_arg *a = p;
+    a->result = pf_reset(a->s);
+    return NULL;
+}
+
+static void *shutdown_main(void *p) {
+    return (void *)(intptr_t)pf_shutdown((pf_sched *)p);
+}
+
+static void phase_close(void) {
+    /* 0.002 GB/s and 128 KiB chunks: one chunk is ~65 ms, one task ~0.5 s; tasks 0 and 1
+     * are being copied (one per worker) and 2.. are queued behind them when we close */
+    enum { NT = 12, SZ = 1 << 20, CH = 128 << 10, NW = 16 };
+    pf_sched *s = make_sched(2, CH, 0.002, 0, 1024);
+    uint8_t *src = malloc(SZ), *dst = calloc(NT, SZ);
+    memset(src, 3, SZ);
+    uint64_t tk[NT];
+    for (int i = 0; i < NT; i++)
+        check(pf_submit(s, mk_key(1, (uint32_t)i), src, dst + (size_t)i * SZ, SZ, i < 2 ? 0 : 2, &tk[i]) == 0,
+              "submit %d", i);
+    atomic_int ready = 0;
+    waiter_arg wa[NW];
+    pthread_t wt[NW];
+    for (int i = 0; i < NW; i++) {
+        wa[i] = (waiter_arg){s, tk[i % NT], &ready, 0, -100};
+        pthread_create(&wt[i], NULL, waiter_main, &wa[i]);
+    }
+    while (atomic_load(&ready) < NW) sleep_s(0.001);
+    sleep_s(0.1); /* let every waiter block inside pf_wait */
+    int pending[NT], npending = 0;
+    for (int i = 0; i < NT; i++) npending += pending[i] = pf_query(s, tk[i]) == PF_PENDING;
+    check(npending >= NT - 2, "tasks still pending before close: %d of %d", npending, NT);
+    double t_shut = now_s();
+    pthread_t st[3];
+    for (int i = 0; i < 3; i++) pthread_create(&st[i], NULL, shutdown_main, s);
+    for (int i = 0; i < 3; i++) {
+        void *rc;
+        pthread_join(st[i], &rc);
+        check((intptr_t)rc == 0, "concurrent pf_shutdown %d returned %d", i, (int)(intptr_t)rc);
+    }
+    double t_close = now_s() - t_shut;
+    int nclosed = 0;
+    for (int i = 0; i < NW; i++) {
+        pthread_join(wt[i], NULL);
+        int r = wa[i].result;
+        /* only a waiter that arrived after shutdown began may see PF_ECLOSED, and only one
+         * whose task ended before the close may see its end status */
+        int ok = r == PF_CLOSED || (r == PF_ECLOSED && wa[i].t_enter >= t_shut) ||
+                 (!pending[i % NT] && (r == PF_DONE || r == PF_CANCELLED));
+        nclosed += r == PF_CLOSED;
+        check(ok, "blocked waiter %d (task %d) returned %d, want PF_CLOSED (%d)", i, i % NT, r, PF_CLOSED);
+    }
+    check(nclosed >= NW - 4, "waiters answered PF_CLOSED: %d of %d", nclosed, NW);
+    check(t_close < 5.0, "shutdown took %.3f s", t_close);
+    /* idempotent, and every call after it says closed */
+    check(pf_shutdown(s) == 0, "pf_shutdown again");
+    uint64_t t = 0;
+    pf_stats stats;
+    char buf[32];
+    check(pf_submit(s, 77, src, dst, 10, 0, &t) == PF_ECLOSED, "submit after shutdown");
+    check(pf_promote(s, mk_key(1, 0), 0) == PF_ECLOSED, "promote after shutdown");
+    check(pf_cancel(s, mk_key(1, 0)) == PF_ECLOSED, "cancel after shutdown");
+    check(pf_cancel_band(s, 2) == PF_ECLOSED, "cancel_band after shutdown");
+    check(pf_cancel_below_layer(s, 5, 0) == PF_ECLOSED, "cancel_below_layer after shutdown");
+    check(pf_reset(s) == PF_ECLOSED, "reset after shutdown");
+    check(pf_wait(s, tk[0], -1) == PF_ECLOSED, "wait after shutdown");
+    check(pf_query(s, tk[0]) == PF_ECLOSED, "query after shutdown");
+    check(pf_get_stats(s, &stats) == PF_ECLOSED, "stats after shutdown");
+    check(pf_ticket_error(s, tk[0], buf, sizeof(buf)) == PF_ECLOSED, "ticket_error after shutdown");
+    /* data: whatever landed is a chunk-aligned prefix of src; nothing else was written */
+    tally bad = {0, "close data"};
+    for (int i = 0; i < NT; i++) {
+        const uint8_t *d = dst + (size_t)i * SZ;
+        size_t k = 0;
+        while (k < SZ && d[k] == 3) k++;
+        for (size_t j = k; j < SZ; j++)
+            if (d[j] != 0) {
+                tally_bad(&bad, "task %d: byte %zu written after a gap", i, j);
+                break;
+            }
+        if (k % CH) tally_bad(&bad, "task %d: prefix %zu not chunk aligned", i, k);
+    }
+    tally_close(&bad);
+    pf_destroy(s);
+    free(src);
+    free(dst);
+
+    /* a reset waiting for a slow chunk to land when shutdown starts returns, and so does shutdown */
+    s = make_sched(2, 1 << 20, 0.002, 0, 16);
+    src = malloc(4 << 20);
+    dst = calloc(1, 4 << 20);
+    memset(src, 5, 4 << 20);
+    uint64_t tr;
+    check(pf_submit(s, 1, src, dst, 4 << 20, PF_BACKGROUND, &tr) == 0, "submit slow task");
+    while (pf_query(s, tr) == PF_PENDING) {
+        pf_stats ps;
+        pf_get_stats(s, &ps);
+        if (ps.chunks > 0) break;
+        sleep_s(0.001);
+    }
+    reset_arg ra = {s, -100};
+    pthread_t rt;
+    pthread_create(&rt, NULL, resetter_main, &ra);
+    sleep_s(0.05);
+    t_shut = now_s();
+    check(pf_shutdown(s) == 0, "shutdown while a reset drains");
+    pthread_join(rt, NULL);
+    check(ra.result == 0 || ra.result == PF_ECLOSED, "reset during shutdown returned %d", ra.result);
+    check(now_s() - t_shut < 5.0, "shutdown during reset took %.3f s", now_s() - t_shut);
+    pf_destroy(s);
+    for (size_t k = 0; k < (4u << 20); k++)
+        if (dst[k] != 0 && dst[k] != 5) {
+            check(0, "slow task wrote a foreign byte at %zu", k);
+            break;
+        }
+    free(src);
+    free(dst);
+
+    /* shutdown right after create, with nothing submitted, and twice */
+    s = make_sched(3, 4096, 0, 0, 16);
+    check(pf_shutdown(s) == 0 && pf_shutdown(s) == 0, "shutdown of an idle scheduler, twice");
+    pf_destroy(s);
+}
+
+int main(int argc, char **argv) {
+    double scale = 1.0;
+    uint64_t seed = 12345;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) scale = 0.25;
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
+        else {
+            fprintf(stderr, "usage: %s [--quick] [--seed N]\n", argv[0]);
+            return 2;
+        }
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    double t0 = now_s();
+    phase_api();
+    phase_layers();
+    phase_expired();
+    static const round_cfg rounds[] = {
+        /* name        workers chunk  GB/s  lat  resets slots thr  s  */
+        {"fast-reset", 2, 1024, 0, 0, 1, 1500, 6, 2.0, 0},
+        {"link-exact", 3, 2048, 1.0, 0, 0, 1200, 6, 2.0, 0},
+        {"one-worker", 1, 4096, 0, 0, 0, 1500, 5, 1.5, 0},
+        {"link-reset", 4, 1536, 0.5, 5, 1, 1000, 6, 2.0, 0},
+    };
+    for (size_t i = 0; i < sizeof(rounds) / sizeof(rounds[0]); i++) chaos_round(&rounds[i], seed + i, scale);
+    phase_close();
+    int pass = atomic_load(&g_pass), fail = atomic_load(&g_fail);
+    printf("stress: %d passed, %d failed (%.1f s)\n", pass, fail, now_s() - t0);
+    return fail ? 1 : 0;
+}
