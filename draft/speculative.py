@@ -1,0 +1,415 @@
+"""Lossless speculative decoding with a DFlash draft.
+
+Shape legend: B = block size of this step, V = vocabulary, K*H = concatenated target features.
+
+Per step, with ``start`` = position of the last committed token t (whose target K/V is not yet
+cached; the target cache and the draft context both hold ``start`` positions):
+
+1. draft:  one non-causal draft forward over [t, MASK x (B-1)] at positions start .. start+B-1;
+           its logits at block positions 1 .. B-1 give proposals x_1 .. x_{B-1}.
+2. verify: one target forward over [t, x_1 .. x_{B-1}]; target logits at block position i are
+           the distribution of the token after position start+i.
+3. accept: greedy — the longest prefix with x_i == argmax(target logits at i-1), plus one token
+           from the target at the first mismatch (or after the last proposal): n_acc + 1 tokens.
+           sampling — see :func:`accept_sampling`.
+4. commit: crop the target cache to start + n_acc + 1 positions (t and the accepted proposals),
+           hand the draft the target features of those same positions.
+
+Greedy output is token-for-token the target's own greedy output: every committed token is the
+target's argmax given the committed prefix, computed in the verify forward.
+
+The target is any ``GptOssForCausalLM``-like module: a plain transformers model, or the offload
+runtime's model (the same module with its experts swapped). The target's KV cache is a
+``DynamicCache`` without a config, so every layer keeps full length and can be cropped at any
+length; sliding-window layers still attend only within their window through the attention mask.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from pdflash import PdflashError
+from pdflash.draft.model import DFlashDraftModel
+from pdflash.draft.oracle import OracleProposer
+from pdflash.draft.route_ahead import RouteAhead
+from pdflash.draft.taps import FeatureTap
+
+
+# -- target calls -------------------------------------------------------------------------------
+
+
+def _cache_kwarg(target: nn.Module) -> str:
+    """Name of the KV-cache argument: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    params = inspect.signature(target.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_target_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def target_forward(target: nn.Module, ids: torch.Tensor, start: int, cache, logits_to_keep: int = 0) -> torch.Tensor:
+    """Run the target on ids [1, T] at positions start .. start+T-1 -> logits [1, T or keep, V]."""
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+    kwargs = {_cache_kwarg(target): cache}
+    out = target(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+    return out.logits
+
+
+def crop_cache(cache, length: int) -> None:
+    """Cut the target cache back to ``length`` positions (negative crop: portable across versions)."""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise RuntimeError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
+    if extra:
+        cache.crop(-extra)
+
+
+def _device_of(target: nn.Module) -> torch.device:
+    return target.model.embed_tokens.weight.device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def greedy_generate(
+    target: nn.Module,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+) -> list[int]:
+    """Plain target-only greedy decoding, one token per forward; returns the generated ids."""
+    if not input_ids:
+        raise PdflashError("the prompt is empty; give at least one token")
+    device = _device_of(target)
+    cache = new_target_cache()
+    ids = torch.tensor([list(input_ids)], device=device)
+    logits = target_forward(target, ids, 0, cache, logits_to_keep=1)
+    out: list[int] = []
+    pos = len(input_ids)
+    eos = set(eos_token_ids)
+    while len(out) < max_new_tokens:
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        if tok in eos or len(out) == max_new_tokens:
+            break
+        logits = target_forward(target, torch.tensor([[tok]], device=device), pos, cache, logits_to_keep=1)
+        pos += 1
+    return out
+
+
+# -- acceptance rules ---------------------------------------------------------------------------
+
+
+def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """proposals [n], target_logits [n+1, V] -> (accepted count, next token).
+
+    Accept x_i while x_i == argmax(target_logits[i]); the next token is the target's argmax at the
+    first mismatch (or the bonus after all n).
+    """
+    best = target_logits.argmax(-1)  # [n+1]
+    n = proposals.shape[0]
+    n_acc = int((proposals == best[:n]).long().cumprod(0).sum()) if n else 0
+    return n_acc, int(best[n_acc])
+
+
+def accept_sampling(
+    proposals: torch.Tensor,  # [n]   x_i ~ q_i
+    draft_probs: torch.Tensor,  # [n, V] q_i
+    target_probs: torch.Tensor,  # [n+1, V] p_i
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Speculative sampling: the committed tokens are distributed exactly as target sampling.
+
+    Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)). At the first rejection i, draw the
+    replacement from norm(max(0, p_i - q_i)); if all n are accepted, draw a bonus from p_n.
+    Then P(token = y) = min(p(y), q(y)) + (1 - sum_z min(p(z), q(z))) * norm(max(0, p - q))(y)
+    = p(y) at every position, given the prefix.
+    """
+    n = proposals.shape[0]
+    if n:
+        idx = torch.arange(n, device=proposals.device)
+        p_x = target_probs[idx, proposals]
+        q_x = draft_probs[idx, proposals]
+        u = torch.rand(n, device=proposals.device, generator=generator)
+        ok = (u * q_x) <= p_x  # u < p/q without dividing; q_x > 0 because x was drawn from q
+        n_acc = int(ok.long().cumprod(0).sum())
+    else:
+        n_acc = 0
+    if n_acc < n:
+        residual = (target_probs[n_acc] - draft_probs[n_acc]).clamp_min(0)
+        total = residual.sum()
+        dist = residual / total if float(total) > 0 else target_probs[n_acc]
+    else:
+        dist = target_probs[n]
+    nxt = int(torch.multinomial(dist, 1, generator=generator))
+    return n_acc, nxt
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StepInfo:
+    """What one speculative step did (passed to ``on_step``)."""
+
+    step: int
+    block_size: int
+    accepted: int  # proposals accepted (0 .. block_size-1)
+    committed: list[int]  # tokens appended to the output this step
+    generated: int  # output length after this step
+    draft_seconds: float
+    verify_seconds: float
+    route_ahead_submitted: int  # (layer, expert) pairs sent to the prefetcher this step
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one speculative generation. Position i (1-based) is the i-th draft token."""
+
+    block_size: int
+    verify_steps: int = 0
+    committed_tokens: int = 0  # tokens committed by verify steps (accepted proposals + one each)
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.drafted_per_position:
+            self.drafted_per_position = [0] * (self.block_size - 1)
+            self.accepted_per_position = [0] * (self.block_size - 1)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.committed_tokens += accepted + 1
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per verify pass (1 = no proposal ever accepted)."""
+        return self.committed_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Fraction of the blocks that drafted position i in which position i was accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "verify_steps": self.verify_steps,
+            "committed_tokens": self.committed_tokens,
+            "acceptance_length": self.acceptance_length,
+            "acceptance_per_position": self.acceptance_per_position,
+            "prefill_ms": 1e3 * self.prefill_seconds,
+            "draft_ms": 1e3 * self.draft_seconds,
+            "verify_ms": 1e3 * self.verify_seconds,
+        }
+
+
+@dataclass
+class SpeculativeResult:
+    token_ids: list[int]  # generated ids (prompt excluded)
+    stats: SpeculativeStats
+    route_ahead: dict[str, Any] | None = None
+    oracle: dict[str, Any] | None = None  # present (with "oracle_acceptance") only in oracle mode
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"token_ids": self.token_ids, **self.stats.to_dict()}
+        if self.route_ahead is not None:
+            out["route_ahead"] = self.route_ahead
+        if self.oracle is not None:
+            out.update(self.oracle)
+        return out
+
+
+def check_block_size(block_size: int | None, draft: DFlashDraftModel) -> int:
+    trained = draft.config.block_size
+    if block_size is None:
+        return trained
+    if not 1 <= block_size <= trained:
+        raise PdflashError(
+            f"--block-size must be between 1 and the draft's trained block size {trained}, got {block_size}"
+        )
+    return block_size
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: nn.Module,
+    draft: DFlashDraftModel,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    eos_token_ids: Sequence[int] = (),
+    route_ahead: RouteAhead | None = None,
+    oracle: OracleProposer | None = None,
+    on_step: Callable[[StepInfo], None] | None = None,
+) -> SpeculativeResult:
+    """Generate up to ``max_new_tokens`` after ``input_ids`` with draft-then-verify steps.
+
+    ``temperature`` 0 is greedy (lossless: identical to target-only greedy); > 0 samples with
+    speculative sampling (``generator`` on the target's device makes it reproducible).
+    ``block_size`` may lower the draft's trained block size (1 = no proposals, plain decoding
+    through the verify path). ``oracle`` switches on oracle-acceptance mode (greedy only).
+    """
+    if not input_ids:
+        raise PdflashError("the prompt is empty; give at least one token")
+    if max_new_tokens < 1:
+        raise PdflashError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise PdflashError(f"temperature must be >= 0, got {temperature}")
+    if oracle is not None and temperature > 0:
+        raise PdflashError("oracle-acceptance mode (--draft-acceptance) needs greedy decoding (--temperature 0)")
+    b_max = check_block_size(block_size, draft)
+    greedy = temperature == 0
+    device = _device_of(target)
+    stats = SpeculativeStats(block_size=b_max)
+    cache = new_target_cache()
+    draft.reset_context()
+    eos = set(eos_token_ids)
+    tokens = list(input_ids)
+    generated: list[int] = []
+    taps = FeatureTap(target, draft.config.target_layer_ids)
+    try:
+        # Prefill: target over the prompt; logits of the last position only, features of all.
+        t0 = time.perf_counter()
+        with taps.capture(), (route_ahead.prefill() if route_ahead else nullcontext()):
+            logits = target_forward(target, torch.tensor([tokens], device=device), 0, cache, logits_to_keep=1)
+        draft.append_context(taps.take())
+        if greedy:
+            first = int(logits[0, -1].argmax())
+        else:
+            first = int(torch.multinomial(_probs(logits[0, -1], temperature), 1, generator=generator))
+        tokens.append(first)
+        generated.append(first)
+        _sync(device)
+        stats.prefill_seconds = time.perf_counter() - t0
+        done = first in eos
+
+        step = 0
+        while not done and len(generated) < max_new_tokens:
+            start = len(tokens) - 1
+            b = min(b_max, max_new_tokens - len(generated))  # one verify commits at most b tokens
+            n = b - 1
+            # 1. draft
+            t_draft = time.perf_counter()
+            refresh_before = oracle.refresh_seconds if oracle else 0.0
+            if route_ahead is not None:
+                route_ahead.begin_step()
+            proposals = torch.empty(0, dtype=torch.long, device=device)
+            draft_probs = None
+            if n:
+                hidden = draft(draft.block_ids(tokens[-1], b, device), start)  # [1, b, H]
+                if route_ahead is not None:
+                    route_ahead.after_draft(hidden)
+                dlogits = draft.lm_head(hidden[:, 1:])[0]  # [n, V]
+                if greedy:
+                    proposals = dlogits.argmax(-1)
+                else:
+                    draft_probs = _probs(dlogits, temperature)
+                    proposals = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+                if oracle is not None:
+                    proposals = torch.tensor(oracle.propose(tokens, n), dtype=torch.long, device=device)
+            _sync(device)
+            draft_s = time.perf_counter() - t_draft - ((oracle.refresh_seconds - refresh_before) if oracle else 0.0)
+
+            # 2. verify
+            t_verify = time.perf_counter()
+            block = torch.cat((torch.tensor([tokens[-1]], device=device), proposals))[None]  # [1, b]
+            with taps.capture(), (route_ahead.verify() if route_ahead else nullcontext()):
+                vlogits = target_forward(target, block, start, cache)[0]  # [b, V]
+            features = taps.take()  # [1, b, K*H]
+
+            # 3. accept
+            if greedy:
+                n_acc, nxt = accept_greedy(proposals, vlogits)
+            else:
+                if draft_probs is None:
+                    draft_probs = vlogits.new_empty((0, vlogits.shape[-1]))
+                n_acc, nxt = accept_sampling(proposals, draft_probs, _probs(vlogits, temperature), generator)
+
+            # 4. commit
+            crop_cache(cache, start + n_acc + 1)
+            draft.append_context(features[:, : n_acc + 1])
+            new = proposals[:n_acc].tolist() + [nxt]
+            _sync(device)
+            verify_s = time.perf_counter() - t_verify
+
+            stats.record(n, n_acc)
+            stats.draft_seconds += draft_s
+            stats.verify_seconds += verify_s
+            for i, tok in enumerate(new):
+                if tok in eos:
+                    new = new[: i + 1]
+                    done = True
+                    break
+            tokens.extend(new)
+            generated.extend(new)
+            step += 1
+            if on_step is not None:
+                on_step(StepInfo(
+                    step=step, block_size=b, accepted=n_acc, committed=new, generated=len(generated),
+                    draft_seconds=draft_s, verify_seconds=verify_s,
+                    route_ahead_submitted=route_ahead.submitted_last_step if route_ahead else 0,
+                ))
+    finally:
+        taps.close()
+    return SpeculativeResult(
+        token_ids=generated,
+        stats=stats,
+        route_ahead=route_ahead.report.to_dict() if route_ahead is not None else None,
+        oracle=oracle.report() if oracle is not None else None,
+    )
+
+
+def make_oracle(
+    target: nn.Module,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    acceptance: float,
+    *,
+    reference: Sequence[int] | None = None,
+    eos_token_ids: Sequence[int] = (),
+    seed: int = 0,
+) -> OracleProposer:
+    """An :class:`OracleProposer` over the target's greedy continuation of ``input_ids``.
+
+    ``reference`` (generated ids of a plain greedy run already made, e.g. the baseline arm of a
+    benchmark) saves computing it again. Divergences are repaired by fresh greedy runs.
+    """
+    prompt = list(input_ids)
+    cont = list(reference) if reference is not None else greedy_generate(target, prompt, max_new_tokens, eos_token_ids)
+
+    def refresh(tokens: list[int], more: int) -> list[int]:
+        return greedy_generate(target, tokens, more, eos_token_ids) if more > 0 else []
+
+    vocab = int(target.config.vocab_size)
+    return OracleProposer(prompt + cont, acceptance, vocab, seed=seed, refresh=refresh)

@@ -1,0 +1,64 @@
+"""Synthetic DFlash draft checkpoints: real names, shapes and dtypes, seeded random values.
+
+``tiny`` is fitted to a target checkpoint (its hidden size, heads, vocabulary, layer count and
+rope); ``gpt-oss-20b-DFlash`` has the published drafter's shape (about 0.8B parameters, 1.6 GB in
+bf16) and, when a target directory is given, is checked against it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdflash import PdflashError
+from pdflash.draft.config import DFlashConfig, TargetShape
+from pdflash.draft.model import draft_tensor_shapes
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def synthetic_draft_tensors(config: DFlashConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Norm weights 1, every other tensor N(0, 0.02^2), drawn in name order from one seeded stream."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(draft_tensor_shapes(config).items()):
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape)
+        else:
+            t = torch.randn(shape, generator=gen) * 0.02
+        out[name] = t.to(dtype).contiguous()
+    return out
+
+
+def write_synthetic_draft(
+    out_dir: str | Path,
+    preset: str,
+    target_dir: str | Path | None = None,
+    seed: int = 0,
+    dtype: torch.dtype | str | None = None,
+) -> DFlashConfig:
+    """Write ``config.json`` + ``model.safetensors`` of a synthetic draft to ``out_dir``.
+
+    dtype defaults to the preset's (float32 for tiny, bfloat16 for gpt-oss-20b-DFlash).
+    Returns the config written.
+    """
+    from safetensors.torch import save_file
+
+    target = TargetShape.from_dir(target_dir) if target_dir is not None else None
+    config = DFlashConfig.from_preset(preset, target)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise PdflashError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    dtype = dtype or _DTYPES[config.dtype]
+    config.dtype = next(k for k, v in _DTYPES.items() if v == dtype)
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = synthetic_draft_tensors(config, seed, dtype)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(config.to_json())
+    except OSError as exc:
+        raise PdflashError(f"cannot write the draft checkpoint to {str(out)!r} ({exc})") from None
+    return config

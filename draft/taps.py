@@ -1,0 +1,139 @@
+"""Forward hooks on a gpt-oss-style target: context features for the draft, chosen experts per layer.
+
+The target is a ``GptOssForCausalLM``-like module (``target.model.layers[i]`` decoder layers, each
+with ``mlp.router``); the offloaded runtime's model is the same module with its experts swapped, so
+the hooks work on both. Hooks only record while a ``capture()`` block is open.
+
+Feature index convention: the draft's feature for target layer ``i`` is the *output* of decoder
+layer ``i``, which is ``hidden_states[i + 1]`` of transformers' ``output_hidden_states=True``
+(index 0 is the embedding output). For the last layer transformers substitutes the final-normed
+state at that index; the hook always takes the raw layer output.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from pdflash import PdflashError
+
+
+def decoder_layers(target: nn.Module) -> nn.ModuleList:
+    try:
+        return target.model.layers
+    except AttributeError:
+        raise PdflashError("the target has no .model.layers decoder stack; pass a GptOssForCausalLM-like model") from None
+
+
+def _first_tensor(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class FeatureTap:
+    """Records the outputs of decoder layers ``layer_ids`` ([1, T, H] each) during ``capture()``.
+
+    ``take()`` returns them concatenated in ``layer_ids`` order: [1, T, K*H].
+    """
+
+    def __init__(self, target: nn.Module, layer_ids: Sequence[int]):
+        layers = decoder_layers(target)
+        if any(not 0 <= i < len(layers) for i in layer_ids):
+            raise PdflashError(f"target layer ids {list(layer_ids)} out of range for a {len(layers)}-layer target")
+        self._outputs: list[torch.Tensor | None] = [None] * len(layer_ids)
+        self._active = False
+        self._handles = [layers[i].register_forward_hook(self._hook(j)) for j, i in enumerate(layer_ids)]
+
+    def _hook(self, slot: int):
+        def hook(module, args, output):
+            if self._active:
+                self._outputs[slot] = _first_tensor(output)
+
+        return hook
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        self._outputs = [None] * len(self._outputs)
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+
+    def take(self) -> torch.Tensor:
+        if any(o is None for o in self._outputs):
+            raise RuntimeError("a target layer produced no output during capture")
+        out = torch.cat(self._outputs, dim=-1)  # type: ignore[arg-type]
+        self._outputs = [None] * len(self._outputs)
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> "FeatureTap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RouterTap:
+    """Records the expert indices [T, top_k] each layer's router chose during ``capture()``.
+
+    Hooks ``layer.mlp.router``; in transformers 5.x the router returns (logits, scores, indices).
+    A router that returns only logits is read as top-k of them.
+    """
+
+    def __init__(self, target: nn.Module):
+        layers = decoder_layers(target)
+        self.top_k = int(target.config.num_experts_per_tok)
+        self.num_experts = int(target.config.num_local_experts)
+        self._indices: dict[int, torch.Tensor] = {}
+        self._active = False
+        self._handles = []
+        for i, layer in enumerate(layers):
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is None:
+                raise PdflashError(f"target layer {i} has no mlp.router; route-ahead needs a gpt-oss-style MoE target")
+            self._handles.append(router.register_forward_hook(self._hook(i)))
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            if not self._active:
+                return
+            ints = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
+                    if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+            if ints:
+                idx = ints[-1]
+            else:
+                idx = torch.topk(_first_tensor(output), self.top_k, dim=-1).indices
+            self._indices[layer] = idx.reshape(-1, idx.shape[-1])
+
+        return hook
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        self._indices = {}
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+
+    def take(self) -> dict[int, torch.Tensor]:
+        """Layer -> chosen experts [T, top_k] of the last captured forward, on the host."""
+        if not self._indices:
+            return {}
+        layers = sorted(self._indices)
+        stacked = torch.stack([self._indices[l] for l in layers]).cpu()  # [L, T, k], one transfer
+        self._indices = {}
+        return {l: stacked[j] for j, l in enumerate(layers)}
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
