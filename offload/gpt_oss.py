@@ -1,0 +1,219 @@
+"""gpt-oss family adapter: checkpoint tensors, expert layout and maths, model build.
+
+Shape legend: L = layers, E = experts per layer, K = experts per token (top-k),
+H = hidden size, I = expert intermediate size, G = H/32 or I/32 (MXFP4 groups).
+
+Checkpoint expert tensors of layer N (``model.layers.N.mlp.experts.``):
+  bf16 / f32:  gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H]
+  MXFP4:       gate_up_proj_blocks u8 [E, 2I, G, 16], gate_up_proj_scales u8 [E, 2I, G], gate_up_proj_bias,
+               down_proj_blocks u8 [E, H, G, 16], down_proj_scales u8 [E, H, G], down_proj_bias
+The model itself is transformers' GptOssForCausalLM (attention with sinks and
+sliding window, RMSNorm, YaRN rotary, router, KV cache); only each layer's
+``mlp.experts`` instance is replaced.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdflash import PdflashError
+from pdflash.offload.family import FLOAT_DTYPES, ModelFamily, TensorSpec
+from pdflash.offload.host_store import ExpertLayout
+from pdflash.offload.mxfp4 import dequantize
+
+_EXPERT_PREFIX = "model.layers.{}.mlp.experts."
+
+
+class GptOssFamily(ModelFamily):
+    name = "gpt_oss (GptOssForCausalLM)"
+
+    @classmethod
+    def matches(cls, config: dict) -> bool:
+        archs = config.get("architectures") or ["GptOssForCausalLM"]
+        return config.get("model_type") == "gpt_oss" and "GptOssForCausalLM" in archs
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        from transformers import GptOssConfig
+
+        clean = {k: v for k, v in config.items() if k != "quantization_config"}
+        try:
+            self.hf_config = GptOssConfig.from_dict(clean)
+        except Exception as exc:  # transformers validates field types and values
+            raise PdflashError(f"config.json is not a valid gpt_oss config: {str(exc).splitlines()[0]}") from None
+        c = self.hf_config
+        quant = config.get("quantization_config") or {}
+        method = quant.get("quant_method")
+        if method not in (None, "mxfp4"):
+            raise PdflashError(f"config.json: quantization {method!r} is not supported; pdflash reads bf16/fp32 or mxfp4 experts")
+        self.quantized = method == "mxfp4"
+        self.num_layers = int(c.num_hidden_layers)
+        self.num_experts = int(c.num_local_experts)
+        self.top_k = int(c.num_experts_per_tok)
+        self.hidden = int(c.hidden_size)
+        self.inter = int(c.intermediate_size)
+        if self.quantized and (self.hidden % 32 or self.inter % 32):
+            raise PdflashError("config.json: MXFP4 experts need hidden_size and intermediate_size divisible by 32")
+        if not 0 < self.top_k <= self.num_experts:
+            raise PdflashError(f"config.json: num_experts_per_tok={self.top_k} must be in [1, num_local_experts={self.num_experts}]")
+
+    # -- checkpoint ------------------------------------------------------------------
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        c = self.hf_config
+        H, I, E, V = self.hidden, self.inter, self.num_experts, int(c.vocab_size)
+        hd = int(c.head_dim or H // c.num_attention_heads)
+        nq, nkv = int(c.num_attention_heads) * hd, int(c.num_key_value_heads) * hd
+        f = FLOAT_DTYPES
+        specs = {"model.embed_tokens.weight": TensorSpec((V, H), f), "model.norm.weight": TensorSpec((H,), f)}
+        if not c.tie_word_embeddings:
+            specs["lm_head.weight"] = TensorSpec((V, H), f)
+        for n in range(self.num_layers):
+            p = f"model.layers.{n}."
+            specs[p + "input_layernorm.weight"] = TensorSpec((H,), f)
+            specs[p + "post_attention_layernorm.weight"] = TensorSpec((H,), f)
+            for proj, out_f, in_f in (("q_proj", nq, H), ("k_proj", nkv, H), ("v_proj", nkv, H), ("o_proj", H, nq)):
+                specs[p + f"self_attn.{proj}.weight"] = TensorSpec((out_f, in_f), f)
+                if c.attention_bias:
+                    specs[p + f"self_attn.{proj}.bias"] = TensorSpec((out_f,), f)
+            specs[p + "self_attn.sinks"] = TensorSpec((int(c.num_attention_heads),), f)
+            specs[p + "mlp.router.weight"] = TensorSpec((E, H), f)
+            specs[p + "mlp.router.bias"] = TensorSpec((E,), f)
+            for piece, shape, dt in self._expert_piece_shapes():
+                specs[_EXPERT_PREFIX.format(n) + piece] = TensorSpec((E, *shape), dt, expert=True)
+        return specs
+
+    def _expert_piece_shapes(self) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+        """Per-expert pieces in stored format, in packing order: (name, shape, allowed dtypes)."""
+        H, I = self.hidden, self.inter
+        u8 = ("U8",)
+        if self.quantized:
+            return [
+                ("gate_up_proj_blocks", (2 * I, H // 32, 16), u8),
+                ("gate_up_proj_scales", (2 * I, H // 32), u8),
+                ("gate_up_proj_bias", (2 * I,), FLOAT_DTYPES),
+                ("down_proj_blocks", (H, I // 32, 16), u8),
+                ("down_proj_scales", (H, I // 32), u8),
+                ("down_proj_bias", (H,), FLOAT_DTYPES),
+            ]
+        return [
+            ("gate_up_proj", (H, 2 * I), FLOAT_DTYPES),
+            ("gate_up_proj_bias", (2 * I,), FLOAT_DTYPES),
+            ("down_proj", (I, H), FLOAT_DTYPES),
+            ("down_proj_bias", (H,), FLOAT_DTYPES),
+        ]
+
+    def expert_sources(self, layer: int) -> dict[str, str]:
+        return {piece: _EXPERT_PREFIX.format(layer) + piece for piece, _, _ in self._expert_piece_shapes()}
+
+    def expert_layout(self, stored_dtypes: dict[str, torch.dtype]) -> ExpertLayout:
+        spec = [(piece, shape, stored_dtypes[piece]) for piece, shape, _ in self._expert_piece_shapes()]
+        return ExpertLayout.build(spec, quantized=self.quantized)
+
+    # -- model -----------------------------------------------------------------------
+    def build(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        load: Callable[[str], torch.Tensor],
+        make_experts: Callable[[int, nn.Module], nn.Module],
+    ) -> nn.Module:
+        """GptOssForCausalLM built on meta, experts swapped, other weights loaded onto ``device``."""
+        import copy
+
+        from transformers import GptOssForCausalLM
+
+        cfg = copy.deepcopy(self.hf_config)
+        cfg._attn_implementation = "eager"  # sinks need the eager path; it runs on CPU and CUDA
+        with torch.device("meta"):
+            model = GptOssForCausalLM(cfg)
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.experts = make_experts(i, layer.mlp.experts)  # instance swap, class untouched
+
+        # Every weight in the compute dtype, as transformers 5.x from_pretrained(dtype=...) loads them.
+        state = {name: load(name).to(device=device, dtype=dtype) for name, spec in self.tensor_specs().items() if not spec.expert}
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise PdflashError(f"internal: weights did not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        # Non-persistent buffers (rotary inv_freq) are not in the checkpoint: rebuild them on the device.
+        with torch.device(device):
+            model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+        for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_meta:
+                raise PdflashError(f"internal: {n} was not loaded")
+        model.requires_grad_(False)
+        model.eval()
+        return model
+
+    def expert_kernel(self, layout: ExpertLayout, dtype: torch.dtype, alpha: float, limit: float) -> "GptOssExpertKernel":
+        return GptOssExpertKernel(layout, dtype, alpha, limit)
+
+    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.model.layers)
+
+    def router_topk(self, model: nn.Module, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        block = model.model.layers[layer]
+        x = block.post_attention_layernorm(hidden)
+        router = block.mlp.router
+        logits = F.linear(x, router.weight, router.bias)  # [T, E]
+        return torch.topk(logits, self.top_k, dim=-1).indices  # [T, K]
+
+    def cache_kwarg(self, model: nn.Module) -> str:
+        params = inspect.signature(model.forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
+
+
+class GptOssExpertKernel:
+    """gpt-oss expert maths on packed slots, written to match transformers' GptOssExperts.
+
+    For tokens x [n, H] of one expert:
+      gate_up = x @ W1 + b1                       W1 [H, 2I], gate = even columns, up = odd
+      gate = min(gate, limit); up = clamp(up, -limit, limit)
+      y = ((up + 1) * gate * sigmoid(alpha * gate)) @ W2 + b2    W2 [I, H]
+    Same operations in the same order and dtype as the library, so results are bit-identical.
+    """
+
+    def __init__(self, layout: ExpertLayout, dtype: torch.dtype, alpha: float, limit: float):
+        self.layout = layout
+        self.dtype = dtype
+        self.alpha = alpha
+        self.limit = limit
+
+    def weights(self, slots: torch.Tensor, slot_ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """(W1 [n, H, 2I], b1 [n, 2I], W2 [n, I, H], b2 [n, H]) in the compute dtype."""
+        lay, dt = self.layout, self.dtype
+        idx = torch.tensor(slot_ids, dtype=torch.long).to(slots.device, non_blocking=True)
+        if lay.quantized:
+            w1 = dequantize(lay.gather(slots, idx, "gate_up_proj_blocks"), lay.gather(slots, idx, "gate_up_proj_scales"), dt)
+            w2 = dequantize(lay.gather(slots, idx, "down_proj_blocks"), lay.gather(slots, idx, "down_proj_scales"), dt)
+        else:
+            w1 = lay.gather(slots, idx, "gate_up_proj").to(dt)
+            w2 = lay.gather(slots, idx, "down_proj").to(dt)
+        b1 = lay.gather(slots, idx, "gate_up_proj_bias").to(dt)
+        b2 = lay.gather(slots, idx, "down_proj_bias").to(dt)
+        return w1, b1, w2, b2
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return (up + 1) * glu
+
+    def apply(self, weights: tuple[torch.Tensor, ...], i: int, x: torch.Tensor) -> torch.Tensor:
+        w1, b1, w2, b2 = weights
+        gate_up = x @ w1[i] + b1[i]  # [n, 2I]
+        return self._glu(gate_up) @ w2[i] + b2[i]  # [n, H]
+
+    def apply_batched(self, weights: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+        w1, b1, w2, b2 = weights
+        gate_up = torch.bmm(x, w1) + b1[:, None, :]  # [n_exp, m, 2I]
+        return torch.bmm(self._glu(gate_up), w2) + b2[:, None, :]  # [n_exp, m, H]
