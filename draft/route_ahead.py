@@ -271,6 +271,12 @@ class RouteAhead:
     Per speculative step the loop calls ``begin_step()``, ``after_draft(hidden)``, then runs the
     verify forward inside ``with verify():``. The prefill forward runs inside ``with prefill():``
     (it feeds predictors but is not scored). ``sink`` may be None to measure predictors alone.
+
+    Pacing: a whole verify pass's experts can exceed a small device cache (24 layers x ~21
+    experts against a few hundred slots), and prefetches of late layers would then evict the early
+    ones before they are used. With ``window_layers`` = W, predictions of layers below W are handed
+    over at once and those of layer L + W when layer L starts in the verify pass, so at most W
+    layers of predictions wait in the cache. ``None`` hands over every layer at once.
     """
 
     def __init__(
@@ -283,27 +289,39 @@ class RouteAhead:
         priority: int = ROUTE_AHEAD_PRIORITY,
         bytes_per_expert: int = 0,
         lookahead_depth: int = 2,
+        window_layers: int | None = None,
     ):
+        if window_layers is not None and window_layers < 1:
+            raise PdflashError(f"the route-ahead window must be at least 1 layer, got {window_layers}")
         self.target = target
         self.sink = sink
         self.priority = priority
+        self.window = window_layers
         self.predictor = make_predictor(predictor, target, block_size=block_size, lookahead_depth=lookahead_depth)
         self.tap = RouterTap(target)
-        n = len(decoder_layers(target))
+        self.num_layers = len(decoder_layers(target))
+        n = self.num_layers
         self.report = RouteAheadReport(self.predictor.name, priority, int(bytes_per_expert),
                                        predicted=[0] * n, used=[0] * n, hits=[0] * n)
-        self._step: ExpertSets = {}
+        self._predicted: ExpertSets = {}  # this step's predictions, all layers
+        self._sent: ExpertSets = {}  # the part already handed to the sink
+        self._horizon = n  # highest layer whose predictions may be handed over now
         self.submitted_last_step = 0  # (layer, expert) pairs handed to the sink in the last step
 
-    def _submit(self, sets: ExpertSets | None) -> None:
-        if not sets:
-            return
+    def _add(self, sets: ExpertSets | None) -> None:
+        for layer, experts in (sets or {}).items():
+            self._predicted.setdefault(layer, set()).update(experts)
+        self._flush()
+
+    def _flush(self) -> None:
         new: dict[int, list[int]] = {}
-        for layer, experts in sets.items():
-            seen = self._step.setdefault(layer, set())
-            fresh = sorted(set(experts) - seen)
+        for layer, experts in self._predicted.items():
+            if layer > self._horizon:
+                continue
+            sent = self._sent.setdefault(layer, set())
+            fresh = sorted(experts - sent)
             if fresh:
-                seen.update(fresh)
+                sent.update(fresh)
                 new[layer] = fresh
         if new:
             self.submitted_last_step += sum(len(v) for v in new.values())
@@ -311,12 +329,13 @@ class RouteAhead:
                 self.sink(new, self.priority)
 
     def begin_step(self) -> None:
-        self._step = {}
+        self._predicted, self._sent = {}, {}
+        self._horizon = self.num_layers if self.window is None else self.window - 1
         self.submitted_last_step = 0
-        self._submit(self.predictor.before_draft())
+        self._add(self.predictor.before_draft())
 
     def after_draft(self, draft_hidden: torch.Tensor) -> None:
-        self._submit(self.predictor.after_draft(draft_hidden))
+        self._add(self.predictor.after_draft(draft_hidden))
 
     @contextmanager
     def prefill(self) -> Iterator[None]:
@@ -324,9 +343,22 @@ class RouteAhead:
             yield
         self.predictor.observe(self.tap.take())
 
+    def _pacing_hooks(self) -> list:
+        if self.window is None:
+            return []
+
+        def make(layer: int):
+            def hook(module, args):
+                self._horizon = max(self._horizon, layer + self.window)
+                self._flush()
+
+            return hook
+
+        return [block.register_forward_pre_hook(make(i)) for i, block in enumerate(decoder_layers(self.target))]
+
     @contextmanager
     def verify(self) -> Iterator[None]:
-        handles = self.predictor.verify_hooks(self.target, self._submit)
+        handles = self._pacing_hooks() + self.predictor.verify_hooks(self.target, self._add)
         try:
             with self.tap.capture():
                 yield
@@ -334,9 +366,8 @@ class RouteAhead:
             for h in handles:
                 h.remove()
         used = self.tap.take()
-        self.report.add(self._step, union_experts(used))
+        self.report.add(self._predicted, union_experts(used))
         self.predictor.observe(used)
 
     def close(self) -> None:
         self.tap.close()
-

@@ -26,6 +26,7 @@ length; sliding-window layers still attend only within their window through the 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from contextlib import nullcontext
@@ -45,10 +46,15 @@ from pdflash.draft.taps import FeatureTap
 # -- target calls -------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _cache_kwarg(target: nn.Module) -> str:
     """Name of the KV-cache argument: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
-    params = inspect.signature(target.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return _cache_kwarg_of(type(target))
 
 
 def new_target_cache():
@@ -188,7 +194,8 @@ class SpeculativeStats:
     committed_tokens: int = 0  # tokens committed by verify steps (accepted proposals + one each)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # prompt in -> first token chosen
+    decode_seconds: float = 0.0  # first token -> last token (oracle refreshes excluded)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -223,6 +230,7 @@ class SpeculativeStats:
             "acceptance_length": self.acceptance_length,
             "acceptance_per_position": self.acceptance_per_position,
             "prefill_ms": 1e3 * self.prefill_seconds,
+            "decode_ms": 1e3 * self.decode_seconds,
             "draft_ms": 1e3 * self.draft_seconds,
             "verify_ms": 1e3 * self.verify_seconds,
         }
@@ -235,8 +243,14 @@ class SpeculativeResult:
     route_ahead: dict[str, Any] | None = None
     oracle: dict[str, Any] | None = None  # present (with "oracle_acceptance") only in oracle mode
 
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Decode rate after the first token, (n - 1) / decode time; None with one token."""
+        n = len(self.token_ids) - 1
+        return n / self.stats.decode_seconds if n > 0 and self.stats.decode_seconds > 0 else None
+
     def to_dict(self) -> dict[str, Any]:
-        out = {"token_ids": self.token_ids, **self.stats.to_dict()}
+        out = {"token_ids": self.token_ids, "tokens_per_second": self.tokens_per_second, **self.stats.to_dict()}
         if self.route_ahead is not None:
             out["route_ahead"] = self.route_ahead
         if self.oracle is not None:
@@ -313,6 +327,8 @@ def speculative_generate(
         _sync(device)
         stats.prefill_seconds = time.perf_counter() - t0
         done = first in eos
+        t_decode = time.perf_counter()
+        refresh_at_start = oracle.refresh_seconds if oracle else 0.0
 
         step = 0
         while not done and len(generated) < max_new_tokens:
@@ -380,6 +396,9 @@ def speculative_generate(
                     draft_seconds=draft_s, verify_seconds=verify_s,
                     route_ahead_submitted=route_ahead.submitted_last_step if route_ahead else 0,
                 ))
+        _sync(device)
+        stats.decode_seconds = time.perf_counter() - t_decode - (
+            (oracle.refresh_seconds - refresh_at_start) if oracle else 0.0)
     finally:
         taps.close()
     return SpeculativeResult(

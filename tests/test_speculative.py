@@ -369,19 +369,26 @@ def test_previous_predictor_scored_against_independently_recorded_experts(pair, 
     assert all(v == sorted(set(v)) and all(0 <= e < 8 for e in v) for s, _ in submissions for v in s.values())
 
 
-@pytest.mark.parametrize("predictor", ["draft-router", "lookahead", "draft-router+previous"])
-def test_predictions_are_submitted_before_the_layers_they_name_run(pair, reference, predictor):
+@pytest.mark.parametrize("predictor, window", [
+    ("draft-router", None), ("lookahead", None), ("draft-router+previous", None), ("draft-router+previous", 1),
+    ("lookahead", 2),
+])
+def test_predictions_are_submitted_before_the_layers_they_name_run(pair, reference, predictor, window):
+    """Each prefetch naming layer M reaches the sink before layer M starts in the verify pass, and
+    with a window W no earlier than when layer M - W starts (before the pass: only M < W)."""
     target, draft = pair
     events = []
     ra = RouteAhead(target, predictor, lambda experts, prio: events.append(("prefetch", set(experts))),
-                    block_size=4, lookahead_depth=2)
+                    block_size=4, lookahead_depth=2, window_layers=window)
 
-    def mark(layer):
-        def hook(module, args):
-            events.append(("layer", layer))
+    def mark(kind, layer):
+        def hook(module, *args):
+            events.append((kind, layer))
         return hook
 
-    handles = [l.register_forward_pre_hook(mark(i)) for i, l in enumerate(target.model.layers)]
+    layers = target.model.layers
+    handles = [l.register_forward_pre_hook(mark("start", i)) for i, l in enumerate(layers)]
+    handles.append(layers[-1].register_forward_hook(mark("end", 3)))
     steps = []
     try:
         result = speculative_generate(target, draft, PROMPT, 25, block_size=4, route_ahead=ra,
@@ -392,17 +399,17 @@ def test_predictions_are_submitted_before_the_layers_they_name_run(pair, referen
         ra.close()
     assert result.token_ids == reference[:25]
     assert sum(i.route_ahead_submitted for i in steps) == result.route_ahead["predicted"]
-    # after the prefill (first 4 layer events), every prefetch naming layer L precedes layer L's run
-    ran: set = set()  # layers already run in the current verify pass
-    late = []
-    for kind, what in events[4:]:
-        if kind == "layer":
-            ran = {what} if what == 0 else ran | {what}
-            if what == 3:
-                ran = set()
-        elif what & ran:
-            late.append(what & ran)
-    assert not late
+    current, bad = -1, []  # current: layer running in a verify pass, -1 between passes
+    for kind, what in events[5:]:  # skip the prefill's 4 starts and its end
+        if kind == "start":
+            current = what
+        elif kind == "end":
+            current = -1
+        else:
+            for m in what:
+                if m <= current or (window is not None and m > (current + window if current >= 0 else window - 1)):
+                    bad.append((m, current))
+    assert not bad
     rep = result.route_ahead
     assert rep["steps"] == result.stats.verify_steps and 0 < rep["recall"] <= 1 and 0 < rep["precision"] <= 1
     if predictor == "lookahead":
