@@ -14,7 +14,14 @@ acceptance rules), ``route_ahead`` (expert predictors, prefetch submission, qual
 from pdflash.draft.config import PRESETS, DFlashConfig, TargetShape, spread_layer_ids
 from pdflash.draft.model import DFlashDraftModel, DraftKVCache, draft_tensor_shapes, load_draft
 from pdflash.draft.oracle import OracleProposer
-from pdflash.draft.route_ahead import PREDICTORS, ROUTE_AHEAD_PRIORITY, RouteAhead, RouteAheadReport, make_predictor
+from pdflash.draft.route_ahead import (
+    PREDICTORS,
+    ROUTE_AHEAD_PRIORITY,
+    RouteAhead,
+    RouteAheadReport,
+    make_predictor,
+    window_for_cache,
+)
 from pdflash.draft.speculative import (
     SpeculativeResult,
     SpeculativeStats,
@@ -55,5 +62,6 @@ __all__ = [
     "make_predictor",
     "speculative_generate",
     "spread_layer_ids",
+    "window_for_cache",
     "write_synthetic_draft",
 ]

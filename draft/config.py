@@ -62,7 +62,7 @@ class TargetShape:
 
     @classmethod
     def from_dir(cls, target_dir: str | Path) -> "TargetShape":
-        return cls.from_config(_read_json(Path(target_dir) / "config.json", "target"))
+        return cls.from_config(read_config_json(Path(target_dir) / "config.json", "target"))
 
 
 @dataclass
@@ -211,7 +211,7 @@ class DFlashConfig:
         path = Path(draft_dir)
         if not path.is_dir():
             raise PdflashError(f"draft directory {str(path)!r} does not exist; pass a DFlash checkpoint directory to --draft")
-        return cls.from_dict(_read_json(path / "config.json", "draft"))
+        return cls.from_dict(read_config_json(path / "config.json", "draft"))
 
     def to_dict(self) -> dict[str, Any]:
         """config.json content in the published layout (legacy rope_theta / rope_scaling keys)."""
@@ -340,7 +340,7 @@ def _rope_parameters(params: Any, theta: Any, scaling: Any) -> dict[str, Any]:
     return out
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_config_json(path: Path, what: str) -> dict[str, Any]:
     if not path.parent.is_dir():
         raise PdflashError(f"{what} directory {str(path.parent)!r} does not exist")
     if not path.is_file():

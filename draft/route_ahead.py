@@ -80,6 +80,16 @@ class _RouterBank:
         return torch.topk(logits, self.top_k, dim=-1).indices
 
 
+def window_for_cache(cache_slots: int, num_experts: int, top_k: int, block_size: int) -> int:
+    """A route-ahead window (in layers) whose predictions fill at most half the expert cache.
+
+    One verify pass of B tokens touches at most min(E, B * top_k) experts per layer; the other
+    half of the cache is left to the experts in use and to on-demand misses.
+    """
+    per_layer = max(1, min(num_experts, block_size * top_k))
+    return max(1, cache_slots // (2 * per_layer))
+
+
 class Predictor:
     """Base predictor: each hook returns layer -> experts, or None when it has nothing to say."""
 
