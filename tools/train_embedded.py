@@ -284,6 +284,9 @@ def main() -> None:
     ap.add_argument("--target-minutes", type=float, default=4.0)
     ap.add_argument("--draft-minutes", type=float, default=2.0)
     ap.add_argument("--log-every", type=int, default=50)
+    from train_draft import add_arguments  # tools/train_draft.py
+
+    add_arguments(ap)
     args = ap.parse_args()
 
     random.seed(args.seed)
