@@ -8,11 +8,13 @@
 Modules: ``config`` (DFlashConfig, presets, fit check), ``model`` (DFlashDraftModel, load_draft),
 ``taps`` (hooks on the target: context features, chosen experts), ``speculative`` (the loop and the
 acceptance rules), ``route_ahead`` (expert predictors, prefetch submission, quality report),
-``oracle`` (oracle-acceptance mode), ``synthetic`` (synthetic draft checkpoints).
+``oracle`` (oracle-acceptance mode), ``offloaded`` (the loop on the offload runtime),
+``synthetic`` (synthetic draft checkpoints), ``bench`` (benchmark against plain decoding).
 """
 
 from pdflash.draft.config import PRESETS, DFlashConfig, TargetShape, spread_layer_ids
 from pdflash.draft.model import DFlashDraftModel, DraftKVCache, draft_tensor_shapes, load_draft
+from pdflash.draft.offloaded import draft_block_size, speculative_on_runtime
 from pdflash.draft.oracle import OracleProposer
 from pdflash.draft.route_ahead import (
     PREDICTORS,
@@ -55,12 +57,14 @@ __all__ = [
     "accept_greedy",
     "accept_sampling",
     "check_block_size",
+    "draft_block_size",
     "draft_tensor_shapes",
     "greedy_generate",
     "load_draft",
     "make_oracle",
     "make_predictor",
     "speculative_generate",
+    "speculative_on_runtime",
     "spread_layer_ids",
     "window_for_cache",
     "write_synthetic_draft",

@@ -65,21 +65,10 @@ def _run_plain(rt, prompt: list[int], n: int) -> dict:
 
 
 def _run_spec(rt, draft, prompt, n, reference, args, predictor: str) -> dict:
-    from pdflash.draft.route_ahead import RouteAhead, window_for_cache
-    from pdflash.draft.speculative import make_oracle, speculative_generate
+    from pdflash.draft.offloaded import speculative_on_runtime
 
-    oracle = make_oracle(rt.model, prompt, n, args.acceptance, reference=reference, seed=args.seed)
-    ra = None
-    if predictor != "none":
-        fam = rt.family
-        ra = RouteAhead(rt.model, predictor, rt.prefetcher.prefetch_experts, block_size=args.block_size,
-                        bytes_per_expert=rt.stats()["expert_bytes"],
-                        window_layers=window_for_cache(rt.cache.capacity, fam.num_experts, fam.top_k, args.block_size))
-    try:
-        res = speculative_generate(rt.model, draft, prompt, n, block_size=args.block_size, oracle=oracle, route_ahead=ra)
-    finally:
-        if ra is not None:
-            ra.close()
+    res = speculative_on_runtime(rt, draft, prompt, n, block_size=args.block_size, predictor=predictor,
+                                 acceptance=args.acceptance, reference=reference, seed=args.seed, eos_token_ids=[])
     out = res.to_dict()
     steps = max(1, res.stats.verify_steps)
     out["draft_ms_per_step"] = out["draft_ms"] / steps
@@ -176,7 +165,9 @@ def run(args) -> dict:
     if model_dir is None or draft_dir is None:
         raise PdflashError("give --model and --draft (or --synthetic tiny)")
     from pdflash.draft.config import read_config_json
+    from pdflash.draft.offloaded import draft_block_size
 
+    args.block_size = draft_block_size(draft_dir, args.block_size)
     cfg = read_config_json(Path(model_dir) / "config.json", "target")
     total = int(cfg["num_hidden_layers"]) * int(cfg["num_local_experts"])
     size = ({"expert_cache_mib": args.cache_mib} if args.cache_mib is not None
@@ -186,8 +177,6 @@ def run(args) -> dict:
     slots = rt.cache.capacity
     try:
         draft = load_draft(draft_dir, rt.model)
-        if args.block_size > draft.config.block_size:
-            raise PdflashError(f"--block-size {args.block_size} exceeds the draft's {draft.config.block_size}")
         prompts = _encode(rt, args.prompts)
         arms = ["plain"] + [f"spec:{p}" for p in args.predictors.split(",")]
         _log(f"{len(prompts)} prompts x {args.repeats} repeats x arms {arms}; cache {slots}/{total} experts")
@@ -253,10 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="Write the JSON result here (else stdout).")
     args = ap.parse_args(argv)
     try:
-        if args.block_size is None:
-            from pdflash.draft.config import DFlashConfig
-
-            args.block_size = DFlashConfig.from_dir(args.draft).block_size if args.draft else 4
         if not 0 <= args.acceptance <= 1:
             raise PdflashError("--acceptance must be in [0, 1]")
         result = run(args)

@@ -258,8 +258,8 @@ class SpeculativeResult:
         return out
 
 
-def check_block_size(block_size: int | None, draft: DFlashDraftModel) -> int:
-    trained = draft.config.block_size
+def check_block_size(block_size: int | None, trained: int) -> int:
+    """The verify block size to use: ``block_size`` in [1, trained], or ``trained`` when None."""
     if block_size is None:
         return trained
     if not 1 <= block_size <= trained:
@@ -302,7 +302,7 @@ def speculative_generate(
         raise PdflashError(f"temperature must be >= 0, got {temperature}")
     if oracle is not None and temperature > 0:
         raise PdflashError("oracle-acceptance mode (--draft-acceptance) needs greedy decoding (--temperature 0)")
-    b_max = check_block_size(block_size, draft)
+    b_max = check_block_size(block_size, draft.config.block_size)
     greedy = temperature == 0
     device = _device_of(target)
     stats = SpeculativeStats(block_size=b_max)

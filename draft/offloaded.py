@@ -1,0 +1,82 @@
+"""Speculative decoding on the offload runtime (``pdflash.offload.runtime.OffloadedModel``).
+
+    block = draft_block_size(draft_dir, block_size)                  # before loading the target
+    rt = OffloadedModel.load(model_dir, ..., block_tokens=block)     # cache minimum covers a block
+    draft = load_draft(draft_dir, rt.model)
+    result = speculative_on_runtime(rt, draft, ids, 128, block_size=block, predictor="draft-router")
+
+The verify pass runs on ``rt.model`` (the library model with offloaded experts); route-ahead
+predictions go to ``rt.prefetcher.prefetch_experts`` at the runtime's route-ahead band, paced by
+a window sized to the expert cache (:func:`~pdflash.draft.route_ahead.window_for_cache`).
+
+Oracle-acceptance mode (``acceptance`` = P): the target's greedy continuation is first computed
+by a plain decoding run on the same runtime (not part of the result's timings); the runtime's
+cache and statistics are then reset, so the reported figures cover the speculative run alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from pdflash.draft.config import DFlashConfig
+from pdflash.draft.model import DFlashDraftModel
+from pdflash.draft.route_ahead import RouteAhead, window_for_cache
+from pdflash.draft.speculative import SpeculativeResult, StepInfo, check_block_size, make_oracle, speculative_generate
+
+
+def draft_block_size(draft_dir: str | Path, block_size: int | None) -> int:
+    """The verify block size a run with this draft uses (checked against the draft's config);
+    load the runtime with ``block_tokens`` set to it."""
+    return check_block_size(block_size, DFlashConfig.from_dir(draft_dir).block_size)
+
+
+def speculative_on_runtime(
+    rt,
+    draft: DFlashDraftModel,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    block_size: int | None = None,
+    predictor: str | None = "draft-router",
+    acceptance: float | None = None,
+    reference: Sequence[int] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+    on_step: Callable[[StepInfo], None] | None = None,
+) -> SpeculativeResult:
+    """Speculative generation on ``rt``; ``predictor`` None or "none" switches route-ahead off,
+    ``acceptance`` switches oracle-acceptance mode on (``reference``: the target's greedy
+    continuation when already known, which skips the reference run). ``eos_token_ids`` defaults
+    to the checkpoint's."""
+    eos = list(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    prompt = [int(t) for t in input_ids]
+    block = check_block_size(block_size, draft.config.block_size)
+    oracle = None
+    if acceptance is not None:
+        oracle = make_oracle(rt.model, prompt, max_new_tokens, acceptance, reference=reference,
+                             eos_token_ids=eos, seed=seed)
+        if reference is None:
+            rt.reset_cache()
+    route_ahead = None
+    if predictor not in (None, "none"):
+        fam = rt.family
+        route_ahead = RouteAhead(
+            rt.model, predictor, rt.prefetcher.prefetch_experts, block_size=block,
+            priority=rt.prefetcher.route_ahead_priority, bytes_per_expert=rt.host.layout.expert_bytes,
+            window_layers=window_for_cache(rt.cache.capacity, fam.num_experts, fam.top_k, block),
+        )
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=rt.device).manual_seed(seed)
+    try:
+        return speculative_generate(
+            rt.model, draft, prompt, max_new_tokens, block_size=block, temperature=temperature,
+            generator=generator, eos_token_ids=eos, route_ahead=route_ahead, oracle=oracle, on_step=on_step,
+        )
+    finally:
+        if route_ahead is not None:
+            route_ahead.close()
