@@ -25,6 +25,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #define NBUCKET 64   /* waiter condition variables, chosen by ticket */
 #define NERR 64      /* remembered error messages of failed tickets */
@@ -431,6 +434,11 @@ static void *worker_main(void *arg) {
     pf_sched *s = w->s;
     char msg[ERRLEN];
     if (s->cfg.backend == PF_BACKEND_CUDA) s->cuda.set_device(s->cfg.device);
+#ifdef __linux__
+    /* the simulated link sleeps to absolute deadlines; the default 50 us timer slack would
+     * stretch every chunk and leave the link idle between them */
+    else if (s->cfg.link_gbps > 0) prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+#endif
     pthread_mutex_lock(&s->mu);
     for (;;) {
         task *t = pick(s);
@@ -450,7 +458,8 @@ static void *worker_main(void *arg) {
         if (off == 0) {
             t->t_start = now;
             pf_level_stats *lv = &s->st.level[t->prio];
-            uint64_t qw = now - t->t_submit;
+            /* a task submitted while a reset drained waits from the reset on */
+            uint64_t qw = now - (t->t_submit > s->st.since_ns ? t->t_submit : s->st.since_ns);
             lv->queue_wait_ns += qw;
             if (qw > lv->max_queue_wait_ns) lv->max_queue_wait_ns = qw;
         }
@@ -765,9 +774,11 @@ int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s) {
         }
     }
     s->waiters[b]--;
+    /* statistics cover the time since the last reset: a wait that began before it adds
+     * only its blocked time after it, and is counted in the period where it began */
     pf_level_stats *lv = &s->st.level[prio];
-    lv->stall_ns += now_ns() - start;
-    lv->stall_waits++;
+    lv->stall_ns += now_ns() - (start > s->st.since_ns ? start : s->st.since_ns);
+    if (start >= s->st.since_ns) lv->stall_waits++;
     pthread_mutex_unlock(&s->mu);
     return result;
 }

@@ -68,6 +68,8 @@ typedef struct pf_config {
     uint32_t history;       /* ended tickets remembered for wait (rounded up to a power of 2) */
 } pf_config;
 
+/* Counters cover the time since the last pf_reset (or pf_create): a wait or queue wait
+ * that began before a reset contributes only its time after it. */
 typedef struct pf_level_stats {
     uint64_t submitted;     /* new tasks */
     uint64_t deduplicated;  /* submits answered with a live task's ticket */
@@ -82,7 +84,7 @@ typedef struct pf_level_stats {
     uint64_t max_queue_wait_ns;
     uint64_t transfer_ns;   /* sum over ended tasks of first chunk -> end */
     uint64_t stall_ns;      /* time callers spent blocked in pf_wait on tasks at this level */
-    uint64_t stall_waits;   /* pf_wait calls that blocked */
+    uint64_t stall_waits;   /* pf_wait calls that blocked (counted in the period they began) */
 } pf_level_stats;
 
 typedef struct pf_stats {
