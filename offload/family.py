@@ -50,6 +50,8 @@ class TensorSpec:
 class ExpertKernel(Protocol):
     """The expert maths of one family, on packed slots."""
 
+    dtype: torch.dtype
+
     def weights(self, slots: torch.Tensor, slot_ids: list[int]) -> tuple[torch.Tensor, ...]:
         """Stacked compute-dtype weights of the experts in ``slot_ids`` (rows of ``slots``)."""
 
@@ -98,7 +100,8 @@ class ModelFamily:
     ) -> nn.Module:
         raise NotImplementedError
 
-    def expert_kernel(self, layout, dtype: torch.dtype) -> ExpertKernel:
+    def expert_kernel(self, layout, dtype: torch.dtype, alpha: float, limit: float) -> ExpertKernel:
+        """The expert maths in ``dtype``; alpha / limit are the original experts module's constants."""
         raise NotImplementedError
 
     def decoder_layers(self, model: nn.Module) -> list[nn.Module]:

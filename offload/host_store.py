@@ -125,10 +125,6 @@ class HostStore:
     def row(self, layer: int, expert: int) -> torch.Tensor:
         return self.buf[self.row_index(layer, expert)]
 
-    def address(self, layer: int, expert: int) -> int:
-        """Host address of the expert's packed row (valid until close())."""
-        return self.buf.data_ptr() + self.row_index(layer, expert) * self.layout.expert_bytes
-
     def fill_layer(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
         """Copy one layer's stacked tensors {piece name: [E, *shape]} into the layer's rows."""
         lo = layer * self.num_experts

@@ -1,0 +1,136 @@
+"""OffloadedExperts: the per-layer module that replaces a model's experts module.
+
+Called exactly like transformers' experts module: ``experts(hidden_states,
+router_indices, routing_weights)`` with hidden [T, H], indices [T, K] and weights
+[T, K] (or dense [T, E] scores, as transformers 4.x passed them). The routing is
+given; this module
+
+1. copies the router indices to the CPU (the one device->host sync per layer, see
+   the CUDA ordering invariant in cache.py) and groups tokens by expert,
+2. computes the experts already resident first,
+3. fetches the misses through the cache (band 0, or promoting a prefetch already
+   on the way), computing each batch of arrivals while later ones are still
+   crossing the link,
+4. sums each token's K weighted expert outputs in top-k order in one reduction.
+
+Shape legend: T tokens, K experts per token, H hidden, E experts per layer.
+The arithmetic mirrors transformers' GptOssExperts (per-expert matmuls over the
+expert's tokens in token order, weighted outputs summed over K at the end), so
+outputs are bit-identical to the library's on the same device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+from torch import nn
+
+from pdflash import PdflashError
+from pdflash.offload.cache import ExpertCache
+
+
+class OffloadedExperts(nn.Module):
+    """One layer's experts, resident in host memory, fetched into the device cache on use."""
+
+    def __init__(
+        self,
+        layer: int,
+        num_experts: int,
+        cache: ExpertCache,
+        kernel,
+        on_routed: Callable[[int, list[int]], None],
+    ):
+        super().__init__()
+        self.layer = layer
+        self.num_experts = num_experts
+        self.cache = cache
+        self.kernel = kernel
+        self.on_routed = on_routed
+        self.calls = 0
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
+
+    def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # [T, H]
+        T, H = x.shape
+        idx = router_indices.reshape(T, -1)  # [T, K]
+        w = routing_weights.reshape(T, -1)
+        if w.shape[1] != idx.shape[1]:  # dense scores [T, E]: keep the routed ones, in top-k order
+            w = w.gather(1, idx)
+        K = idx.shape[1]
+        self.calls += 1
+        cache, layer = self.cache, self.layer
+
+        idx_cpu = idx.to("cpu")  # device->host sync: every earlier kernel has finished (cache.py)
+        cache.sync_point()
+        flat = idx_cpu.reshape(-1)  # [T*K], position p = t*K + k
+        order = torch.argsort(flat, stable=True)  # positions grouped by expert, tokens ascending
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        span, start = {}, 0
+        for e, c in enumerate(counts):
+            if c:
+                span[e] = (start, start + c)
+                start += c
+        experts = list(span)
+        self.on_routed(layer, experts)
+
+        order_dev = order.to(x.device, non_blocking=True)
+        w_flat = w.reshape(-1)
+        out_dtype = torch.promote_types(self.kernel.dtype, w.dtype)
+        contrib = torch.empty((T * K, H), dtype=out_dtype, device=x.device)  # weighted output per (t, k)
+
+        def compute(batch: list[tuple[int, int]]) -> None:
+            """batch: [(expert, slot)] -> writes contrib rows of their (t, k) positions."""
+            weights = self.kernel.weights(cache.slots, [s for _, s in batch])
+            sizes = [span[e][1] - span[e][0] for e, _ in batch]
+            if len(set(sizes)) == 1:  # same token count (always so in decoding): one batched call
+                pos = torch.cat([order_dev[span[e][0] : span[e][1]] for e, _ in batch]) if len(batch) > 1 else order_dev[slice(*span[batch[0][0]])]
+                xs = x.index_select(0, pos // K).view(len(batch), sizes[0], H)
+                y = self.kernel.apply_batched(weights, xs).reshape(-1, H)
+                contrib.index_copy_(0, pos, y * w_flat[pos].unsqueeze(-1))
+                return
+            for i, (e, _) in enumerate(batch):
+                pos = order_dev[span[e][0] : span[e][1]]
+                y = self.kernel.apply(weights, i, x.index_select(0, pos // K))
+                contrib.index_copy_(0, pos, y * w_flat[pos].unsqueeze(-1))
+
+        hits, misses, pending, waiting = [], [], deque(), deque()
+        for e in experts:
+            s = cache.lookup(layer, e)
+            (hits.append((e, s)) if s is not None else misses.append(e))
+        for e in misses:  # submitted before the hits compute, so the link starts at once
+            f = cache.request(layer, e)
+            (pending.append((e, f)) if f is not None else waiting.append(e))
+        done_slots = []
+        if hits:
+            compute(hits)
+            done_slots += [s for _, s in hits]
+        while pending or waiting:
+            if pending:
+                e, f = pending.popleft()
+                batch = [(e, cache.wait(f))]
+                while pending and cache.ready(pending[0][1]):
+                    e2, f2 = pending.popleft()
+                    batch.append((e2, cache.wait(f2)))
+                compute(batch)
+                done_slots += [s for _, s in batch]
+            while waiting:  # more distinct experts than free slots: reuse computed ones (waves)
+                f = cache.request(layer, waiting[0])
+                if f is None:
+                    if pending:
+                        break
+                    if x.device.type == "cuda":
+                        torch.cuda.current_stream(x.device).synchronize()  # their kernels must finish first
+                    cache.release(done_slots)
+                    done_slots = []
+                    f = cache.request(layer, waiting[0])
+                    if f is None:
+                        raise PdflashError(f"layer {layer}: no expert cache slot could be freed")
+                pending.append((waiting.popleft(), f))
+        cache.end_layer()
+        out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
+        return out.reshape(shape)

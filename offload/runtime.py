@@ -1,0 +1,489 @@
+"""OffloadedModel: a loaded MoE checkpoint whose experts live in host memory.
+
+    with OffloadedModel.load("ckpt/", device="cuda", expert_cache_mib=2600, lookahead_depth=1) as rt:
+        out = rt.forward(input_ids, cache=rt.new_kv_cache())
+        print(rt.stats()["exposed_fetch_seconds"])
+
+``rt.model`` is the library's own model (transformers GptOssForCausalLM) with each
+layer's experts swapped for :class:`OffloadedExperts`; it is used like the
+library model, with its own KV cache (DynamicCache, cropping included).
+``rt.scheduler`` is the one native Scheduler that moves every expert byte,
+``rt.cache`` the device expert cache, ``rt.prefetcher`` the ExpertPrefetcher.
+``reset_cache()`` is not terminal; ``close()`` is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from pdflash import PdflashError
+from pdflash.native import Band, Scheduler, SchedulerError
+from pdflash.offload.cache import EVICTION_POLICIES, ExpertCache
+from pdflash.offload.checkpoint import Checkpoint
+from pdflash.offload.experts import OffloadedExperts
+from pdflash.offload.host_store import HostStore
+from pdflash.offload.prefetch import ExpertPrefetcher
+from pdflash.offload.stats import band_name
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise PdflashError(f"unknown device {device!r}: use cpu or cuda[:N]") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PdflashError("--device cuda was asked for but no CUDA device is available (CPU-only PyTorch?); use --device cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise PdflashError(f"{dev} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
+    elif dev.type != "cpu":
+        raise PdflashError(f"device {dev.type!r} is not supported: use cpu or cuda")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise PdflashError(f"unknown dtype {dtype!r}: use auto, bfloat16, float16 or float32") from None
+
+
+def min_cache_experts(num_experts: int, top_k: int, block_tokens: int) -> int:
+    """Fewest slots the cache may have: what one layer may need at once in a decode block."""
+    return min(num_experts, max(1, block_tokens) * top_k)
+
+
+class RoutingRecord:
+    """Experts each layer used, per forward, while recording (``OffloadedModel.record_routing``)."""
+
+    def __init__(self):
+        self.forwards: list[dict[int, list[int]]] = []
+
+    def _start(self) -> None:
+        self.forwards.append({})
+
+    def _add(self, layer: int, experts: list[int]) -> None:
+        if not self.forwards:
+            self._start()
+        self.forwards[-1][layer] = list(experts)
+
+    def union(self) -> dict[int, set[int]]:
+        """{layer: experts used by any recorded forward}."""
+        out: dict[int, set[int]] = {}
+        for fwd in self.forwards:
+            for layer, ex in fwd.items():
+                out.setdefault(layer, set()).update(ex)
+        return out
+
+
+class OffloadedModel:
+    """See the module docstring. Build with :meth:`load`."""
+
+    def __init__(self):
+        raise TypeError("use OffloadedModel.load(model_dir, ...)")
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        expert_cache_mib: float | None = None,
+        expert_cache_experts: int | None = None,
+        block_tokens: int = 1,
+        eviction: str = "lru",
+        link_gbps: float | None = None,
+        workers: int = 2,
+        chunk_mib: float = 4.0,
+        lookahead_depth: int = 0,
+        history_depth: int = 0,
+        route_ahead_priority: int = Band.ROUTE_AHEAD,
+        background_priority: int = Band.BACKGROUND,
+        preload: bool = False,
+        progress: bool = False,
+    ) -> "OffloadedModel":
+        """Validate and load a checkpoint; experts go to (pinned) host memory, the rest to ``device``.
+
+        Cache size: ``expert_cache_experts`` slots, else as many as fit in ``expert_cache_mib``,
+        else every expert (all resident). Fewer than min(E, block_tokens * top_k) is an error.
+        ``link_gbps`` simulates a host->device link of that speed on the CPU (memcpy backend).
+        ``preload`` copies every expert that fits before returning (statistics start at zero).
+        """
+        self = object.__new__(cls)
+        self._closed = True
+        self.scheduler = None
+        self.host = None
+        self.cache = None
+        dev = resolve_device(device)
+        if eviction not in EVICTION_POLICIES:
+            raise PdflashError(f"unknown eviction policy {eviction!r}: choose one of {', '.join(EVICTION_POLICIES)}")
+        if link_gbps is not None and link_gbps <= 0:
+            raise PdflashError(f"--link-gbps must be positive, got {link_gbps}")
+        if link_gbps is not None and dev.type == "cuda":
+            raise PdflashError("--link-gbps simulates a link for --device cpu only; on CUDA the real PCIe link is used")
+        if block_tokens < 1:
+            raise PdflashError(f"block_tokens must be at least 1, got {block_tokens}")
+        ckpt = Checkpoint(model_dir)
+        try:
+            self._load(ckpt, dev, dtype, expert_cache_mib, expert_cache_experts, block_tokens, eviction, link_gbps,
+                       workers, chunk_mib, lookahead_depth, history_depth, route_ahead_priority, background_priority, progress)
+        except BaseException:
+            self._release()
+            raise
+        finally:
+            ckpt.close()
+        if preload:
+            self.preload()
+        return self
+
+    def _load(self, ckpt, dev, dtype, cache_mib, cache_experts, block_tokens, eviction, link_gbps, workers, chunk_mib,
+              lookahead_depth, history_depth, route_ahead_priority, background_priority, progress) -> None:
+        fam = ckpt.family
+        self.path = ckpt.path
+        self.family = fam
+        self.device = dev
+        self.dtype = resolve_dtype(dtype, ckpt.stored_dtype)
+        L, E, K = fam.num_layers, fam.num_experts, fam.top_k
+
+        # expert layout from the stored dtypes (every layer must agree)
+        stored = {piece: ckpt.dtype(name) for piece, name in fam.expert_sources(0).items()}
+        for layer in range(1, L):
+            for piece, name in fam.expert_sources(layer).items():
+                if ckpt.dtype(name) != stored[piece]:
+                    raise PdflashError(f"{ckpt.path}: {name} is {ckpt.dtype(name)} but layer 0 stores {piece} as {stored[piece]}")
+        layout = fam.expert_layout(stored)
+
+        n_slots = _slot_count(cache_mib, cache_experts, layout.expert_bytes, L * E)
+        need = min_cache_experts(E, K, block_tokens)
+        if n_slots < need:
+            mib = layout.expert_bytes / 2**20
+            asked = f"{cache_mib:g} MiB" if cache_experts is None else f"{cache_experts} experts"
+            raise PdflashError(
+                f"expert cache of {asked} holds {n_slots} experts of {mib:.2f} MiB; the minimum is {need} "
+                f"({need * mib:.1f} MiB), what one layer may need at once (top-{K} x {block_tokens} token(s))"
+            )
+
+        self.host = HostStore(layout, L, E, pin=dev.type == "cuda")
+        _fill_host(self.host, ckpt, fam, progress)
+        try:
+            self.scheduler = Scheduler(
+                backend="cuda" if dev.type == "cuda" else "memcpy",
+                workers=workers,
+                link_gbps=link_gbps,
+                chunk_bytes=max(4096, int(chunk_mib * 2**20)),
+                device=dev.index or 0,
+            )
+        except SchedulerError as exc:
+            raise PdflashError(f"could not start the fetch scheduler: {exc}") from None
+        self.cache = ExpertCache(self.host, self.scheduler, dev, n_slots, policy=eviction)
+        self.link_gbps = link_gbps
+        self.block_tokens = block_tokens
+        self._observers: list[Callable[[int, list[int]], None]] = []
+        self._records: list[RoutingRecord] = []
+        self.last_routing: dict[int, list[int]] = {}
+
+        kernel = None
+
+        def make_experts(i: int, old) -> OffloadedExperts:
+            nonlocal kernel
+            if kernel is None:
+                kernel = fam.expert_kernel(layout, self.dtype, float(getattr(old, "alpha", 1.702)), float(getattr(old, "limit", 7.0)))
+            return OffloadedExperts(i, E, self.cache, kernel, self._on_routed)
+
+        self.model = fam.build(dev, self.dtype, ckpt.get, make_experts)
+        self._cache_kwarg = fam.cache_kwarg(self.model)
+        self.prefetcher = ExpertPrefetcher(
+            self.cache, fam, self.model,
+            route_ahead_priority=route_ahead_priority, background_priority=background_priority,
+            lookahead_depth=lookahead_depth, history_depth=history_depth,
+        )
+        self.model.model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True)
+        for i, block in enumerate(fam.decoder_layers(self.model)):
+            block.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True)
+        self._eos = _eos_ids(ckpt.path, ckpt.config)
+        self._tokenizer = None
+        self._closed = False
+
+    # -- hooks -----------------------------------------------------------------------
+    def _on_forward_start(self, module, args, kwargs):
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = args[0] if args else None
+        if x is not None:
+            tokens = x.numel()
+        else:
+            emb = kwargs.get("inputs_embeds")
+            tokens = emb.shape[:-1].numel() if emb is not None else 0
+        self.cache.begin_forward(tokens)
+        for rec in self._records:
+            rec._start()
+
+    def _layer_hook(self, i: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.prefetcher.on_layer_start(i, hidden)
+
+        return hook
+
+    def _on_routed(self, layer: int, experts: list[int]) -> None:
+        self.last_routing[layer] = experts
+        for rec in self._records:
+            rec._add(layer, experts)
+        self.prefetcher.on_layer_routed(layer, experts)
+        for fn in self._observers:
+            fn(layer, experts)
+
+    def add_routing_observer(self, fn: Callable[[int, list[int]], None]) -> None:
+        """Call fn(layer, experts) each time a layer's forward has routed (experts sorted)."""
+        self._observers.append(fn)
+
+    def remove_routing_observer(self, fn: Callable[[int, list[int]], None]) -> None:
+        self._observers.remove(fn)
+
+    @contextlib.contextmanager
+    def record_routing(self) -> Iterator[RoutingRecord]:
+        """Record which experts each layer used in each forward inside the block."""
+        rec = RoutingRecord()
+        self._records.append(rec)
+        try:
+            yield rec
+        finally:
+            self._records.remove(rec)
+
+    # -- use -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PdflashError("this OffloadedModel is closed; load the model again")
+
+    def new_kv_cache(self):
+        """An empty KV cache for ``forward`` (transformers DynamicCache, sliding layers as the model's config says)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def forward(self, input_ids: torch.Tensor, cache=None, **kwargs):
+        """``model(input_ids, <kv cache>=cache, use_cache=True, **kwargs)`` without autograd."""
+        self._check_open()
+        kwargs[self._cache_kwarg] = cache
+        kwargs.setdefault("use_cache", cache is not None)
+        with torch.inference_mode():
+            return self.model(input_ids=input_ids.to(self.device), **kwargs)
+
+    def preload(self, zero_stats: bool = True) -> int:
+        """Copy experts into the cache, layer by layer, until it is full; returns how many landed.
+
+        With ``zero_stats`` the scheduler's and the cache's statistics start from zero afterwards.
+        """
+        self._check_open()
+        keys = [(layer, e) for layer in range(self.family.num_layers) for e in range(self.family.num_experts)]
+        n = self.cache.fill(keys[: self.cache.capacity])
+        if zero_stats:
+            self.scheduler.reset()  # nothing is queued now: this only zeroes its statistics
+            self.cache.zero_stats()
+        return n
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (transformers AutoTokenizer), loaded on first use."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    # -- measurements ----------------------------------------------------------------
+    def stats(self) -> dict:
+        """Plain-dict measurements since load or the last reset_cache(). Unmeasured values are None."""
+        self._check_open()
+        fs = self.cache.stats
+        st = self.scheduler.stats()
+        ran = fs.forwards > 0
+        bands = []
+        for b in Band:
+            lv = st["levels"][b]
+            bands.append({
+                "band": int(b), "name": band_name(b),
+                "submitted": lv["submitted"], "completed": lv["completed"], "cancelled": lv["cancelled"],
+                "promoted": lv["promoted"], "deduplicated": lv["deduplicated"],
+                "queue_depth": lv["queue_depth"], "in_flight": lv["in_flight"],
+                "stall_seconds": lv["stall_s"], "queue_wait_seconds": lv["queue_wait_s"],
+                "max_queue_wait_seconds": lv["max_queue_wait_s"], "bytes": lv["bytes"],
+            })
+        bytes_moved = sum(lv["bytes"] for lv in st["levels"])
+        hits, misses = fs.hits, fs.misses
+        promoted = sum(lc.promoted for lc in fs.layers)
+        exposed_by_band = {band_name(b): fs.exposed_by_band.get(int(b), 0.0) for b in Band} if ran else None
+        for b, s in fs.exposed_by_band.items():
+            if exposed_by_band is not None and b > Band.BACKGROUND:
+                exposed_by_band[band_name(b)] = s
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "expert_format": "mxfp4" if self.host.layout.quantized else "dense",
+            "expert_bytes": self.host.layout.expert_bytes,
+            "forwards": fs.forwards,
+            "tokens": fs.tokens,
+            "exposed_fetch_seconds": fs.exposed_s if ran else None,
+            "exposed_fetch_by_band": exposed_by_band,
+            "waits_by_band": {band_name(b): n for b, n in sorted(fs.waits_by_band.items())} if ran else None,
+            "cache": {
+                "slots": self.cache.capacity,
+                "slot_bytes": self.cache.slot_bytes,
+                "policy": self.cache.policy,
+                **self.cache.occupancy(),
+                "hits": hits,
+                "misses": misses,
+                "promoted": promoted,
+                "hit_rate": fs.hit_rate(),
+                "evictions": fs.evictions,
+            },
+            "prefetch": {
+                "issued": {band_name(b): n for b, n in sorted(fs.prefetch_issued.items())},
+                "used": fs.prefetch_used,
+                "wasted": fs.prefetch_wasted,
+                "cancelled": fs.prefetch_cancelled,
+                "dropped": fs.prefetch_dropped,
+                "redundant": fs.prefetch_redundant,
+                "accuracy": self.prefetcher.accuracy(),
+                **self.prefetcher.settings(),
+            },
+            "demand_fetches": fs.demand_fetches,
+            "bytes_moved": bytes_moved,
+            "bytes_per_token": bytes_moved / fs.tokens if fs.tokens else None,
+            "link_busy_seconds": st["link_busy_s"],
+            "elapsed_seconds": st["elapsed_s"],
+            "link_gbps": self.link_gbps,
+            "bands": bands,
+            "per_layer": [
+                {"layer": i, "hits": lc.hits, "misses": lc.misses, "promoted": lc.promoted,
+                 "exposed_fetch_seconds": lc.exposed_s if ran else None, "waits": lc.waits}
+                for i, lc in enumerate(fs.layers)
+            ],
+            "errors": list(self.cache.errors),
+        }
+
+    def resident_experts(self) -> dict[int, list[int]]:
+        """{layer: experts resident in the device cache now}."""
+        self._check_open()
+        return self.cache.resident()
+
+    def hit_rate(self) -> float | None:
+        return self.cache.stats.hit_rate()
+
+    # -- lifecycle -------------------------------------------------------------------
+    def reset_cache(self) -> None:
+        """Not terminal: empty the device cache and the scheduler's queues, zero all statistics."""
+        self._check_open()
+        self.cache.reset()
+        self.prefetcher.reset()
+        self.last_routing = {}
+
+    def close(self) -> None:
+        """Terminal and idempotent: stop the scheduler, release pinned host and device memory."""
+        if getattr(self, "_closed", True) and self.scheduler is None:
+            return
+        self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        if self.scheduler is not None:
+            self.scheduler.close()  # joins workers; no copy touches the buffers after this
+            self.scheduler = None
+        if self.cache is not None:
+            self.cache.close()
+        if self.host is not None:
+            self.host.close()
+        self.model = None
+        self.prefetcher = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "OffloadedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _slot_count(cache_mib: float | None, cache_experts: int | None, expert_bytes: int, total: int) -> int:
+    if cache_mib is not None and cache_experts is not None:
+        raise PdflashError("give the expert cache size in MiB or as a count of experts, not both")
+    if cache_experts is not None:
+        if cache_experts < 0:
+            raise PdflashError(f"the expert cache size must be positive, got {cache_experts} experts")
+        return min(int(cache_experts), total)
+    if cache_mib is not None:
+        if cache_mib < 0:
+            raise PdflashError(f"--expert-cache-mib must be positive, got {cache_mib}")
+        return min(int(cache_mib * 2**20 // expert_bytes), total)
+    return total
+
+
+def _fill_host(host: HostStore, ckpt: Checkpoint, fam, progress: bool) -> None:
+    layers = range(fam.num_layers)
+    bar = None
+    if progress:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("loading experts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                       console=Console(stderr=True), transient=True)
+        bar.start()
+        task = bar.add_task("layers", total=fam.num_layers)
+    try:
+        for layer in layers:
+            host.fill_layer(layer, {piece: ckpt.get(name) for piece, name in fam.expert_sources(layer).items()})
+            if bar is not None:
+                bar.advance(task)
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _eos_ids(path: Path, config: dict) -> list[int]:
+    ids = None
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            ids = json.loads(gen.read_text()).get("eos_token_id")
+        except (ValueError, OSError):
+            ids = None
+    if ids is None:
+        ids = config.get("eos_token_id")
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def load_tokenizer(path: str | Path):
+    """transformers AutoTokenizer of a checkpoint directory, or a PdflashError saying what is missing."""
+    p = Path(path)
+    if not ((p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file()):
+        raise PdflashError(f"{p}: no tokenizer files (tokenizer.json); the checkpoint cannot turn text into tokens")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as exc:
+        raise PdflashError(f"{p}: the tokenizer could not be loaded ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None

@@ -1,0 +1,80 @@
+"""Counters of the offload runtime (plain Python, cheap to read from another thread).
+
+Exposed fetch is the wall time the forward pass spent blocked waiting for
+experts, measured around the blocking waits (never around submits), and split
+by the band the awaited expert was in when it was first requested:
+band 0 = an on-demand miss, band 1 = a route-ahead prefetch that was promoted,
+band 2 = a background prefetch that was promoted (any other band by number).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from pdflash.native import Band
+
+
+def band_name(band: int) -> str:
+    try:
+        return Band(band).name.lower().replace("_", "-")
+    except ValueError:
+        return f"band-{band}"
+
+
+@dataclass
+class LayerCounters:
+    hits: int = 0  # requested expert already resident
+    misses: int = 0  # not resident when requested (fetched on demand or promoted)
+    promoted: int = 0  # misses that were already queued or in flight as a prefetch
+    exposed_s: float = 0.0  # blocked waiting for this layer's experts
+    waits: int = 0
+
+
+@dataclass
+class FetchStats:
+    num_layers: int
+    layers: list[LayerCounters] = field(default_factory=list)
+    exposed_by_band: dict[int, float] = field(default_factory=dict)  # origin band -> seconds blocked
+    waits_by_band: dict[int, int] = field(default_factory=dict)
+    prefetch_issued: dict[int, int] = field(default_factory=dict)  # band -> prefetch copies submitted
+    prefetch_used: int = 0  # prefetched experts a forward then used
+    prefetch_wasted: int = 0  # landed, then evicted before any forward used them
+    prefetch_cancelled: int = 0  # cancelled before they landed (layer passed, or slot taken back)
+    prefetch_dropped: int = 0  # no evictable slot for them
+    prefetch_redundant: int = 0  # already resident or on the way
+    demand_fetches: int = 0  # copies submitted at band 0 for misses
+    evictions: int = 0
+    forwards: int = 0
+    tokens: int = 0  # tokens processed by forwards (prefill tokens included)
+
+    def __post_init__(self):
+        if not self.layers:
+            self.layers = [LayerCounters() for _ in range(self.num_layers)]
+
+    def add_exposed(self, layer: int, band: int, seconds: float) -> None:
+        self.exposed_by_band[band] = self.exposed_by_band.get(band, 0.0) + seconds
+        self.waits_by_band[band] = self.waits_by_band.get(band, 0) + 1
+        lc = self.layers[layer]
+        lc.exposed_s += seconds
+        lc.waits += 1
+
+    @property
+    def hits(self) -> int:
+        return sum(lc.hits for lc in self.layers)
+
+    @property
+    def misses(self) -> int:
+        return sum(lc.misses for lc in self.layers)
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(self.exposed_by_band.values())
+
+    def hit_rate(self) -> float | None:
+        n = self.hits + self.misses
+        return self.hits / n if n else None
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("num_layers")
+        return d

@@ -1,0 +1,152 @@
+"""ExpertCache on its own: bytes land where they belong, eviction policies, pins, prefetch accounting."""
+
+import pytest
+import torch
+
+from pdflash import PdflashError
+from pdflash.native import Band, Scheduler
+from pdflash.offload.cache import ExpertCache
+from pdflash.offload.host_store import ExpertLayout, HostStore
+
+LAYERS, EXPERTS = 3, 6
+
+
+@pytest.fixture
+def store():
+    layout = ExpertLayout.build([("w", (5, 7), torch.bfloat16), ("s", (3,), torch.uint8), ("b", (7,), torch.float32)], quantized=False)
+    host = HostStore(layout, LAYERS, EXPERTS, pin=False)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(LAYERS):
+        host.fill_layer(layer, {
+            "w": torch.randn(EXPERTS, 5, 7, generator=g).to(torch.bfloat16),
+            "s": torch.randint(0, 256, (EXPERTS, 3), dtype=torch.uint8, generator=g),
+            "b": torch.randn(EXPERTS, 7, generator=g),
+        })
+    return host
+
+
+@pytest.fixture
+def sched():
+    with Scheduler(backend="memcpy", workers=2) as s:
+        yield s
+
+
+def _fetch(cache, layer, e):
+    """What a forward does for one expert: hit, or request + wait. Returns the slot."""
+    s = cache.lookup(layer, e)
+    if s is None:
+        s = cache.wait(cache.request(layer, e))
+    return s
+
+
+def test_layout_alignment_and_views(store):
+    lay = store.layout
+    assert all(p.offset % 16 == 0 for p in lay.pieces) and lay.expert_bytes % 256 == 0
+    assert lay.payload_bytes == 5 * 7 * 2 + 3 + 7 * 4
+    row = store.row(2, 4)
+    assert lay.view(row, "w").dtype == torch.bfloat16 and lay.view(row, "w").shape == (5, 7)
+    assert lay.view(row, "w").data_ptr() == row.data_ptr() + lay.piece("w").offset  # a view, no copy
+
+
+def test_fetched_slot_holds_the_host_bytes(store, sched):
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=4)
+    for layer, e in [(0, 1), (2, 5), (1, 3)]:
+        s = _fetch(cache, layer, e)
+        cache.end_layer()
+        assert torch.equal(cache.slots[s], store.row(layer, e))
+        b = store.layout.gather(cache.slots, torch.tensor([s]), "b")[0]
+        assert torch.equal(b, store.expert_tensor(layer, e, "b"))
+    assert cache.resident() == {0: [1], 1: [3], 2: [5]}
+
+
+def _fill_and_use(cache, keys):
+    for k in keys:
+        _fetch(cache, *k)
+        cache.end_layer()
+
+
+def test_lru_evicts_least_recently_used(store, sched):
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=3, policy="lru")
+    _fill_and_use(cache, [(0, 0), (0, 1), (0, 2), (0, 0)])  # (0, 1) is now least recently used
+    _fill_and_use(cache, [(1, 0)])
+    assert not cache.is_resident(0, 1) and all(cache.is_resident(*k) for k in [(0, 0), (0, 2), (1, 0)])
+    assert cache.stats.evictions == 1
+
+
+def test_lfu_keeps_the_frequently_used(store, sched):
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=3, policy="lfu")
+    for _ in range(5):
+        cache.begin_forward(1)
+        _fill_and_use(cache, [(0, 0)])
+    cache.begin_forward(1)
+    _fill_and_use(cache, [(0, 1), (0, 2)])  # (0, 0) is the least recent but the most used
+    _fill_and_use(cache, [(1, 0)])
+    assert cache.is_resident(0, 0) and not cache.is_resident(0, 1)
+
+
+def test_lookahead_policy_spares_predicted_experts(store, sched):
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=3, policy="lookahead")
+    _fill_and_use(cache, [(2, 0), (0, 1), (0, 2)])
+    cache.protected = {(2, 0)}  # the oldest, but predicted for an upcoming layer
+    _fill_and_use(cache, [(1, 5)])
+    assert cache.is_resident(2, 0) and not cache.is_resident(0, 1)
+
+
+def test_pinned_slots_are_never_evicted(store, sched):
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=2)
+    _fetch(cache, 0, 0)
+    _fetch(cache, 0, 1)  # both pinned by the running layer
+    assert cache.request(0, 2) is None  # nothing may be evicted
+    assert not cache.prefetch(1, 0, Band.BACKGROUND) and cache.stats.prefetch_dropped == 1
+    cache.end_layer()  # on CPU the pins end with the layer
+    assert cache.request(0, 2) is not None
+
+
+def test_deferred_pins_wait_for_a_sync_point(store, sched):
+    """Asynchronous devices: a finished layer's slots stay unevictable until the next sync point."""
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=2)
+    cache._async_device = True  # behave as on CUDA
+    _fill_and_use(cache, [(0, 0), (0, 1)])
+    assert cache.occupancy()["pinned"] == 2 and cache.request(1, 0) is None
+    cache.sync_point()
+    assert cache.request(1, 0) is not None
+
+
+def test_prefetch_used_and_wasted_are_counted(store, sched):
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=3)
+    assert cache.prefetch(1, 1, Band.ROUTE_AHEAD) and cache.prefetch(1, 2, Band.BACKGROUND)
+    assert not cache.prefetch(1, 1, Band.BACKGROUND) and cache.stats.prefetch_redundant == 1
+    cache.drain()
+    assert cache.lookup(1, 1) is not None  # a prefetched expert used by a forward
+    cache.end_layer()
+    _fill_and_use(cache, [(0, 0), (0, 3)])  # the third slot is free, then the LRU victim is the unused (1, 2)
+    st = cache.stats
+    assert st.prefetch_used == 1 and st.prefetch_wasted == 1 and st.prefetch_issued == {1: 1, 2: 1}
+    assert st.layers[1].hits == 1 and st.layers[0].misses == 2
+
+
+def test_demand_takes_back_a_prefetch_in_flight(store):
+    with Scheduler(backend="memcpy", workers=1, link_gbps=0.0001) as slow:  # 100 kB/s: copies stay queued
+        cache = ExpertCache(store, slow, torch.device("cpu"), n_slots=2)
+        assert cache.prefetch(2, 0, Band.BACKGROUND) and cache.prefetch(2, 1, Band.BACKGROUND)
+        f = cache.request(0, 0)  # no free or resident slot: a prefetch on the way is cancelled for it
+        assert f is not None
+        assert cache.wait(f) == f.slot and cache.is_resident(0, 0)
+        assert cache.stats.prefetch_cancelled + cache.stats.prefetch_wasted == 1
+
+
+def test_reset_empties_and_stays_usable(store, sched):
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=3)
+    _fill_and_use(cache, [(0, 0), (1, 1)])
+    cache.prefetch(2, 2, Band.BACKGROUND)
+    cache.reset()
+    assert cache.resident() == {} and cache.occupancy()["free"] == 3 and cache.stats.misses == 0
+    s = _fetch(cache, 2, 2)
+    assert torch.equal(cache.slots[s], store.row(2, 2))
+
+
+def test_bad_sizes_and_policies(store, sched):
+    with pytest.raises(PdflashError, match="at least one slot"):
+        ExpertCache(store, sched, torch.device("cpu"), n_slots=0)
+    with pytest.raises(PdflashError, match="unknown eviction policy"):
+        ExpertCache(store, sched, torch.device("cpu"), n_slots=2, policy="mru")
