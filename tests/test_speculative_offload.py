@@ -1,0 +1,109 @@
+"""Speculative decoding on the offloaded runtime: lossless greedy for bf16 and MXFP4 targets at
+several block sizes and expert-cache sizes (the minimum included), with route-ahead prefetches
+going through the runtime's prefetcher."""
+
+import json
+
+import pytest
+import torch
+
+from pdflash import PdflashError
+from pdflash.draft import (
+    RouteAhead,
+    draft_block_size,
+    load_draft,
+    make_oracle,
+    speculative_generate,
+    speculative_on_runtime,
+    write_synthetic_draft,
+)
+from pdflash.offload.config import ModelPreset
+from pdflash.offload.generate import generate
+from pdflash.offload.runtime import OffloadedModel, min_cache_experts
+from pdflash.offload.synthetic import write_checkpoint
+
+PROMPT = [3, 17, 41, 5, 99, 12, 7, 250, 31, 8, 64, 2]  # longer than the tiny preset's window (8)
+NEW = 30
+BLOCK = 4  # the tiny draft's trained block size
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["bf16", "mxfp4"])
+def checkpoint(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    write_checkpoint(out / "target", ModelPreset.from_name("tiny"), mxfp4=request.param == "mxfp4", dtype="bfloat16")
+    write_synthetic_draft(out / "draft", "tiny", target_dir=out / "target", seed=2)
+    return out
+
+
+def cache_sizes():
+    p = ModelPreset.from_name("tiny")
+    least = min_cache_experts(p.num_local_experts, p.num_experts_per_tok, BLOCK)
+    return [least, least + 5, p.num_hidden_layers * p.num_local_experts]
+
+
+@pytest.mark.parametrize("slots", cache_sizes())
+def test_lossless_on_the_offloaded_runtime(checkpoint, slots):
+    with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=slots, block_tokens=BLOCK) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+        draft = load_draft(checkpoint / "draft", rt.model)
+        assert draft.embed_tokens is rt.model.model.embed_tokens
+        for block in (2, BLOCK):
+            rt.reset_cache()
+            got = speculative_generate(rt.model, draft, PROMPT, NEW, block_size=block)
+            assert got.token_ids == want, (block, slots)
+        rt.reset_cache()
+        oracle = make_oracle(rt.model, PROMPT, NEW, 0.7, reference=want, seed=slots)
+        ra = RouteAhead(rt.model, "draft-router+previous", rt.prefetcher.prefetch_experts, block_size=BLOCK,
+                        bytes_per_expert=rt.stats()["expert_bytes"], window_layers=2)
+        try:
+            got = speculative_generate(rt.model, draft, PROMPT, NEW, block_size=BLOCK, oracle=oracle, route_ahead=ra)
+        finally:
+            ra.close()
+        assert got.token_ids == want
+        assert got.stats.acceptance_length > 1.3 and oracle.divergences == 0
+        stats = rt.stats()
+        route_band = next(b for b in stats["bands"] if b["band"] == ra.priority)
+        if slots < 32:  # all-resident caches fill on demand and leave nothing to prefetch later
+            assert route_band["submitted"] > 0
+        assert stats["prefetch"]["accuracy"]["route-ahead"]["predicted"] >= got.route_ahead["predicted"] > 0
+        assert not stats["errors"]
+
+
+def test_runtime_helper_oracle_mode_reports_only_the_speculative_run(checkpoint):
+    block = draft_block_size(checkpoint / "draft", None)
+    with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=12, block_tokens=block) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+        rt.reset_cache()
+        draft = load_draft(checkpoint / "draft", rt.model)
+        res = speculative_on_runtime(rt, draft, PROMPT, NEW, acceptance=0.7, predictor="draft-router", eos_token_ids=[])
+        assert res.token_ids == want
+        d = res.to_dict()
+        assert d["oracle_acceptance"] == 0.7 and d["route_ahead"]["predictor"] == "draft-router"
+        assert rt.stats()["forwards"] == 1 + res.stats.verify_steps  # the reference run was reset away
+        a = speculative_on_runtime(rt, draft, PROMPT, 12, temperature=0.9, seed=4, predictor=None, eos_token_ids=[])
+        b = speculative_on_runtime(rt, draft, PROMPT, 12, temperature=0.9, seed=4, predictor=None, eos_token_ids=[])
+        assert a.token_ids == b.token_ids and a.route_ahead is None
+    for bad in (0, 5):
+        with pytest.raises(PdflashError, match="block size 4"):
+            draft_block_size(checkpoint / "draft", bad)
+
+
+def test_benchmark_runs_every_arm_on_the_same_tokens(tmp_path):
+    from pdflash.draft.bench import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--synthetic", "tiny", "--device", "cpu", "--max-new-tokens", "10", "--prompts", "1",
+                 "--repeats", "1", "--predictors", "previous,none", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["oracle_acceptance"] == 0.7 and "Oracle-acceptance mode" in result["markdown"]
+    assert {r["arm"] for r in result["runs"]} == {"plain", "spec:previous", "spec:none"}
+    assert all(r["same_tokens_as_plain"] for r in result["runs"])
+    assert result["summary"]["spec:previous"]["acceptance_length"] >= 1.0
