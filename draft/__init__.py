@@ -14,7 +14,7 @@ acceptance rules), ``route_ahead`` (expert predictors, prefetch submission, qual
 
 from pdflash.draft.config import PRESETS, DFlashConfig, TargetShape, spread_layer_ids
 from pdflash.draft.model import DFlashDraftModel, DraftKVCache, draft_tensor_shapes, load_draft
-from pdflash.draft.offloaded import draft_block_size, speculative_on_runtime
+from pdflash.draft.offloaded import draft_block_size, generate_with_draft, speculative_on_runtime
 from pdflash.draft.oracle import OracleProposer
 from pdflash.draft.route_ahead import (
     PREDICTORS,
@@ -59,6 +59,7 @@ __all__ = [
     "check_block_size",
     "draft_block_size",
     "draft_tensor_shapes",
+    "generate_with_draft",
     "greedy_generate",
     "load_draft",
     "make_oracle",

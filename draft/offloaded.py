@@ -11,7 +11,8 @@ a window sized to the expert cache (:func:`~pdflash.draft.route_ahead.window_for
 
 Oracle-acceptance mode (``acceptance`` = P): the target's greedy continuation is first computed
 by a plain decoding run on the same runtime (not part of the result's timings); the runtime's
-cache and statistics are then reset, so the reported figures cover the speculative run alone.
+cache and statistics are then reset (and an all-resident cache preloaded again), so the reported
+figures cover the speculative run alone.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def speculative_on_runtime(
                              eos_token_ids=eos, seed=seed)
         if reference is None:
             rt.reset_cache()
+            fam = rt.family
+            if rt.cache.capacity >= fam.num_layers * fam.num_experts:
+                rt.preload()  # an all-resident cache starts warm, as after loading
     route_ahead = None
     if predictor not in (None, "none"):
         fam = rt.family
@@ -80,3 +84,73 @@ def speculative_on_runtime(
     finally:
         if route_ahead is not None:
             route_ahead.close()
+
+
+def generate_with_draft(
+    rt,
+    input_ids: Sequence[int],
+    *,
+    draft_dir: str | Path,
+    max_new_tokens: int,
+    block_size: int | None = None,
+    predictor: str | None = "draft-router",
+    acceptance: float | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    on_step: Callable | None = None,
+    on_verify: Callable[[StepInfo], None] | None = None,
+) -> tuple[object, dict]:
+    """``pdflash generate --draft``: returns (a GenerationResult as plain decoding returns it,
+    extra report fields).
+
+    ``on_step`` gets ``pdflash.offload.generate.StepInfo`` once per verify pass (index of the last
+    committed token, decode rate so far; elapsed counts decode time only), ``on_verify`` this
+    module's :class:`StepInfo` of the pass. Extra fields: ``draft``, ``block_size``,
+    ``verify_steps``, ``acceptance_length``, ``acceptance_per_position``, ``draft_ms``,
+    ``verify_ms``, ``route_ahead`` (None when off) and, in oracle-acceptance mode only,
+    ``oracle_acceptance`` = P with the oracle's divergence counters.
+    """
+    from pdflash.draft.model import load_draft
+    from pdflash.offload.generate import GenerationResult
+    from pdflash.offload.generate import StepInfo as TokenStep
+
+    draft = load_draft(draft_dir, rt.model)
+    eos = list(rt.eos_token_ids)
+    decode_s = [0.0]
+
+    def step_hook(info: StepInfo) -> None:
+        decode_s[0] += info.draft_seconds + info.verify_seconds
+        if on_verify is not None:
+            on_verify(info)
+        if on_step is not None:
+            d = decode_s[0]
+            on_step(TokenStep(info.generated - 1, info.committed[-1], d, (info.generated - 1) / d if d > 0 else None))
+
+    res = speculative_on_runtime(rt, draft, input_ids, max_new_tokens, block_size=block_size, predictor=predictor,
+                                 acceptance=acceptance, temperature=temperature, seed=seed, eos_token_ids=eos,
+                                 on_step=step_hook)
+    n = len(res.token_ids)
+    st = res.stats
+    gen = GenerationResult(
+        token_ids=res.token_ids,
+        prompt_tokens=len(input_ids),
+        stop_reason="eos" if res.token_ids and res.token_ids[-1] in set(eos) else "length",
+        ttft_ms=st.prefill_seconds * 1e3,
+        tpot_ms=st.decode_seconds / (n - 1) * 1e3 if n > 1 else None,
+        tokens_per_second=res.tokens_per_second,
+        total_s=st.prefill_seconds + st.decode_seconds,
+        stats=rt.stats(),
+    )
+    extra = {
+        "draft": str(draft_dir),
+        "block_size": st.block_size,
+        "verify_steps": st.verify_steps,
+        "acceptance_length": st.acceptance_length,
+        "acceptance_per_position": st.acceptance_per_position,
+        "draft_ms": st.draft_seconds * 1e3,
+        "verify_ms": st.verify_seconds * 1e3,
+        "route_ahead": res.route_ahead,
+    }
+    if res.oracle is not None:
+        extra.update(res.oracle)
+    return gen, extra
