@@ -171,11 +171,10 @@ class OffloadedModel:
         n_slots = _slot_count(cache_mib, cache_experts, layout.expert_bytes, L * E)
         need = min_cache_experts(E, K, block_tokens)
         if n_slots < need:
-            mib = layout.expert_bytes / 2**20
             asked = f"{cache_mib:g} MiB" if cache_experts is None else f"{cache_experts} experts"
             raise PdflashError(
-                f"expert cache of {asked} holds {n_slots} experts of {mib:.2f} MiB; the minimum is {need} "
-                f"({need * mib:.1f} MiB), what one layer may need at once (top-{K} x {block_tokens} token(s))"
+                f"an expert cache of {asked} holds {n_slots} experts of {_size(layout.expert_bytes)}; the minimum is {need} "
+                f"({_size(need * layout.expert_bytes)}), what one layer may need at once (top-{K} x {block_tokens} token(s))"
             )
 
         self.host = HostStore(layout, L, E, pin=dev.type == "cuda")
@@ -424,6 +423,10 @@ class OffloadedModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _slot_count(cache_mib: float | None, cache_experts: int | None, expert_bytes: int, total: int) -> int:

@@ -68,7 +68,7 @@ class FetchStats:
 
     @property
     def exposed_s(self) -> float:
-        return sum(self.exposed_by_band.values())
+        return sum(self.exposed_by_band.values(), 0.0)
 
     def hit_rate(self) -> float | None:
         n = self.hits + self.misses

@@ -181,7 +181,7 @@ def test_kv_cache_crop_like_speculative_decoding(ck_dense):
 
 # -- sizing and lifecycle ----------------------------------------------------------------------------
 def test_cache_below_minimum_is_a_clear_error(ck):
-    with pytest.raises(PdflashError, match=r"holds 1 experts .* the minimum is 2 "):
+    with pytest.raises(PdflashError, match=r"holds 1 experts of .* the minimum is 2 "):
         OffloadedModel.load(ck, expert_cache_experts=1)
     with pytest.raises(PdflashError, match=r"the minimum is 6 .*top-2 x 3 token"):
         OffloadedModel.load(ck, expert_cache_experts=5, block_tokens=3)

@@ -1,0 +1,222 @@
+"""`pdflash generate`: generate text with a model whose experts are offloaded.
+
+The command is assembled from small steps so new modes plug in without touching
+the rest: ``_read_prompt`` -> ``_load_options`` (kwargs of OffloadedModel.load)
+-> ``_encode`` -> ``_run`` (the decoding loop; returns the result and extra JSON
+fields) -> ``_report`` (the JSON object) / ``_print_summary``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from pdflash import PdflashError
+
+DEFAULT_DEVICE = "auto"
+
+
+def _read_prompt(prompt: str) -> str:
+    text = sys.stdin.read() if prompt == "-" else prompt
+    if not text.strip():
+        raise PdflashError("the prompt is empty: give some text (or '-' to read it from stdin)")
+    return text
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _load_options(
+    *,
+    device: str,
+    dtype: str,
+    expert_cache_mib: float | None,
+    expert_cache_experts: int | None,
+    link_gbps: float | None,
+    eviction: str,
+    lookahead_depth: int,
+    history_depth: int,
+    show_progress: bool,
+) -> dict[str, Any]:
+    """Keyword arguments of OffloadedModel.load for these command-line options."""
+    opts = dict(
+        device=_resolve_device(device),
+        dtype=None if dtype == "auto" else dtype,
+        expert_cache_mib=expert_cache_mib,
+        expert_cache_experts=expert_cache_experts,
+        link_gbps=link_gbps,
+        eviction=eviction,
+        lookahead_depth=lookahead_depth,
+        history_depth=history_depth,
+        progress=show_progress,
+    )
+    # every expert fits: copy them in while loading, so generation starts warm
+    opts["preload"] = expert_cache_mib is None and expert_cache_experts is None
+    return opts
+
+
+def _encode(rt, text: str, chat: bool) -> list[int]:
+    tok = rt.tokenizer
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise PdflashError(f"--chat: the tokenizer of {rt.path} has no chat template; run without --chat")
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False).input_ids
+    else:
+        ids = tok(text).input_ids
+    if not ids:
+        raise PdflashError("the prompt encodes to no tokens")
+    vocab = int(rt.config.vocab_size)
+    if max(ids) >= vocab:
+        raise PdflashError(f"the tokenizer produced id {max(ids)} but the model has only {vocab} embeddings")
+    return list(ids)
+
+
+def _run(rt, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int, on_step) -> tuple[Any, dict]:
+    """Decode; returns (GenerationResult, extra fields for the JSON report)."""
+    from pdflash.offload.generate import generate as run_generate
+
+    res = run_generate(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step)
+    return res, {}
+
+
+def _report(rt, res, text: str, extra: dict, load_s: float) -> dict:
+    st = res.stats
+    return {
+        "token_ids": res.token_ids,
+        "text": text,
+        "prompt_tokens": res.prompt_tokens,
+        "generated_tokens": len(res.token_ids),
+        "stop_reason": res.stop_reason,
+        "tokens_per_second": res.tokens_per_second,
+        "ttft_ms": res.ttft_ms,
+        "tpot_ms": res.tpot_ms,
+        "load_seconds": load_s,
+        "exposed_fetch_seconds": st["exposed_fetch_seconds"],
+        "exposed_fetch_by_band": st["exposed_fetch_by_band"],
+        "cache": st["cache"],
+        "prefetch": st["prefetch"],
+        "bytes_moved": st["bytes_moved"],
+        "bytes_per_token": st["bytes_per_token"],
+        "link_busy_seconds": st["link_busy_seconds"],
+        "bands": [
+            {k: b[k] for k in ("band", "name", "submitted", "completed", "cancelled", "promoted", "stall_seconds",
+                               "queue_wait_seconds", "bytes")}
+            for b in st["bands"]
+        ],
+        "model": str(rt.path),
+        "device": st["device"],
+        "dtype": st["dtype"],
+        "expert_format": st["expert_format"],
+        "per_layer": st["per_layer"],
+        **extra,
+    }
+
+
+def _fmt(v, unit: str = "", digits: int = 2) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}{unit}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def _print_summary(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
+    print(report["text"])
+    c = report["cache"]
+    t = Table(title="generation", title_justify="left", show_header=False)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("tokens", f"{report['generated_tokens']} ({report['stop_reason']})"),
+        ("tokens/s (decode)", _fmt(report["tokens_per_second"])),
+        ("time to first token", _fmt(report["ttft_ms"], " ms", 1)),
+        ("time per output token", _fmt(report["tpot_ms"], " ms", 1)),
+        ("exposed fetch", _fmt(report["exposed_fetch_seconds"], " s", 4)),
+        ("cache hit rate", "n/a" if c["hit_rate"] is None else f"{c['hit_rate']:.1%} ({c['hits']} hits, {c['misses']} misses)"),
+        ("cache", f"{c['slots']} slots of {_size(c['slot_bytes'])}, {c['resident']} resident, {c['policy']} eviction"),
+        ("bytes moved", f"{report['bytes_moved'] / 1e6:.2f} MB"),
+        ("link busy", _fmt(report["link_busy_seconds"], " s", 4)),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt text; '-' reads it from stdin.")],
+    model: Annotated[Path | None, typer.Option(help="Checkpoint directory: config.json, safetensors weights and tokenizer.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate (generation also stops at an end-of-sequence token).")] = 64,
+    expert_cache_mib: Annotated[float | None, typer.Option(help="Device memory for the expert cache in MiB; default: every expert resident.")] = None,
+    expert_cache_experts: Annotated[int | None, typer.Option(help="Expert cache size as a number of experts (instead of --expert-cache-mib).")] = None,
+    device: Annotated[str, typer.Option(help="Where to compute: cpu, cuda, cuda:N, or auto (cuda when available).")] = DEFAULT_DEVICE,
+    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (the checkpoint's), bfloat16, float16 or float32.")] = "auto",
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature; 0 means greedy decoding.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the sampler (used when --temperature is above 0).")] = 0,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live table of fetch bands on stderr (terminals only).")] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with the tokens, text, timing and fetch statistics.")] = False,
+    link_gbps: Annotated[float | None, typer.Option(help="CPU only: simulate a host-to-device link of this many GB/s, so offloading costs real time.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the tokenizer's chat template as a user message.")] = False,
+    eviction: Annotated[str, typer.Option(help="Expert cache eviction policy: lru, lfu (frequency with decay) or lookahead (spare predicted experts).")] = "lru",
+    lookahead_depth: Annotated[int, typer.Option(min=0, help="Prefetch by applying the routers of the next N layers to the current hidden state (0: off).")] = 0,
+    history_depth: Annotated[int, typer.Option(min=0, help="Prefetch the most used experts of the next N layers in the background band (0: off).")] = 0,
+) -> None:
+    """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
+
+    Examples:
+      pdflash generate "The capital of France is" --model ./gpt-oss-20b --expert-cache-mib 4096
+      echo "Hello" | pdflash generate - --model /tmp/tiny --device cpu --link-gbps 8 --json
+    """
+    from pdflash.cli.live import LiveBandTable, live_enabled
+    from pdflash.offload.runtime import OffloadedModel
+
+    if model is None:
+        raise PdflashError("--model is required: pass a checkpoint directory (make one with 'pdflash make-synthetic')", exit_code=2)
+    text = _read_prompt(prompt)
+    draw = live_enabled(live, json_out)
+    opts = _load_options(
+        device=device, dtype=dtype, expert_cache_mib=expert_cache_mib, expert_cache_experts=expert_cache_experts,
+        link_gbps=link_gbps, eviction=eviction, lookahead_depth=lookahead_depth, history_depth=history_depth,
+        show_progress=draw,
+    )
+    t0 = time.perf_counter()
+    with OffloadedModel.load(model, **opts) as rt:
+        load_s = time.perf_counter() - t0
+        ids = _encode(rt, text, chat)
+        rate: dict[str, Any] = {"n": 0, "tps": None}
+
+        def on_step(step) -> None:
+            rate["n"] = step.index + 1
+            rate["tps"] = step.tokens_per_second
+
+        def status() -> list[tuple[str, str]]:
+            hr = rt.cache.stats.hit_rate()
+            return [
+                ("tokens", str(rate["n"])),
+                ("tok/s", _fmt(rate["tps"], "", 1)),
+                ("hit rate", "n/a" if hr is None else f"{hr:.1%}"),
+                ("exposed fetch", f"{rt.cache.stats.exposed_s:.3f} s"),
+            ]
+
+        with LiveBandTable(rt.scheduler, status=status, enabled=draw):
+            res, extra = _run(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step)
+        out_text = rt.tokenizer.decode(res.token_ids)
+        report = _report(rt, res, out_text, extra, load_s)
+    if json_out:
+        print(json.dumps(report))
+    else:
+        _print_summary(report)

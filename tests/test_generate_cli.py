@@ -1,0 +1,182 @@
+"""`pdflash generate` through the real entry point (main's error handling): output and bad input."""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pdflash.cli.main import main
+from pdflash.offload.config import ModelPreset
+from pdflash.offload.synthetic import write_checkpoint
+
+TINY = ModelPreset.from_name("tiny")
+PROMPT = "The router keeps the best experts for every token"
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("cli") / "mx", TINY, seed=31, mxfp4=True)
+
+
+@pytest.fixture
+def run(monkeypatch, capsys):
+    """Run `pdflash ARGS` in this process through cli.main.main(); returns (exit code, stdout, stderr)."""
+
+    def _run(*args, stdin=None):
+        monkeypatch.setattr(sys, "argv", ["pdflash", *map(str, args)])
+        if stdin is not None:
+            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        code = 0
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return _run
+
+
+def _reference_tokens(path, prompt_ids, n):
+    from transformers import GptOssForCausalLM
+
+    model = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    gen = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
+    return gen[0, len(prompt_ids):].tolist()
+
+
+def test_json_output_matches_transformers(ck, run):
+    from transformers import AutoTokenizer
+
+    code, out, err = run("generate", PROMPT, "--model", ck, "--max-new-tokens", 10, "--expert-cache-experts", 3,
+                         "--lookahead-depth", 1, "--json", "--device", "cpu")
+    assert code == 0, err
+    report = json.loads(out)  # exactly one JSON object on stdout
+    prompt_ids = AutoTokenizer.from_pretrained(ck)(PROMPT).input_ids
+    assert report["token_ids"] == _reference_tokens(ck, prompt_ids, 10)
+    assert report["prompt_tokens"] == len(prompt_ids)
+    for key in ("text", "tokens_per_second", "ttft_ms", "tpot_ms", "exposed_fetch_seconds"):
+        assert key in report
+    assert {"hits", "misses", "hit_rate"} <= set(report["cache"])
+    assert [b["name"] for b in report["bands"]] == ["on-demand", "route-ahead", "background"]
+    for b in report["bands"]:
+        assert {"band", "name", "submitted", "completed", "stall_seconds", "queue_wait_seconds", "bytes"} <= set(b)
+    assert report["cache"]["slots"] == 3 and report["bytes_moved"] > 0
+
+
+def test_all_resident_by_default_and_stdin_prompt(ck, run):
+    code, out, err = run("generate", "-", "--model", ck, "--max-new-tokens", 4, "--json", stdin=PROMPT + "\n")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["cache"]["slots"] == TINY.num_hidden_layers * TINY.num_local_experts
+    assert report["exposed_fetch_seconds"] == 0.0 and report["cache"]["misses"] == 0  # preloaded
+
+
+def test_chat_template_and_table_output(ck, run):
+    code, out, err = run("generate", "hi", "--model", ck, "--max-new-tokens", 3, "--chat", "--no-live")
+    assert code == 0, err
+    assert "tokens/s (decode)" in out and "cache hit rate" in out
+    code, out, _ = run("generate", "hi", "--model", ck, "--max-new-tokens", 3, "--chat", "--json")
+    plain = json.loads(run("generate", "hi", "--model", ck, "--max-new-tokens", 3, "--json")[1])
+    assert json.loads(out)["prompt_tokens"] > plain["prompt_tokens"]
+
+
+# -- bad input: one line on stderr, non-zero exit, no traceback ----------------------------------------
+def _one_error_line(code, err, expect_code=1):
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == expect_code
+    assert len(lines) == 1 and lines[0].startswith("Error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _copy(ck, tmp_path):
+    dst = tmp_path / "ck"
+    shutil.copytree(ck, dst)
+    return dst
+
+
+def test_missing_directory(run, tmp_path):
+    line = _one_error_line(*run("generate", PROMPT, "--model", tmp_path / "none")[::2])
+    assert "no such directory" in line
+
+
+def test_malformed_config(run, ck, tmp_path):
+    d = _copy(ck, tmp_path)
+    (d / "config.json").write_text("{not json")
+    assert "config.json is not valid JSON" in _one_error_line(*run("generate", PROMPT, "--model", d)[::2])
+
+
+def test_unsupported_architecture(run, ck, tmp_path):
+    d = _copy(ck, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert "unsupported model" in _one_error_line(*run("generate", PROMPT, "--model", d)[::2])
+
+
+def test_truncated_safetensors(run, ck, tmp_path):
+    d = _copy(ck, tmp_path)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    assert "not a readable safetensors file" in _one_error_line(*run("generate", PROMPT, "--model", d)[::2])
+
+
+def test_missing_tensor(run, ck, tmp_path):
+    d = _copy(ck, tmp_path)
+    f = d / "model.safetensors"
+    with safe_open(str(f), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys() if k != "model.layers.3.mlp.experts.down_proj_blocks"}
+    save_file(tensors, str(f))
+    assert "down_proj_blocks is missing" in _one_error_line(*run("generate", PROMPT, "--model", d)[::2])
+
+
+def test_cache_below_minimum(run, ck):
+    line = _one_error_line(*run("generate", PROMPT, "--model", ck, "--expert-cache-experts", 1)[::2])
+    assert "the minimum is 2" in line
+    line = _one_error_line(*run("generate", PROMPT, "--model", ck, "--expert-cache-mib", 0.001)[::2])
+    assert "holds 0 experts" in line
+
+
+def test_empty_prompt(run, ck):
+    assert "prompt is empty" in _one_error_line(*run("generate", "", "--model", ck)[::2])
+    assert "prompt is empty" in _one_error_line(*run("generate", "-", "--model", ck, stdin="  \n")[::2])
+
+
+def test_missing_model_option(run):
+    assert "--model is required" in _one_error_line(*run("generate", PROMPT)[::2], expect_code=2)
+
+
+def test_no_tokenizer(run, ck, tmp_path):
+    d = _copy(ck, tmp_path)
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer_config.json").unlink()
+    assert "no tokenizer files" in _one_error_line(*run("generate", PROMPT, "--model", d)[::2])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when CUDA is absent")
+def test_cuda_requested_without_cuda(run, ck):
+    assert "no CUDA device" in _one_error_line(*run("generate", PROMPT, "--model", ck, "--device", "cuda")[::2])
+
+
+def test_console_entry_point_end_to_end(ck):
+    """The installed command in a fresh process: stdin prompt, JSON on stdout, nothing else there."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    p = subprocess.run(
+        [sys.executable, "-m", "pdflash.cli.main", "generate", "-", "--model", str(ck), "--max-new-tokens", "3",
+         "--expert-cache-experts", "4", "--link-gbps", "1", "--json"],
+        input=PROMPT, capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert len(report["token_ids"]) == 3 and report["bytes_moved"] > 0
+    bad = subprocess.run([sys.executable, "-m", "pdflash.cli.main", "generate", "x", "--model", "/nonexistent/dir"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("Error: ") and "Traceback" not in bad.stderr
