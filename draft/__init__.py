@@ -14,13 +14,14 @@ acceptance rules), ``route_ahead`` (expert predictors, prefetch submission, qual
 
 from pdflash.draft.config import PRESETS, DFlashConfig, TargetShape, spread_layer_ids
 from pdflash.draft.model import DFlashDraftModel, DraftKVCache, draft_tensor_shapes, load_draft
-from pdflash.draft.offloaded import draft_block_size, generate_with_draft, speculative_on_runtime
+from pdflash.draft.offloaded import draft_block_size, generate_with_draft, speculative_on_runtime, speculative_options
 from pdflash.draft.oracle import OracleProposer
 from pdflash.draft.route_ahead import (
     PREDICTORS,
     ROUTE_AHEAD_PRIORITY,
     RouteAhead,
     RouteAheadReport,
+    check_predictor_name,
     make_predictor,
     window_for_cache,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "accept_greedy",
     "accept_sampling",
     "check_block_size",
+    "check_predictor_name",
     "draft_block_size",
     "draft_tensor_shapes",
     "generate_with_draft",
@@ -66,6 +68,7 @@ __all__ = [
     "make_predictor",
     "speculative_generate",
     "speculative_on_runtime",
+    "speculative_options",
     "spread_layer_ids",
     "window_for_cache",
     "write_synthetic_draft",

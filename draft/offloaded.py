@@ -24,7 +24,8 @@ import torch
 
 from pdflash.draft.config import DFlashConfig
 from pdflash.draft.model import DFlashDraftModel
-from pdflash.draft.route_ahead import RouteAhead, window_for_cache
+from pdflash import PdflashError
+from pdflash.draft.route_ahead import RouteAhead, check_predictor_name, window_for_cache
 from pdflash.draft.speculative import SpeculativeResult, StepInfo, check_block_size, make_oracle, speculative_generate
 
 
@@ -32,6 +33,40 @@ def draft_block_size(draft_dir: str | Path, block_size: int | None) -> int:
     """The verify block size a run with this draft uses (checked against the draft's config);
     load the runtime with ``block_tokens`` set to it."""
     return check_block_size(block_size, DFlashConfig.from_dir(draft_dir).block_size)
+
+
+def speculative_options(
+    draft_dir: str | Path | None,
+    *,
+    block_size: int | None,
+    predictor: str,
+    acceptance: float | None,
+    temperature: float,
+    default_predictor: str = "draft-router",
+) -> dict | None:
+    """Check the command-line options of a draft run before anything is loaded.
+
+    Returns None without a draft (then the draft-only options must be unset: exit code 2
+    otherwise), else the keyword arguments of :func:`generate_with_draft` minus the run's own.
+    ``block_size`` in the result is the resolved verify block size (load the runtime with
+    ``block_tokens`` set to it).
+    """
+    if draft_dir is None:
+        used = [flag for flag, on in (("--block-size", block_size is not None),
+                                      ("--route-ahead-predictor", predictor != default_predictor),
+                                      ("--draft-acceptance", acceptance is not None)) if on]
+        if used:
+            raise PdflashError(f"{', '.join(used)} only apply to speculative decoding: add --draft DIR", exit_code=2)
+        return None
+    check_predictor_name(predictor)
+    if acceptance is not None:
+        if not 0.0 <= acceptance <= 1.0:
+            raise PdflashError(f"--draft-acceptance must be between 0 and 1, got {acceptance}", exit_code=2)
+        if temperature > 0:
+            raise PdflashError("--draft-acceptance (oracle-acceptance mode) needs greedy decoding: drop --temperature",
+                               exit_code=2)
+    return {"draft_dir": Path(draft_dir), "block_size": draft_block_size(draft_dir, block_size),
+            "predictor": predictor, "acceptance": acceptance}
 
 
 def speculative_on_runtime(

@@ -192,6 +192,18 @@ class UnionPredictor(Predictor):
             p.observe(used)
 
 
+def check_predictor_name(name: str) -> None:
+    """Raise PdflashError unless ``name`` is a predictor, a '+'-joined union of them, or "none"."""
+    if name == "none":
+        return
+    for part in name.split("+"):
+        if part.strip() not in PREDICTORS:
+            raise PdflashError(
+                f"unknown route-ahead predictor {part.strip()!r}; choose from {', '.join(PREDICTORS)} "
+                "(join with '+'), or none"
+            )
+
+
 def make_predictor(name: str, target: nn.Module, *, block_size: int, lookahead_depth: int = 2) -> Predictor:
     """``draft-router``, ``previous``, ``lookahead`` or a ``+``-joined union of them."""
     parts = []
