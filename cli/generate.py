@@ -82,9 +82,20 @@ def _encode(rt, text: str, chat: bool) -> list[int]:
     return list(ids)
 
 
-def _run(rt, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int, on_step) -> tuple[Any, dict]:
-    """Decode; returns (GenerationResult, extra fields for the JSON report)."""
+def _run(rt, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int, on_step,
+         spec: dict | None = None, on_verify=None) -> tuple[Any, dict]:
+    """Decode; returns (GenerationResult, extra fields for the JSON report).
+
+    ``spec`` (from pdflash.draft.speculative_options) switches to speculative decoding with a
+    DFlash draft; its extra fields are acceptance_length, draft_ms, verify_ms, route_ahead, ...
+    """
     from pdflash.offload.generate import generate as run_generate
+
+    if spec is not None:
+        from pdflash.draft import generate_with_draft
+
+        return generate_with_draft(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                   on_step=on_step, on_verify=on_verify, **spec)
 
     res = run_generate(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step)
     return res, {}
@@ -152,9 +163,27 @@ def _print_summary(report: dict) -> None:
         ("bytes moved", f"{report['bytes_moved'] / 1e6:.2f} MB"),
         ("link busy", _fmt(report["link_busy_seconds"], " s", 4)),
     ]
+    if "acceptance_length" in report:
+        rows += _speculative_rows(report)
     for k, v in rows:
         t.add_row(k, v)
     out.print(t)
+
+
+def _speculative_rows(report: dict) -> list[tuple[str, str]]:
+    ra = report["route_ahead"]
+    rows = []
+    if "oracle_acceptance" in report:
+        rows.append(("ORACLE ACCEPTANCE", f"P = {report['oracle_acceptance']}: draft proposals replaced by the target's greedy tokens"))
+    rows += [
+        ("block size", str(report["block_size"])),
+        ("acceptance length", f"{report['acceptance_length']:.2f} tokens per verify ({report['verify_steps']} verify passes)"),
+        ("acceptance per position", " ".join(f"{a:.0%}" for a in report["acceptance_per_position"]) or "n/a"),
+        ("draft / verify", f"{report['draft_ms']:.1f} ms / {report['verify_ms']:.1f} ms"),
+        ("route-ahead", "off" if ra is None else
+         f"{ra['predictor']}: recall {ra['recall']:.1%}, precision {ra['precision']:.1%}, wasted {ra['wasted_bytes'] / 1e6:.2f} MB"),
+    ]
+    return rows
 
 
 def generate(
@@ -174,18 +203,26 @@ def generate(
     eviction: Annotated[str, typer.Option(help="Expert cache eviction policy: lru, lfu (frequency with decay) or lookahead (spare predicted experts).")] = "lru",
     lookahead_depth: Annotated[int, typer.Option(min=0, help="Prefetch by applying the routers of the next N layers to the current hidden state (0: off).")] = 0,
     history_depth: Annotated[int, typer.Option(min=0, help="Prefetch the most used experts of the next N layers in the background band (0: off).")] = 0,
+    draft: Annotated[Path | None, typer.Option(help="DFlash draft checkpoint directory: decode speculatively (greedy output stays identical).")] = None,
+    block_size: Annotated[int | None, typer.Option(help="With --draft: tokens per verify pass, from 1 up to the draft's trained block size (its default).")] = None,
+    route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "draft-router",
+    draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
 
     Examples:
       pdflash generate "The capital of France is" --model ./gpt-oss-20b --expert-cache-mib 4096
       echo "Hello" | pdflash generate - --model /tmp/tiny --device cpu --link-gbps 8 --json
+      pdflash generate "Hello" --model /tmp/tiny --draft /tmp/tiny/draft --block-size 3 --expert-cache-experts 8
     """
     from pdflash.cli.live import LiveBandTable, live_enabled
+    from pdflash.draft import speculative_options
     from pdflash.offload.runtime import OffloadedModel
 
     if model is None:
         raise PdflashError("--model is required: pass a checkpoint directory (make one with 'pdflash make-synthetic')", exit_code=2)
+    spec = speculative_options(draft, block_size=block_size, predictor=route_ahead_predictor,
+                               acceptance=draft_acceptance, temperature=temperature)
     text = _read_prompt(prompt)
     draw = live_enabled(live, json_out)
     opts = _load_options(
@@ -193,6 +230,11 @@ def generate(
         link_gbps=link_gbps, eviction=eviction, lookahead_depth=lookahead_depth, history_depth=history_depth,
         show_progress=draw,
     )
+    if spec is not None:
+        opts["block_tokens"] = spec["block_size"]  # the cache minimum covers one verify block
+        if spec["acceptance"] is not None:
+            print(f"oracle-acceptance mode: the draft's proposals are replaced by the target's greedy tokens "
+                  f"with mismatches at rate {1 - spec['acceptance']:.2f}; acceptance figures are synthetic", file=sys.stderr)
     t0 = time.perf_counter()
     with OffloadedModel.load(model, **opts) as rt:
         load_s = time.perf_counter() - t0
@@ -203,17 +245,29 @@ def generate(
             rate["n"] = step.index + 1
             rate["tps"] = step.tokens_per_second
 
+        def on_verify(step) -> None:  # speculative decoding: one call per verify pass
+            rate["verifies"] = rate.get("verifies", 0) + 1
+            rate["committed"] = rate.get("committed", 0) + len(step.committed)
+            rate["prefetched"] = step.route_ahead_submitted
+
         def status() -> list[tuple[str, str]]:
             hr = rt.cache.stats.hit_rate()
-            return [
+            fields = [
                 ("tokens", str(rate["n"])),
                 ("tok/s", _fmt(rate["tps"], "", 1)),
                 ("hit rate", "n/a" if hr is None else f"{hr:.1%}"),
                 ("exposed fetch", f"{rt.cache.stats.exposed_s:.3f} s"),
             ]
+            if rate.get("verifies"):
+                fields += [("accept len", f"{rate['committed'] / rate['verifies']:.2f}"),
+                           ("route-ahead this step", str(rate["prefetched"]))]
+            if spec is not None and spec["acceptance"] is not None:
+                fields.append(("ORACLE", f"P={spec['acceptance']}"))
+            return fields
 
         with LiveBandTable(rt.scheduler, status=status, enabled=draw):
-            res, extra = _run(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step)
+            res, extra = _run(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step,
+                              spec=spec, on_verify=on_verify)
         out_text = rt.tokenizer.decode(res.token_ids)
         report = _report(rt, res, out_text, extra, load_s)
     if json_out:
