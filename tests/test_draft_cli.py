@@ -59,3 +59,98 @@ def test_bad_draft_preset_is_one_line(tmp_path):
     proc = pdflash("make-synthetic", tmp_path / "y", "--preset", "tiny", "--draft-preset", "gpt-oss-20b-DFlash")
     assert_clean_error(proc, "hidden size 2880 does not match the target's 64")
     assert not (tmp_path / "y").exists()  # refused before writing anything
+
+
+# -- pdflash generate --draft -------------------------------------------------------------------
+
+PROMPT = "The router keeps the best experts for every token"
+
+
+@pytest.fixture
+def run(monkeypatch, capsys):
+    """`pdflash ARGS` in this process through cli.main.main(): (exit code, stdout, stderr)."""
+    from pdflash.cli.main import main
+
+    def _run(*args):
+        monkeypatch.setattr(sys, "argv", ["pdflash", *map(str, args)])
+        code = 0
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return _run
+
+
+@pytest.fixture(scope="module")
+def mx_pair(tmp_path_factory):
+    from pdflash.draft import write_synthetic_draft
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.synthetic import write_checkpoint
+
+    root = tmp_path_factory.mktemp("gen")
+    write_checkpoint(root / "target", ModelPreset.from_name("tiny"), mxfp4=True, seed=5)
+    write_synthetic_draft(root / "draft", "tiny", target_dir=root / "target", seed=6)
+    return root
+
+
+def _gen(run, root, *extra):
+    return run("generate", PROMPT, "--model", root / "target", "--device", "cpu", "--max-new-tokens", 14,
+               "--no-live", *extra)
+
+
+def test_generate_with_draft_is_lossless_and_reports_speculation(run, mx_pair):
+    code, out, err = _gen(run, mx_pair, "--json")
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = _gen(run, mx_pair, "--json", "--draft", mx_pair / "draft", "--block-size", 3,
+                          "--expert-cache-experts", 6)
+    assert code == 0, err
+    spec = json.loads(out)
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    assert spec["block_size"] == 3 and spec["verify_steps"] >= 1 and spec["acceptance_length"] >= 1.0
+    assert len(spec["acceptance_per_position"]) == 2 and spec["draft_ms"] >= 0 and spec["verify_ms"] > 0
+    ra = spec["route_ahead"]
+    assert ra["predictor"] == "draft-router" and {"predicted", "used", "recall", "precision", "wasted_bytes"} <= set(ra)
+    assert spec["cache"]["slots"] == 6 and "oracle_acceptance" not in spec
+
+
+def test_oracle_acceptance_mode_is_labelled_everywhere(run, mx_pair):
+    code, out, err = _gen(run, mx_pair, "--json", "--draft", mx_pair / "draft", "--draft-acceptance", 0.7,
+                          "--route-ahead-predictor", "none")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["oracle_acceptance"] == 0.7 and report["route_ahead"] is None
+    assert "oracle-acceptance mode" in err
+    code, out, err = _gen(run, mx_pair, "--draft", mx_pair / "draft", "--draft-acceptance", 1.0)
+    assert code == 0, err
+    assert "ORACLE ACCEPTANCE" in out and "acceptance length" in out
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (("--block-size", 0), 1, "between 1 and the draft's trained block size 4"),
+    (("--block-size", 5), 1, "between 1 and the draft's trained block size 4"),
+    (("--route-ahead-predictor", "psychic"), 1, "unknown route-ahead predictor"),
+    (("--draft-acceptance", 1.5), 2, "between 0 and 1"),
+    (("--draft-acceptance", 0.5, "--temperature", 0.7), 2, "needs greedy decoding"),
+])
+def test_bad_draft_options(run, mx_pair, args, code, message):
+    got, out, err = _gen(run, mx_pair, "--draft", mx_pair / "draft", *args)
+    assert got == code and out == ""
+    assert err.strip().startswith("Error: ") and message in err and "Traceback" not in err
+
+
+def test_draft_options_without_a_draft_and_bad_drafts(run, mx_pair, tmp_path):
+    got, _, err = _gen(run, mx_pair, "--block-size", 2)
+    assert got == 2 and "--block-size only apply to speculative decoding" in err
+    got, _, err = _gen(run, mx_pair, "--draft", tmp_path / "missing")
+    assert got == 1 and "does not exist" in err and "Traceback" not in err
+    wrong = tmp_path / "wide"
+    wrong.mkdir()
+    raw = json.loads((mx_pair / "draft" / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**raw, "hidden_size": 128}))
+    got, _, err = _gen(run, mx_pair, "--draft", wrong)
+    assert got == 1 and "hidden size 128 does not match the target's 64" in err
+    assert len(err.strip().splitlines()) == 1
