@@ -9,6 +9,8 @@
  * Phases:
  *   api       caller mistakes give PF_EINVAL / PF_ECONFLICT / PF_ENOTICKET; config checks.
  *   layers    cancel_below_layer and cancel_band hit exactly the queued tasks they name.
+ *   order     with one worker held busy, queued levels are served most urgent first; a reset
+ *             cancels queued work, zeroes the counters, and the scheduler carries on.
  *   expired   a small history ring: long-ended tickets answer PF_EXPIRED, recent ones their status.
  *   chaos     several rounds (memcpy backend, with and without a simulated link, small chunks):
  *             many threads submit / re-submit (dedup) / promote / cancel / cancel_band /
@@ -27,7 +29,8 @@
  *             return PF_CLOSED; shutdown from several threads at once is idempotent; every
  *             later call returns PF_ECLOSED; then pf_destroy.
  *
- * Exit 0 only if every check held; the last line is "stress: N passed, M failed".
+ * Exit 0 only if every check held; the last line is "stress: N passed, M failed". A run
+ * that hangs is stopped after 300 s with exit code 3.
  */
 #define _GNU_SOURCE
 #include "pf_sched.h"
@@ -40,6 +43,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <signal.h>
+#include <unistd.h>
 
 /* ---- checks ------------------------------------------------------------------ */
 static atomic_int g_pass, g_fail;
@@ -319,6 +324,70 @@ static void phase_layers(void) {
         }
     tally_close(&bad);
     check(pf_wait(s, tbig, 30.0) == PF_CANCELLED, "blocker cancelled");
+    close_sched(s);
+    free(big_src);
+    free(big_dst);
+}
+
+/* ---- phase: order and reset -------------------------------------------------------- */
+/* One worker held by a long on-demand blocker, so everything else is queued; pairs of
+ * tasks share a destination, the less urgent one submitted first: in priority order it
+ * lands last and its bytes remain (FIFO would leave the other's). Then a reset cancels
+ * a queued scenario and the scheduler carries on. */
+static void phase_order_reset(void) {
+    enum { SZ = 3000, BIG = 4 << 20, NP = 6 };
+    static const int pairs[NP][2] = {{0, 1}, {1, 2}, {0, 2}, {2, 3}, {5, 19}, {18, 19}};
+    pf_sched *s = make_sched(1, 4096, 0.02, 0, 1024);
+    uint8_t *big_src = malloc(BIG), *big_dst = calloc(1, BIG);
+    memset(big_src, 9, BIG);
+    static uint8_t src[NP][2][SZ], region[NP][SZ];
+    uint64_t tk[NP][2], tb;
+    memset(region, 0, sizeof(region));
+    check(pf_submit(s, mk_key(900, 0), big_src, big_dst, BIG, PF_ON_DEMAND, &tb) == 0, "submit blocker");
+    for (int i = 0; i < NP; i++)
+        for (int j = 1; j >= 0; j--) { /* j = 1: the less urgent, first */
+            for (int b = 0; b < SZ; b++) src[i][j][b] = pattern((uint64_t)(100 + 2 * i + j), (uint64_t)b);
+            check(pf_submit(s, mk_key(10, (uint32_t)(2 * i + j)), src[i][j], region[i], SZ, pairs[i][j], &tk[i][j]) == 0,
+                  "submit pair %d", i);
+        }
+    check(pf_query(s, tb) == PF_PENDING, "order: everything queued behind the blocker (precondition)");
+    check(pf_cancel(s, mk_key(900, 0)) == 1, "release the blocker");
+    tally bad = {0, "priority order"};
+    for (int i = 0; i < NP; i++) {
+        for (int j = 0; j < 2; j++)
+            if (pf_wait(s, tk[i][j], 30.0) != PF_DONE) tally_bad(&bad, "pair %d task %d not done", i, j);
+        if (memcmp(region[i], src[i][1], SZ) != 0)
+            tally_bad(&bad, "pair (%d, %d): the less urgent task did not land last", pairs[i][0], pairs[i][1]);
+    }
+    tally_close(&bad);
+    check(pf_wait(s, tb, 30.0) == PF_CANCELLED, "blocker cancelled");
+
+    /* reset: queued tasks end cancelled and untouched, counters zero, usable at once */
+    memset(big_dst, 0, BIG);
+    memset(region, 0, sizeof(region));
+    check(pf_submit(s, mk_key(901, 0), big_src, big_dst, BIG, PF_ON_DEMAND, &tb) == 0, "submit blocker");
+    for (int i = 0; i < NP; i++)
+        check(pf_submit(s, mk_key(11, (uint32_t)i), src[i][0], region[i], SZ, i % 3, &tk[i][0]) == 0, "submit %d", i);
+    check(pf_reset(s) == 0, "reset");
+    uint8_t zero[SZ] = {0};
+    tally rb = {0, "reset"};
+    for (int i = 0; i < NP; i++) {
+        int w = pf_wait(s, tk[i][0], 0);
+        if (w != PF_CANCELLED) tally_bad(&rb, "queued task %d ended %d", i, w);
+        if (memcmp(region[i], zero, SZ) != 0) tally_bad(&rb, "queued task %d wrote", i);
+    }
+    tally_close(&rb);
+    check(pf_wait(s, tb, 0) == PF_CANCELLED, "blocker cancelled by reset");
+    pf_stats st;
+    pf_level_stats tot;
+    check(pf_get_stats(s, &st) == 0, "stats");
+    sum_levels(&st, &tot);
+    check(tot.submitted == 0 && tot.cancelled == 0 && tot.queue_depth == 0 && tot.in_flight == 0 && st.chunks == 0,
+          "counters zero after reset");
+    uint64_t t;
+    check(pf_submit(s, mk_key(12, 0), src[0][0], region[0], SZ, PF_BACKGROUND, &t) == 0 &&
+              pf_wait(s, t, 30.0) == PF_DONE && memcmp(region[0], src[0][0], SZ) == 0,
+          "usable after reset");
     close_sched(s);
     free(big_src);
     free(big_dst);
@@ -911,6 +980,14 @@ static void phase_close(void) {
     pf_destroy(s);
 }
 
+static void on_alarm(int sig) {
+    static const char msg[] = "stress: timed out (a wait, reset or shutdown hung)\n";
+    (void)sig;
+    ssize_t n = write(2, msg, sizeof(msg) - 1);
+    (void)n;
+    _exit(3);
+}
+
 int main(int argc, char **argv) {
     double scale = 1.0;
     uint64_t seed = 12345;
@@ -923,9 +1000,12 @@ int main(int argc, char **argv) {
         }
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
+    signal(SIGALRM, on_alarm);
+    alarm(300); /* a hang is a failure, not a stuck CI job */
     double t0 = now_s();
     phase_api();
     phase_layers();
+    phase_order_reset();
     phase_expired();
     static const round_cfg rounds[] = {
         /* name        workers chunk  GB/s  lat  resets slots thr  s  */
