@@ -14,7 +14,7 @@ is the concatenation of the *outputs* of those layers (see :mod:`pdflash.draft.f
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -302,9 +302,6 @@ class DFlashConfig:
         else:
             raise PdflashError(f"unknown draft preset {name!r}; choose one of {', '.join(PRESETS)}")
         return config
-
-    def summary(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:

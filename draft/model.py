@@ -212,13 +212,6 @@ class DFlashDraftModel(nn.Module):
         """Forget all committed context (start of a new sequence)."""
         self.cache = None
 
-    def crop_context(self, length: int) -> None:
-        """Keep only the first ``length`` committed context positions."""
-        if self.cache is not None:
-            self.cache.crop(length)
-        elif length:
-            raise ValueError("the draft has no context to crop")
-
     def _rotary(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(like, positions[None])  # cos, sin [1, T, D]
 
