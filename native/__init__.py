@@ -151,6 +151,7 @@ class Scheduler:
         device: int = 0,
         latency_us: float = 0.0,
         history: int = 1 << 16,
+        trace: int = 0,
     ):
         ffi, lib = _load()
         self._ffi, self._lib = ffi, lib
@@ -176,6 +177,10 @@ class Scheduler:
         cfg.latency_us = latency_us
         cfg.device = device
         cfg.history = history
+        if trace < 0:
+            raise SchedulerError(f"trace must be >= 0 (records kept), got {trace}")
+        cfg.trace = trace
+        self.trace_capacity = trace
         keep = None
         if backend == "cuda":
             path = _find_cudart()
@@ -379,6 +384,42 @@ class Scheduler:
             "backend": self.backend,
             "workers": self.workers,
         }
+
+    def drain_trace(self) -> list[dict]:
+        """Ended tasks since the last drain, oldest first (needs ``Scheduler(trace=N)``).
+
+        Each: key, layer, expert, priority, status, nbytes, submit_s / start_s / end_s
+        (seconds on the clock of ``time.monotonic()``; start_s is None if no chunk ever
+        started). Older records beyond the trace capacity are dropped and counted in the
+        ``dropped`` field of the first record.
+        """
+        if not self.trace_capacity:
+            return []
+        s = self._enter()
+        try:
+            buf = self._ffi.new("pf_trace_rec[]", self.trace_capacity)
+            dropped = self._ffi.new("uint64_t *")
+            n = self._check(self._lib.pf_trace_drain(s, buf, self.trace_capacity, dropped), "drain_trace")
+        finally:
+            self._leave()
+        out = []
+        for i in range(n):
+            r = buf[i]
+            out.append({
+                "key": int(r.key),
+                "layer": int(r.key) >> 32,
+                "expert": int(r.key) & 0xFFFFFFFF,
+                "ticket": int(r.ticket),
+                "priority": int(r.priority),
+                "status": WaitStatus(r.status).name.lower(),
+                "nbytes": int(r.nbytes),
+                "submit_s": r.submit_ns / 1e9,
+                "start_s": r.start_ns / 1e9 if r.start_ns else None,
+                "end_s": r.end_ns / 1e9,
+            })
+        if out:
+            out[0]["dropped"] = int(dropped[0])
+        return out
 
     def band_stats(self) -> list[dict]:
         """The three named bands' level statistics, with their names."""

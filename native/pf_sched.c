@@ -141,6 +141,11 @@ struct pf_sched {
     uint64_t busy_since_ns;
     pf_stats st;
 
+    pf_trace_rec *trace;    /* ring of ended tasks (cfg.trace entries), NULL when off */
+    uint64_t trace_head;    /* records ever written */
+    uint64_t trace_tail;    /* records ever drained or dropped */
+    uint64_t trace_dropped;
+
     cuda_api cuda;
     worker *w;
 };
@@ -279,6 +284,21 @@ static void task_end(pf_sched *s, task *t, int status) {
     hist_entry *h = &s->hist[t->ticket & s->hist_mask];
     h->ticket = t->ticket;
     h->status = (status == PF_CANCELLED && s->stopping) ? PF_CLOSED : status; /* cancelled by shutdown */
+    if (s->trace) {
+        if (s->trace_head - s->trace_tail == s->cfg.trace) { /* full: drop the oldest */
+            s->trace_tail++;
+            s->trace_dropped++;
+        }
+        pf_trace_rec *r = &s->trace[s->trace_head++ % s->cfg.trace];
+        r->key = t->key;
+        r->ticket = t->ticket;
+        r->nbytes = t->nbytes;
+        r->submit_ns = t->t_submit;
+        r->start_ns = t->t_start;
+        r->end_ns = now;
+        r->priority = t->prio;
+        r->status = h->status;
+    }
     wake_ticket(s, t->ticket);
     t->tnext = s->free_tasks; /* reuse the chain link for the free list */
     s->free_tasks = t;
@@ -571,6 +591,7 @@ int pf_create(const pf_config *cfg, pf_sched **out, char *err, size_t errlen) {
     for (int i = 0; i < NBUCKET; i++) cond_init_monotonic(&s->wait_cv[i]);
     s->hist = calloc(hist, sizeof(hist_entry));
     s->w = calloc((size_t)cfg->workers, sizeof(worker));
+    if (cfg->trace && !(s->trace = calloc(cfg->trace, sizeof(pf_trace_rec)))) goto fail;
     if (!s->hist || !s->w || map_init(&s->by_key, 1024) || map_init(&s->by_ticket, 1024)) goto fail;
     s->st.since_ns = now_ns();
     if (cfg->backend == PF_BACKEND_CUDA) {
@@ -839,6 +860,17 @@ int pf_reset(pf_sched *s) {
     return closed ? PF_ECLOSED : 0;
 }
 
+int pf_trace_drain(pf_sched *s, pf_trace_rec *out, uint32_t max, uint64_t *dropped) {
+    if (!s || (!out && max)) return PF_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    uint32_t n = 0;
+    while (s->trace && n < max && s->trace_tail < s->trace_head) out[n++] = s->trace[s->trace_tail++ % s->cfg.trace];
+    if (dropped) *dropped = s->trace_dropped;
+    s->trace_dropped = 0;
+    pthread_mutex_unlock(&s->mu);
+    return (int)n;
+}
+
 int pf_get_stats(pf_sched *s, pf_stats *out) {
     if (!s || !out) return PF_EINVAL;
     pthread_mutex_lock(&s->mu);
@@ -905,6 +937,7 @@ void pf_destroy(pf_sched *s) {
     free(s->by_key.b);
     free(s->by_ticket.b);
     free(s->hist);
+    free(s->trace);
     free(s->w);
     for (int i = 0; i < NBUCKET; i++) pthread_cond_destroy(&s->wait_cv[i]);
     pthread_cond_destroy(&s->work_cv);

@@ -66,6 +66,7 @@ typedef struct pf_config {
     int device;             /* cuda backend: device index */
     const char *cudart_path;/* cuda backend: runtime library to open; NULL: search known names */
     uint32_t history;       /* ended tickets remembered for wait (rounded up to a power of 2) */
+    uint32_t trace;         /* ended tasks kept for pf_trace_drain (oldest dropped); 0: no trace */
 } pf_config;
 
 /* Counters cover the time since the last pf_reset (or pf_create): a wait or queue wait
@@ -141,6 +142,24 @@ int pf_ticket_error(pf_sched *s, uint64_t ticket, char *buf, size_t len);
 /* Not terminal: cancel every queued task, wait for chunks in flight to land, zero the
  * statistics. Workers keep running; the scheduler is usable at once. */
 int pf_reset(pf_sched *s);
+
+/* One ended task, for timelines. Times are CLOCK_MONOTONIC nanoseconds (start_ns is 0
+ * for a task cancelled before any chunk started). */
+typedef struct pf_trace_rec {
+    uint64_t key;
+    uint64_t ticket;
+    uint64_t nbytes;
+    uint64_t submit_ns;
+    uint64_t start_ns;
+    uint64_t end_ns;
+    int priority;           /* level when it ended */
+    int status;             /* PF_DONE, PF_CANCELLED, PF_FAILED or PF_CLOSED */
+} pf_trace_rec;
+
+/* Move up to max trace records, oldest first, into out (caller memory) and forget them.
+ * Returns the number copied; *dropped (if not NULL) gets how many were overwritten
+ * unread since the last drain. Returns 0 when tracing is off. */
+int pf_trace_drain(pf_sched *s, pf_trace_rec *out, uint32_t max, uint64_t *dropped);
 
 /* Copy the statistics into *out. */
 int pf_get_stats(pf_sched *s, pf_stats *out);
