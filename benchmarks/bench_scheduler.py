@@ -15,6 +15,10 @@ CPU part (memcpy backend):
             the level statistics) and link start (submit -> done minus the task's own
             transfer time, i.e. how long it waited for the link). Aim: link start at most
             one chunk time + 50 us.
+  link      the rate the simulated link delivers to one large task, per chunk size and
+            worker count, against its configured 1 GB/s. A worker keeps one chunk
+            outstanding, so with one prefetch worker the link idles for the worker's turn-
+            around between chunks; small chunks lose more.
   wake      the machine's floor: how long a thread blocked on a condition variable takes
             to run after being signalled. Overtake tails cannot be shorter than this.
 
@@ -302,6 +306,18 @@ def bench_overtake_py_cpu(quick: bool) -> OvertakeResult:
                        "Python", "1 GB/s simulated")
 
 
+def bench_link(exe: str, quick: bool) -> list[dict]:
+    rows = []
+    for workers, prio in ((2, 2), (3, 2), (2, 0)):
+        for chunk in (64 << 10, 256 << 10, 1 << 20, 4 << 20):
+            nbytes = max(32 * chunk, 64 << 20) // (2 if quick else 1)
+            d = run_c(exe, "link", "--gbps", "1", "--chunk", str(chunk), "--bytes", str(nbytes),
+                      "--workers", str(workers), "--priority", str(prio))[0]
+            rows.append({"workers": workers, "priority": prio, "chunk_bytes": chunk, "bytes": nbytes,
+                         "achieved_gbps": d["achieved_gbps"], "exact": bool(d["exact"])})
+    return rows
+
+
 def bench_wake(exe: str, quick: bool) -> dict:
     d = run_c(exe, "wake", "--idle-us", "700", "--samples", "150" if quick else "400")[0]
     return {"idle_us": d["idle_us"], **dist_us(d["wake_ns"])}
@@ -430,6 +446,14 @@ def print_tables(res: dict) -> None:
                       f"p99 {'ok' if r['p99_within_aim'] else 'over'}",
                       "yes" if r["exact"] else "NO")
         con.print(t)
+    if res.get("link"):
+        t = Table(title="Simulated link (1 GB/s configured): rate delivered to one large task", title_justify="left")
+        for c in ("workers", "priority", "chunk", "achieved GB/s", "exact"):
+            t.add_column(c, justify="right")
+        for r in res["link"]:
+            t.add_row(str(r["workers"]), str(r["priority"]), f"{r['chunk_bytes'] >> 10} KiB",
+                      f"{r['achieved_gbps']:.3f}", "yes" if r["exact"] else "NO")
+        con.print(t)
     if res.get("wake"):
         w = res["wake"]
         con.print(f"Wake floor (condition variable, after {w['idle_us']:.0f} us idle): p50 {w['p50_us']:.1f} us, "
@@ -456,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="Also write the JSON results to this file.")
     ap.add_argument("--cuda", action="store_true", help="Measure the cuda backend on a GPU (skips the CPU part).")
     ap.add_argument("--device", type=int, default=0, help="CUDA device index for --cuda.")
-    ap.add_argument("--skip", default="", help="Comma-separated parts to skip: tiny, overtake, wake, python.")
+    ap.add_argument("--skip", default="", help="Comma-separated parts to skip: tiny, overtake, link, wake, python.")
     args = ap.parse_args(argv)
     skip = {p.strip() for p in args.skip.split(",") if p.strip()}
     res: dict = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": machine_info()}
@@ -478,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                     res["overtake"] += [asdict(r) for r in bench_overtake_c(exe, args.quick)]
                 if "python" not in skip:
                     res["overtake"].append(asdict(bench_overtake_py_cpu(args.quick)))
+            if exe and "link" not in skip:
+                res["link"] = bench_link(exe, args.quick)
             if exe and "wake" not in skip:
                 res["wake"] = bench_wake(exe, args.quick)
     res["machine"]["loadavg_end"] = os.getloadavg()
@@ -488,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=2))
     else:
         print_tables(res)
-    ok = all(r.get("exact", True) for r in res.get("tiny", []) + res.get("overtake", []))
+    ok = all(r.get("exact", True) for r in res.get("tiny", []) + res.get("overtake", []) + res.get("link", []))
     if args.cuda:
         ok &= all(r["exact"] for r in res["cuda"]["h2d"]) and all(r["exact"] for r in res["cuda_overtake"])
     if not ok:

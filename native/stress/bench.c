@@ -18,6 +18,9 @@
  *       and waited for. Prints a JSON object with every sample's submit -> first chunk
  *       claimed (the level's queue wait) and submit -> done, in ns, the chunk time, the
  *       task's transfer time by the link model and its submit -> done alone on an idle link.
+ *   bench link     [--gbps G] [--chunk C] [--bytes B] [--workers W] [--priority P]
+ *       Rate the simulated link delivers: one task of B bytes at priority P, submit to done,
+ *       against the configured G. Prints a JSON object.
  *   bench wake     [--idle-us U] [--samples N]
  *       Reference floor for the numbers above: how long this machine takes to wake a
  *       thread blocked on a condition variable (signal -> running) after U us idle.
@@ -282,6 +285,43 @@ static int run_overtake(int argc, char **argv) {
     return 0;
 }
 
+/* ---- link ----------------------------------------------------------------------- */
+static int run_link(int argc, char **argv) {
+    double gbps = 1.0;
+    uint64_t chunk = 1 << 20, bytes = 64 << 20;
+    int workers = 2, prio = PF_BACKGROUND;
+    for (int i = 2; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--gbps")) gbps = atof(argv[i + 1]);
+        else if (!strcmp(argv[i], "--chunk")) chunk = strtoull(argv[i + 1], NULL, 10);
+        else if (!strcmp(argv[i], "--bytes")) bytes = strtoull(argv[i + 1], NULL, 10);
+        else if (!strcmp(argv[i], "--workers")) workers = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--priority")) prio = atoi(argv[i + 1]);
+        else {
+            fprintf(stderr, "bench link: unknown option %s\n", argv[i]);
+            return 2;
+        }
+    }
+    pf_sched *s = make(workers, chunk, gbps, 0, 1024);
+    uint8_t *src = malloc(bytes), *dst = malloc(bytes);
+    memset(src, 7, bytes);
+    memset(dst, 0, bytes);
+    uint64_t t, t0 = now_ns();
+    int rc = pf_submit(s, 1, src, dst, bytes, prio, &t);
+    if (rc) die("submit", rc);
+    int st = pf_wait(s, t, -1);
+    double dt = (double)(now_ns() - t0) * 1e-9;
+    pf_shutdown(s);
+    pf_destroy(s);
+    int exact = st == PF_DONE && memcmp(src, dst, bytes) == 0;
+    printf("{\"mode\": \"link\", \"gbps\": %g, \"chunk\": %llu, \"bytes\": %llu, \"workers\": %d, \"priority\": %d, "
+           "\"seconds\": %.6f, \"achieved_gbps\": %.6f, \"exact\": %d}\n",
+           gbps, (unsigned long long)chunk, (unsigned long long)bytes, workers, prio, dt, (double)bytes / dt / 1e9,
+           exact);
+    free(src);
+    free(dst);
+    return 0;
+}
+
 /* ---- wake --------------------------------------------------------------------- */
 typedef struct wake_state {
     pthread_mutex_t mu;
@@ -348,6 +388,7 @@ int main(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "tiny")) return run_tiny(argc, argv);
     if (argc >= 2 && !strcmp(argv[1], "overtake")) return run_overtake(argc, argv);
     if (argc >= 2 && !strcmp(argv[1], "wake")) return run_wake(argc, argv);
-    fprintf(stderr, "usage: bench tiny|overtake|wake [options]\n");
+    if (argc >= 2 && !strcmp(argv[1], "link")) return run_link(argc, argv);
+    fprintf(stderr, "usage: bench tiny|overtake|link|wake [options]\n");
     return 2;
 }
