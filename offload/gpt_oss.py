@@ -24,7 +24,7 @@ from torch import nn
 from pdflash import PdflashError
 from pdflash.offload.family import FLOAT_DTYPES, ModelFamily, TensorSpec
 from pdflash.offload.host_store import ExpertLayout
-from pdflash.offload.mxfp4 import dequantize
+from pdflash.offload.mxfp4 import dequantize, dequantize_rows
 
 _EXPERT_PREFIX = "model.layers.{}.mlp.experts."
 
@@ -179,27 +179,44 @@ class GptOssExpertKernel:
       gate = min(gate, limit); up = clamp(up, -limit, limit)
       y = ((up + 1) * gate * sigmoid(alpha * gate)) @ W2 + b2    W2 [I, H]
     Same operations in the same order and dtype as the library, so results are bit-identical.
+
+    Weight layout: on the CPU, W1 / W2 are contiguous [in, out] like the library's parameters
+    (matmul results depend on the operand layout, and the CPU path must match bit for bit);
+    on CUDA MXFP4 weights stay in their stored [out, in] row order and the matmuls take the
+    transposed view (cuBLAS reads either layout at the same speed, one copy fewer).
     """
 
-    def __init__(self, layout: ExpertLayout, dtype: torch.dtype, alpha: float, limit: float):
+    def __init__(self, layout: ExpertLayout, dtype: torch.dtype, alpha: float, limit: float, rows_layout: bool | None = None):
         self.layout = layout
         self.dtype = dtype
         self.alpha = alpha
         self.limit = limit
+        self.rows_layout = rows_layout  # None: [out, in] rows on CUDA, [in, out] elsewhere
 
     def weights(self, slots: torch.Tensor, slot_ids: list[int]) -> tuple[torch.Tensor, ...]:
-        """(W1 [n, H, 2I], b1 [n, 2I], W2 [n, I, H], b2 [n, H]) in the compute dtype."""
+        """(W1 [n, H, 2I], b1 [n, 2I], W2 [n, I, H], b2 [n, H]) in the compute dtype.
+
+        The selected slot rows are gathered in one copy (none for a single expert); every
+        piece is then a view of them, and MXFP4 pieces are dequantized for all n at once.
+        """
         lay, dt = self.layout, self.dtype
-        idx = torch.tensor(slot_ids, dtype=torch.long).to(slots.device, non_blocking=True)
-        if lay.quantized:
-            w1 = dequantize(lay.gather(slots, idx, "gate_up_proj_blocks"), lay.gather(slots, idx, "gate_up_proj_scales"), dt)
-            w2 = dequantize(lay.gather(slots, idx, "down_proj_blocks"), lay.gather(slots, idx, "down_proj_scales"), dt)
+        if len(slot_ids) == 1:
+            rows = slots[slot_ids[0] : slot_ids[0] + 1]
         else:
-            w1 = lay.gather(slots, idx, "gate_up_proj").to(dt)
-            w2 = lay.gather(slots, idx, "down_proj").to(dt)
-        b1 = lay.gather(slots, idx, "gate_up_proj_bias").to(dt)
-        b2 = lay.gather(slots, idx, "down_proj_bias").to(dt)
-        return w1, b1, w2, b2
+            rows = slots.index_select(0, torch.tensor(slot_ids, dtype=torch.long).to(slots.device, non_blocking=True))
+        v = lambda name: lay.view(rows, name)  # noqa: E731
+        if lay.quantized:
+            rows_layout = slots.device.type == "cuda" if self.rows_layout is None else self.rows_layout
+            if rows_layout:  # [n, out, in] rows, used through transposed views
+                w1 = dequantize_rows(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), dt).transpose(1, 2)
+                w2 = dequantize_rows(v("down_proj_blocks"), v("down_proj_scales"), dt).transpose(1, 2)
+            else:
+                w1 = dequantize(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), dt)
+                w2 = dequantize(v("down_proj_blocks"), v("down_proj_scales"), dt)
+        else:
+            w1 = v("gate_up_proj").to(dt)
+            w2 = v("down_proj").to(dt)
+        return w1, v("gate_up_proj_bias").to(dt), w2, v("down_proj_bias").to(dt)
 
     def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]

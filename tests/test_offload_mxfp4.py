@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pdflash.offload.mxfp4 import FP4_VALUES, dequantize, quantize
+from pdflash.offload.mxfp4 import FP4_VALUES, dequantize, dequantize_rows, quantize
 
 
 def _scalar_reference(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -43,6 +43,26 @@ def test_matches_transformers_converter(dtype):
     assert torch.equal(dequantize(blocks, scales, dtype), convert_moe_packed_tensors(blocks, scales, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_scale_byte_matches_transformers(dtype):
+    """All 255 finite E8M0 scales (255 itself encodes NaN) and all 256 code bytes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks = (torch.arange(255 * 32) % 256).to(torch.uint8).view(255, 2, 16)  # [out, G, 16]: every byte value
+    scales = torch.arange(255, dtype=torch.uint8)[:, None].expand(255, 2).contiguous()
+    want = convert_moe_packed_tensors(blocks[None], scales[None], dtype=dtype)[0]
+    got = dequantize(blocks, scales, dtype)
+    assert torch.equal(got, want)
+    assert torch.equal(dequantize_rows(blocks, scales, dtype), want.transpose(0, 1))
+
+
+def test_non_contiguous_input():
+    blocks, scales = _random((4, 6), seed=4)  # stored [G, out, ...]
+    b_view, s_view = blocks.transpose(0, 1), scales.transpose(0, 1)  # [out, G, ...] non-contiguous views
+    assert not b_view.is_contiguous()
+    assert torch.equal(dequantize(b_view, s_view), dequantize(b_view.contiguous(), s_view.contiguous()))
+
+
 def test_batch_equals_single_experts():
     blocks, scales = _random((5, 16, 2), seed=2)
     batch = dequantize(blocks, scales, torch.bfloat16)
@@ -76,3 +96,31 @@ def test_cuda_equals_cpu():
     cpu = dequantize(blocks, scales, torch.bfloat16)
     gpu = dequantize(blocks.cuda(), scales.cuda(), torch.bfloat16)
     assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_expert_kernel_row_layout_path():
+    """The GPU's weight layout ([out, in] rows, transposed views) computes the same experts."""
+    from pdflash.offload.gpt_oss import GptOssExpertKernel
+    from pdflash.offload.host_store import ExpertLayout
+
+    H, I, n = 64, 32, 3
+    layout = ExpertLayout.build([
+        ("gate_up_proj_blocks", (2 * I, H // 32, 16), torch.uint8), ("gate_up_proj_scales", (2 * I, H // 32), torch.uint8),
+        ("gate_up_proj_bias", (2 * I,), torch.bfloat16), ("down_proj_blocks", (H, I // 32, 16), torch.uint8),
+        ("down_proj_scales", (H, I // 32), torch.uint8), ("down_proj_bias", (H,), torch.bfloat16),
+    ], quantized=True)
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randint(0, 256, (5, layout.expert_bytes), dtype=torch.uint8, generator=g)
+    for name in ("gate_up_proj_scales", "down_proj_scales"):  # sane scales, biases
+        layout.view(slots, name).copy_(torch.randint(118, 124, layout.view(slots, name).shape, generator=g))
+    for name in ("gate_up_proj_bias", "down_proj_bias"):
+        layout.view(slots, name).copy_(torch.randn(layout.view(slots, name).shape, generator=g) * 0.1)
+    x = torch.randn(n, 2, H, generator=g).to(torch.bfloat16)
+    ids = [4, 0, 2]
+    ref = GptOssExpertKernel(layout, torch.float32, 1.702, 7.0, rows_layout=False)
+    rows = GptOssExpertKernel(layout, torch.float32, 1.702, 7.0, rows_layout=True)
+    wr, wt = ref.weights(slots, ids), rows.weights(slots, ids)
+    assert not wt[0].is_contiguous() and torch.equal(wt[0], wr[0]) and torch.equal(wt[2], wr[2])
+    a, b = ref.apply_batched(wr, x.float()), rows.apply_batched(wt, x.float())
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(rows.apply(wt, 1, x[1].float()), a[1], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,348 @@
+"""GPU benchmark of the offload runtime on the gpt-oss-20b shape (MXFP4 experts, random weights).
+
+    python benchmarks/bench_offload_gpu.py --checkpoint-dir /data/oss20b-mxfp4 --out bench_offload_gpu.json
+
+(``--preset tiny --device cpu --link-gbps 1`` runs the same code paths on a CPU in seconds.)
+
+Runs, all in one process, greedy batch-1 decoding of the same prompt:
+
+1. link:       pinned host -> device bandwidth, measured with a plain PyTorch copy (1 GiB and
+               expert-sized copies) and through the native scheduler (every expert, once);
+2. resident:   pdflash with every expert in the device cache (preloaded): the step-time floor;
+3. offload-N%: pdflash with a cache of N % of the experts (default 25 %), without prefetch and
+               with lookahead prefetch, from a cold cache (``reset_cache``) each;
+4. transformers: GptOssForCausalLM.from_pretrained on the same checkpoint, experts dequantized
+               to bf16 by transformers itself (Mxfp4Config(dequantize=True)), fully on the GPU.
+
+For each pdflash run, over the measured decode tokens (after a warm-up): tokens/s, time per
+token, exposed fetch per token (time blocked in the scheduler's wait, by band), bytes moved per
+token, hit rate, link busy share, and the link bound
+
+    bound time per token = bytes moved per token / measured pinned bandwidth + resident step time
+
+with utilisation = bound / measured time per token (the issue aims for >= 0.85). The checkpoint
+(about 13 GB) is written on first use (seeded) and reused afterwards. Everything is written to
+--out as one JSON object; a short summary goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pdflash import PdflashError
+from pdflash.offload.config import ModelPreset
+from pdflash.offload.generate import decode_one_token, prefill
+from pdflash.offload.runtime import OffloadedModel
+from pdflash.offload.synthetic import write_checkpoint
+
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict:
+    import transformers
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpus": os.cpu_count(),
+        "host": platform.node(),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return info
+
+
+# -- checkpoint ------------------------------------------------------------------------------------
+def ensure_checkpoint(path: Path, preset: ModelPreset, seed: int) -> dict:
+    try:
+        from pdflash.offload.checkpoint import Checkpoint
+
+        with Checkpoint(path) as ck:
+            fam = ck.family
+            shape = (preset.num_hidden_layers, preset.num_local_experts, preset.hidden_size)
+            if fam.quantized and (fam.num_layers, fam.num_experts, fam.hidden) == shape:
+                log(f"reusing the checkpoint in {path}")
+                return {"path": str(path), "written": False}
+            log(f"{path} holds another model; rewriting it")
+    except PdflashError as exc:
+        log(f"writing the {preset.name} MXFP4 checkpoint into {path} ({exc})")
+    t0 = time.perf_counter()
+    write_checkpoint(path, preset, mxfp4=True, seed=seed, progress=sys.stderr.isatty())
+    return {"path": str(path), "written": True, "write_seconds": time.perf_counter() - t0}
+
+
+# -- link ------------------------------------------------------------------------------------------
+def cuda_time(fn, repeat: int) -> list[float]:
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return times
+
+
+def pinned_bandwidth(expert_bytes: int) -> dict:
+    out = {}
+    for label, nbytes, repeat in (("1GiB", 1 << 30, 5), ("expert", expert_bytes, 50)):
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst.copy_(src, non_blocking=True)  # warm-up
+        times = sorted(cuda_time(lambda: dst.copy_(src, non_blocking=True), repeat))
+        out[f"torch_{label}_gbps"] = nbytes / times[len(times) // 2] / 1e9
+        del src, dst
+    return out
+
+
+# -- decode ----------------------------------------------------------------------------------------
+def prompt_ids(vocab_limit: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_limit, (n,), generator=g).tolist()
+
+
+def decode_run(step_prefill, step_decode, ids: list[int], warmup: int, tokens: int, snapshot=None) -> dict:
+    """Prefill, ``warmup`` tokens, then ``tokens`` measured tokens; stats snapshots around the window."""
+    sync()
+    t0 = time.perf_counter()
+    logits = step_prefill(ids)
+    tok = int(logits.argmax(-1).item())
+    ttft = time.perf_counter() - t0
+    out = [tok]
+    for _ in range(warmup):
+        tok = int(step_decode(tok).argmax(-1).item())
+        out.append(tok)
+    before = snapshot() if snapshot else None
+    sync()
+    t1 = time.perf_counter()
+    for _ in range(tokens):
+        tok = int(step_decode(tok).argmax(-1).item())
+        out.append(tok)
+    sync()
+    dt = time.perf_counter() - t1
+    after = snapshot() if snapshot else None
+    return {"ttft_ms": ttft * 1e3, "seconds": dt, "tokens": tokens, "tpot_ms": dt / tokens * 1e3,
+            "tokens_per_second": tokens / dt, "token_ids": out, "before": before, "after": after}
+
+
+def pdflash_snapshot(rt):
+    def snap() -> dict:
+        st = rt.stats()
+        return {
+            "exposed": st["exposed_fetch_seconds"] or 0.0,
+            "exposed_by_band": dict(st["exposed_fetch_by_band"] or {}),
+            "bytes": st["bytes_moved"],
+            "hits": st["cache"]["hits"],
+            "misses": st["cache"]["misses"],
+            "promoted": st["cache"]["promoted"],
+            "link_busy": st["link_busy_seconds"],
+            "prefetch_used": st["prefetch"]["used"],
+            "prefetch_wasted": st["prefetch"]["wasted"],
+            "prefetch_issued": sum(st["prefetch"]["issued"].values()),
+        }
+
+    return snap
+
+
+def pdflash_decode(rt, ids, warmup, tokens) -> dict:
+    kv = rt.new_kv_cache()
+    r = decode_run(
+        lambda p: prefill(rt, torch.tensor([p]), kv),
+        lambda t: decode_one_token(rt, t, kv),
+        ids, warmup, tokens, pdflash_snapshot(rt),
+    )
+    b, a = r.pop("before"), r.pop("after")
+    n = r["tokens"]
+    d = {k: a[k] - b[k] for k in ("exposed", "bytes", "hits", "misses", "promoted", "link_busy",
+                                  "prefetch_used", "prefetch_wasted", "prefetch_issued")}
+    r.update(
+        exposed_fetch_ms_per_token=d["exposed"] / n * 1e3,
+        exposed_fetch_ms_per_token_by_band={k: (a["exposed_by_band"].get(k, 0.0) - b["exposed_by_band"].get(k, 0.0)) / n * 1e3
+                                            for k in a["exposed_by_band"]},
+        bytes_per_token=d["bytes"] / n,
+        hit_rate=d["hits"] / (d["hits"] + d["misses"]) if d["hits"] + d["misses"] else None,
+        promoted=d["promoted"],
+        link_busy_share=d["link_busy"] / r["seconds"],
+        prefetch={"issued": d["prefetch_issued"], "used": d["prefetch_used"], "wasted": d["prefetch_wasted"]},
+    )
+    return r
+
+
+# -- runs ------------------------------------------------------------------------------------------
+def run_resident(ckpt: Path, ids, args, result: dict) -> None:
+    t0 = time.perf_counter()
+    with OffloadedModel.load(ckpt, device=DEVICE, link_gbps=args.link_gbps) as rt:
+        result["resident_load_seconds"] = time.perf_counter() - t0
+        expert_bytes = rt.cache.slot_bytes
+        result["expert_bytes"] = expert_bytes
+        if DEVICE.startswith("cuda"):
+            result["link"] = pinned_bandwidth(expert_bytes)
+            result["link"]["bound_gbps"] = result["link"]["torch_1GiB_gbps"]
+        else:  # the simulated link is the bound
+            result["link"] = {"bound_gbps": args.link_gbps}
+        sync()
+        t1 = time.perf_counter()
+        n = rt.preload(zero_stats=False)  # every expert through the scheduler, once
+        dt = time.perf_counter() - t1
+        result["link"]["scheduler_preload_gbps"] = n * expert_bytes / dt / 1e9
+        result["link"]["scheduler_preload_experts"] = n
+        rt.scheduler.reset()
+        rt.cache.zero_stats()
+        log(f"link: {json.dumps(result['link'])}")
+        r = pdflash_decode(rt, ids, args.warmup, args.tokens)
+        r.update(name="pdflash-resident", cache_slots=rt.cache.capacity, cache_fraction=1.0)
+        result["runs"].append(r)
+        log(f"resident: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token, exposed {r['exposed_fetch_ms_per_token']:.3f} ms/token")
+
+
+def run_offload(ckpt: Path, ids, args, result: dict) -> None:
+    total = args.preset.num_hidden_layers * args.preset.num_local_experts
+    slots = max(args.preset.num_experts_per_tok, round(args.cache_fraction * total))
+    t0 = time.perf_counter()
+    with OffloadedModel.load(ckpt, device=DEVICE, expert_cache_experts=slots, eviction=args.eviction,
+                             link_gbps=args.link_gbps) as rt:
+        result["offload_load_seconds"] = time.perf_counter() - t0
+        for depth in args.lookahead:
+            rt.reset_cache()  # cold cache, zero statistics; not terminal
+            rt.prefetcher.lookahead_depth = depth
+            r = pdflash_decode(rt, ids, args.warmup, args.tokens)
+            name = f"pdflash-offload-{round(args.cache_fraction * 100)}pct" + (f"-lookahead{depth}" if depth else "")
+            r.update(name=name, cache_slots=slots, cache_fraction=slots / total, lookahead_depth=depth,
+                     eviction=args.eviction)
+            result["runs"].append(r)
+            log(f"{name}: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token, exposed "
+                f"{r['exposed_fetch_ms_per_token']:.2f} ms/token, {r['bytes_per_token'] / 1e6:.0f} MB/token, "
+                f"hit rate {r['hit_rate']:.2f}")
+
+
+def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
+    from transformers import DynamicCache, GptOssForCausalLM, Mxfp4Config
+
+    t0 = time.perf_counter()
+    model = GptOssForCausalLM.from_pretrained(
+        ckpt, dtype=torch.bfloat16, device_map=DEVICE, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    model.eval()
+    load_s = time.perf_counter() - t0
+    experts = model.model.layers[0].mlp.experts
+    info = {"experts_dtype": str(getattr(experts, "gate_up_proj").dtype), "experts_implementation":
+            getattr(model.config, "_experts_implementation", None), "attn_implementation": model.config._attn_implementation}
+    import inspect
+
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kv = DynamicCache(config=model.config)
+
+    def step(x):
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([x], device=DEVICE), use_cache=True, logits_to_keep=1, **{kw: kv})
+        return out.logits[:, -1, :]
+
+    r = decode_run(lambda p: step(p), lambda t: step([t]), ids, args.warmup, args.tokens)
+    r.pop("before"), r.pop("after")
+    r.update(name="transformers-resident-bf16", load_seconds=load_s, **info)
+    result["runs"].append(r)
+    log(f"transformers: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token ({info})")
+    del model, kv
+    torch.cuda.empty_cache()
+
+
+def summarise(result: dict) -> dict:
+    runs = {r["name"]: r for r in result["runs"]}
+    resident = runs.get("pdflash-resident")
+    tf = runs.get("transformers-resident-bf16")
+    bw = result.get("link", {}).get("bound_gbps")
+    summary = {}
+    for name, r in runs.items():
+        s = {"tokens_per_second": r["tokens_per_second"], "tpot_ms": r["tpot_ms"]}
+        if "bytes_per_token" in r and resident and bw:
+            bound_ms = r["bytes_per_token"] / (bw * 1e9) * 1e3 + resident["tpot_ms"]
+            s.update(bound_tpot_ms=bound_ms, utilisation_of_bound=bound_ms / r["tpot_ms"],
+                     exposed_fetch_ms_per_token=r["exposed_fetch_ms_per_token"], bytes_per_token=r["bytes_per_token"],
+                     meets_85pct_of_bound=bound_ms / r["tpot_ms"] >= 0.85)
+        if tf and name != tf["name"]:
+            s["speedup_vs_transformers"] = r["tokens_per_second"] / tf["tokens_per_second"]
+            s["beats_transformers"] = r["tokens_per_second"] > tf["tokens_per_second"]
+        if tf and name != tf["name"]:
+            same = sum(a == b for a, b in zip(r["token_ids"], tf["token_ids"]))
+            s["greedy_tokens_equal_to_transformers"] = f"{same}/{min(len(r['token_ids']), len(tf['token_ids']))}"
+        summary[name] = s
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint-dir", type=Path, required=True, help="Where the synthetic checkpoint is (or is written).")
+    ap.add_argument("--out", type=Path, required=True, help="JSON file to write the results to.")
+    ap.add_argument("--seed", type=int, default=0, help="Seed of the synthetic weights and of the prompt.")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="Prompt length in tokens.")
+    ap.add_argument("--warmup", type=int, default=8, help="Decode tokens before the measured window.")
+    ap.add_argument("--tokens", type=int, default=64, help="Measured decode tokens per run.")
+    ap.add_argument("--cache-fraction", type=float, default=0.25, help="Share of all experts the offload cache holds.")
+    ap.add_argument("--lookahead", type=int, nargs="+", default=[0, 1], help="Lookahead depths to run offloaded (0: no prefetch).")
+    ap.add_argument("--eviction", default="lru", help="Eviction policy of the offloaded runs.")
+    ap.add_argument("--skip-transformers", action="store_true", help="Do not run the transformers reference.")
+    ap.add_argument("--preset", default="gpt-oss-20b", help="Synthetic model shape (tiny: a quick CPU check of this script).")
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a check of this script).")
+    ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link speed in GB/s.")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    args.preset = ModelPreset.from_name(args.preset)
+    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        print("Error: this benchmark needs a CUDA GPU (or --device cpu --preset tiny to check the script)", file=sys.stderr)
+        return 1
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("{}")
+    except OSError as exc:
+        print(f"Error: cannot write {args.out}: {exc}", file=sys.stderr)
+        return 1
+    t_start = time.perf_counter()
+    config = dict(vars(args), checkpoint_dir=str(args.checkpoint_dir), out=str(args.out), preset=args.preset.name)
+    result = {"benchmark": "offload-gpu", "command": " ".join(sys.argv), "config": config, "machine": machine(), "runs": []}
+    result["checkpoint"] = ensure_checkpoint(args.checkpoint_dir, args.preset, args.seed)
+    ids = prompt_ids(min(1000, args.preset.tokenizer_vocab - 8), args.prompt_tokens, args.seed)
+    result["prompt_ids"] = ids
+    stages = [("resident", run_resident), ("offload", run_offload)]
+    if not args.skip_transformers:
+        stages.append(("transformers", run_transformers))
+    for name, fn in stages:
+        try:
+            fn(args.checkpoint_dir, ids, args, result)
+        except Exception as exc:  # record and go on: the other stages still measure something
+            result.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+            log(f"{name} failed: {exc}")
+        torch.cuda.empty_cache()
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+    result["summary"] = summarise(result)
+    result["wall_seconds"] = time.perf_counter() - t_start
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    for name, s in result["summary"].items():
+        log(f"{name}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) and math.isfinite(v) else f"{k}={v}" for k, v in s.items()))
+    log(f"wrote {args.out} in {result['wall_seconds']:.0f} s")
+    return 0 if not result.get("errors") else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
