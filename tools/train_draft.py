@@ -14,6 +14,7 @@ modules; only the batching and the mask are written here.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -163,7 +164,8 @@ def train_draft(target, train_ids, held_ids, out: Path, args, device, log) -> di
         idx = torch.randint(0, n_total, (args.draft_batch,), generator=gen).to(device)
         anchors = torch.randint(lo, hi, (args.draft_anchors,), generator=gen).to(device)
         for g in opt.param_groups:
-            g["lr"] = args.draft_lr * min(1.0, (step + 1) / 50)
+            frac = max(step / args.draft_max_steps, (time.time() - t_train) / max(1.0, budget - data_s))
+            g["lr"] = args.draft_lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = block_forward(draft, feats[idx], seqs[idx], anchors, b).float()  # [N, M, B-1, V]
         labels = seqs[idx][:, anchors[:, None] + torch.arange(1, b, device=device)[None]]  # [N, M, B-1]

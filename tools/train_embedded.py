@@ -140,6 +140,7 @@ def target_config(vocab_size: int, args) -> "GptOssConfig":
         bos_token_id=None,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
+        **({"experts_implementation": args.experts_impl} if args.experts_impl else {}),
     )
 
 
@@ -168,10 +169,11 @@ def held_out_loss(model, data: torch.Tensor, seq: int, device, max_windows: int 
     return total / count
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, total: int, peak: float, warmup: int, time_fraction: float = 0.0) -> float:
+    """Linear warm-up, then cosine to 10 % of peak over whichever runs out first: steps or time."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_fraction))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -182,6 +184,17 @@ def train_target(train_ids, held_ids, vocab_size: int, args, device, log) -> tup
     cfg = target_config(vocab_size, args)
     cfg._attn_implementation = "eager"
     model = GptOssForCausalLM(cfg).to(device)
+    try:  # probe: the default expert kernel of this transformers / torch / device
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            model(input_ids=train_ids[:64].long().view(2, 32).to(device)).logits.float().sum().backward()
+        model.zero_grad(set_to_none=True)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        log(f"default expert kernel failed ({exc}); training with the eager expert loop")
+        args.experts_impl = "eager"
+        cfg = target_config(vocab_size, args)
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(args.seed)
+        model = GptOssForCausalLM(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     data = batches(train_ids, args.seq, args.batch, gen, device)
@@ -194,7 +207,7 @@ def train_target(train_ids, held_ids, vocab_size: int, args, device, log) -> tup
     while step < args.max_steps and time.time() - t0 < budget:
         x = next(data)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, est_steps, args.lr, args.warmup)
+            g["lr"] = lr_at(step, est_steps, args.lr, args.warmup, (time.time() - t0) / budget)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model(input_ids=x[:, :-1], output_router_logits=args.aux_loss > 0)
         logits = out.logits.float()
@@ -233,8 +246,9 @@ def quantize_experts_inplace(model) -> None:
             p.data.copy_(dequantize(blocks, scales, torch.float32).to(p.dtype))
 
 
-def save_target(model, out: Path) -> None:
-    """Write the target as a gpt-oss MXFP4 checkpoint (experts as blocks / scales, rest bf16)."""
+def save_target(model, out: Path, shard_bytes: int = 9_000_000) -> None:
+    """Write the target as a gpt-oss MXFP4 checkpoint (experts as blocks / scales, rest bf16),
+    in shards of at most ``shard_bytes`` with a model.safetensors.index.json like the hub's."""
     from safetensors.torch import save_file
 
     from pdflash.offload.mxfp4 import quantize
@@ -249,14 +263,32 @@ def save_target(model, out: Path) -> None:
             tensors[name + "_scales"] = scales.contiguous()
         else:
             tensors[name] = t.detach().to(torch.bfloat16).cpu().contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if size and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    )
     cfg = model.config.to_dict()
     cfg["architectures"] = ["GptOssForCausalLM"]
     cfg["torch_dtype"] = "bfloat16"
     cfg["output_router_logits"] = False
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    for k in ("_attn_implementation_autoset", "transformers_version", "_name_or_path"):
-        cfg.pop(k, None)
+    for k in list(cfg):
+        if k.startswith("_") or k in ("transformers_version", "experts_implementation", "attn_implementation"):
+            cfg.pop(k)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
 
 
@@ -284,6 +316,7 @@ def main() -> None:
     ap.add_argument("--target-minutes", type=float, default=4.0)
     ap.add_argument("--draft-minutes", type=float, default=2.0)
     ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--experts-impl", default=None, help="transformers experts implementation (default: its own)")
     from train_draft import add_arguments  # tools/train_draft.py
 
     add_arguments(ap)
