@@ -151,6 +151,10 @@ class ExpertCache:
 
     # -- forward side ----------------------------------------------------------------
     def begin_forward(self, tokens: int) -> None:
+        """A forward starts: no layer is running, so pins left by an interrupted one end (deferred on CUDA)."""
+        if self._async_device:
+            self._deferred |= self._pinned
+        self._pinned.clear()
         self._tick += 1
         self.stats.forwards += 1
         self.stats.tokens += tokens

@@ -213,6 +213,25 @@ def test_reset_cache_a_hundred_times_without_hang(ck):
     _run_with_deadline(body)
 
 
+def test_interrupted_forward_leaves_the_cache_usable(ck):
+    """An exception in the middle of a layer (pins taken, copies in flight) does not wedge the cache."""
+    with OffloadedModel.load(ck, expert_cache_experts=K, link_gbps=0.05) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=4, eos_token_ids=[]).token_ids
+        rt.reset_cache()
+        real_wait = rt.cache.wait
+
+        def failing_wait(f):
+            if f.layer == 2:  # e.g. Ctrl-C while blocked on a fetch of layer 2: its slots are pinned
+                raise KeyboardInterrupt
+            return real_wait(f)
+
+        rt.cache.wait = failing_wait
+        with pytest.raises(KeyboardInterrupt):
+            rt.forward(torch.tensor([PROMPT]), cache=rt.new_kv_cache())
+        rt.cache.wait = real_wait
+        assert generate(rt, PROMPT, max_new_tokens=4, eos_token_ids=[]).token_ids == want
+
+
 def test_close_is_terminal_and_idempotent(ck):
     rt = OffloadedModel.load(ck, expert_cache_experts=4)
     generate(rt, PROMPT, max_new_tokens=2, eos_token_ids=[])
