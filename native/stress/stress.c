@@ -25,6 +25,8 @@
  *               so no byte is copied twice;
  *             - nothing is left queued or in flight; reset zeroes the counters and the
  *               scheduler works afterwards.
+ *             With a trace ring on, every ended ticket appears once among the drained (or
+ *             dropped) records, with its status, size and ordered timestamps.
  *   close     waiters blocked in pf_wait (and a pf_reset draining) when pf_shutdown runs all
  *             return PF_CLOSED; shutdown from several threads at once is idempotent; every
  *             later call returns PF_ECLOSED; then pf_destroy.
@@ -120,9 +122,11 @@ static uint8_t pattern(uint64_t id, uint64_t i) {
 
 static uint64_t mk_key(uint32_t layer, uint32_t expert) { return ((uint64_t)layer << 32) | expert; }
 
-static pf_sched *make_sched(int workers, uint64_t chunk, double gbps, double lat_us, uint32_t history) {
+static pf_sched *make_sched_traced(int workers, uint64_t chunk, double gbps, double lat_us, uint32_t history,
+                                   uint32_t trace) {
     pf_config cfg;
     pf_config_default(&cfg);
+    cfg.trace = trace;
     cfg.workers = workers;
     cfg.chunk_bytes = chunk;
     cfg.link_gbps = gbps;
@@ -137,6 +141,10 @@ static pf_sched *make_sched(int workers, uint64_t chunk, double gbps, double lat
         exit(2);
     }
     return s;
+}
+
+static pf_sched *make_sched(int workers, uint64_t chunk, double gbps, double lat_us, uint32_t history) {
+    return make_sched_traced(workers, chunk, gbps, lat_us, history, 0);
 }
 
 static void close_sched(pf_sched *s) {
@@ -433,6 +441,7 @@ typedef struct round_cfg {
     uint64_t chunk;
     double gbps, latency_us;
     int resets;
+    uint32_t trace; /* trace ring size (0: off); drained during and after the round */
     int nslots;
     int threads;
     double seconds;
@@ -447,6 +456,11 @@ typedef struct round_state {
     atomic_int next_slot;
     double t0, deadline;
     int ops_per_thread;
+    /* trace records drained so far (guarded by trace_mu) */
+    pthread_mutex_t trace_mu;
+    pf_trace_rec *traced;
+    long ntraced, traced_cap;
+    uint64_t trace_dropped;
     /* caller-side counts */
     atomic_long submit_ok, cancel_hits, promote_hits, waits, resets_done;
     tally t_wait, t_query, t_status, t_stats, t_submit;
@@ -456,6 +470,24 @@ typedef struct thread_ctx {
     round_state *r;
     uint64_t seed;
 } thread_ctx;
+
+static void drain_trace(round_state *r) {
+    pf_trace_rec buf[64];
+    uint64_t dropped = 0;
+    pthread_mutex_lock(&r->trace_mu);
+    for (;;) {
+        int n = pf_trace_drain(r->s, buf, 64, &dropped);
+        r->trace_dropped += dropped;
+        if (n <= 0) break;
+        if (r->ntraced + n > r->traced_cap) {
+            r->traced_cap = 2 * (r->ntraced + n);
+            r->traced = realloc(r->traced, sizeof(pf_trace_rec) * (size_t)r->traced_cap);
+        }
+        memcpy(r->traced + r->ntraced, buf, sizeof(pf_trace_rec) * (size_t)n);
+        r->ntraced += n;
+    }
+    pthread_mutex_unlock(&r->trace_mu);
+}
 
 static int record_ticket(slot *sl, uint64_t t) {
     pthread_mutex_lock(&sl->mu);
@@ -600,6 +632,8 @@ static void *chaos_thread(void *arg) {
             if (st != PF_PENDING && st != PF_DONE && st != PF_CANCELLED)
                 tally_bad(&r->t_query, "query %llu: %d", (unsigned long long)t, st);
             note_status(r, sl, t, st);
+        } else if (x < 910 && cfg->trace) { /* drain the trace ring while tasks end */
+            drain_trace(r);
         } else if (x < 999) { /* stats: "now" counters stay within what is possible */
             pf_stats st;
             if (pf_get_stats(r->s, &st) != 0) {
@@ -679,7 +713,8 @@ static void chaos_round(const round_cfg *cfg, uint64_t seed, double scale) {
     }
     free(sizes);
 
-    r->s = make_sched(cfg->workers, cfg->chunk, cfg->gbps, cfg->latency_us, 1u << 16);
+    pthread_mutex_init(&r->trace_mu, NULL);
+    r->s = make_sched_traced(cfg->workers, cfg->chunk, cfg->gbps, cfg->latency_us, 1u << 16, cfg->trace);
     r->ops_per_thread = 1 << 30; /* the deadline ends the round */
     double t0 = now_s();
     r->t0 = t0;
@@ -721,6 +756,42 @@ static void chaos_round(const round_cfg *cfg, uint64_t seed, double scale) {
         multi += sl->ntk > 1;
     }
     tally_close(&t_end);
+
+    /* trace: every ended ticket once, drained or counted as dropped, with its status and size */
+    if (cfg->trace) {
+        drain_trace(r);
+        tally t_tr = {0, "trace"};
+        check(r->ntraced + (long)r->trace_dropped == ntk, "[%s] trace: %ld drained + %llu dropped == %ld tickets",
+              cfg->name, r->ntraced, (unsigned long long)r->trace_dropped, ntk);
+        check(r->ntraced > 0, "[%s] trace drained records", cfg->name);
+        for (long i = 0; i < r->ntraced; i++) {
+            const pf_trace_rec *q = &r->traced[i];
+            uint32_t idx = (uint32_t)(q->key & 0xffffffffu);
+            if (idx >= (uint32_t)nused || r->slots[idx].key != q->key) {
+                tally_bad(&t_tr, "record %ld: unknown key %llx", i, (unsigned long long)q->key);
+                continue;
+            }
+            slot *sl = &r->slots[idx];
+            int k = 0;
+            while (k < sl->ntk && sl->tk[k] != q->ticket) k++;
+            if (k == sl->ntk) tally_bad(&t_tr, "record %ld: ticket %llu not of its key", i, (unsigned long long)q->ticket);
+            else if (q->status != atomic_load(&sl->status[k]))
+                tally_bad(&t_tr, "ticket %llu: traced status %d, waited %d", (unsigned long long)q->ticket, q->status,
+                          atomic_load(&sl->status[k]));
+            if (q->nbytes != sl->nbytes || q->priority < 0 || q->priority >= PF_NUM_PRIORITY)
+                tally_bad(&t_tr, "ticket %llu: nbytes %llu priority %d", (unsigned long long)q->ticket,
+                          (unsigned long long)q->nbytes, q->priority);
+            if (q->end_ns < q->submit_ns || (q->start_ns && (q->start_ns < q->submit_ns || q->start_ns > q->end_ns)))
+                tally_bad(&t_tr, "ticket %llu: times submit %llu start %llu end %llu", (unsigned long long)q->ticket,
+                          (unsigned long long)q->submit_ns, (unsigned long long)q->start_ns,
+                          (unsigned long long)q->end_ns);
+            if (q->status == PF_DONE && !q->start_ns)
+                tally_bad(&t_tr, "ticket %llu: done without a start", (unsigned long long)q->ticket);
+            for (long j = i + 1; j < r->ntraced && j < i + 4096; j++)
+                if (r->traced[j].ticket == q->ticket) tally_bad(&t_tr, "ticket %llu traced twice", (unsigned long long)q->ticket);
+        }
+        tally_close(&t_tr);
+    }
 
     /* data: DONE -> exact; all cancelled -> chunk-aligned prefix, rest untouched */
     tally t_data = {0, "data"};
@@ -828,6 +899,8 @@ static void chaos_round(const round_cfg *cfg, uint64_t seed, double scale) {
            cfg->name, cfg->workers, (unsigned long long)cfg->chunk, cfg->gbps, atomic_load(&r->resets_done), nused,
            ntk, ndone, ncanc, multi, atomic_load(&r->submit_ok), t_ops);
     for (int i = 0; i < cfg->nslots; i++) pthread_mutex_destroy(&r->slots[i].mu);
+    pthread_mutex_destroy(&r->trace_mu);
+    free(r->traced);
     free(r->arena);
     free(r->slots);
     free(r);
@@ -1008,11 +1081,11 @@ int main(int argc, char **argv) {
     phase_order_reset();
     phase_expired();
     static const round_cfg rounds[] = {
-        /* name        workers chunk  GB/s  lat  resets slots thr  s  */
-        {"fast-reset", 2, 1024, 0, 0, 1, 1500, 6, 2.0, 0},
-        {"link-exact", 3, 2048, 1.0, 0, 0, 1200, 6, 2.0, 0},
-        {"one-worker", 1, 4096, 0, 0, 0, 1500, 5, 1.5, 0},
-        {"link-reset", 4, 1536, 0.5, 5, 1, 1000, 6, 2.0, 0},
+        /* name        workers chunk  GB/s  lat  resets trace slots thr  s  */
+        {"fast-reset", 2, 1024, 0, 0, 1, 0, 1500, 6, 2.0, 0},
+        {"link-exact", 3, 2048, 1.0, 0, 0, 0, 1200, 6, 2.0, 0},
+        {"one-worker", 1, 4096, 0, 0, 0, 300, 1500, 5, 1.5, 0},
+        {"link-reset", 4, 1536, 0.5, 5, 1, 64, 1000, 6, 2.0, 0},
     };
     for (size_t i = 0; i < sizeof(rounds) / sizeof(rounds[0]); i++) chaos_round(&rounds[i], seed + i, scale);
     phase_close();
