@@ -104,16 +104,17 @@ def cuda_time(fn, repeat: int) -> list[float]:
     return times
 
 
+def copy_gbps(nbytes: int, repeat: int) -> float:
+    """Median pinned host -> device bandwidth of one plain PyTorch copy of nbytes."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)  # warm-up
+    times = sorted(cuda_time(lambda: dst.copy_(src, non_blocking=True), repeat))
+    return nbytes / times[len(times) // 2] / 1e9
+
+
 def pinned_bandwidth(expert_bytes: int) -> dict:
-    out = {}
-    for label, nbytes, repeat in (("1GiB", 1 << 30, 5), ("expert", expert_bytes, 50)):
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        dst.copy_(src, non_blocking=True)  # warm-up
-        times = sorted(cuda_time(lambda: dst.copy_(src, non_blocking=True), repeat))
-        out[f"torch_{label}_gbps"] = nbytes / times[len(times) // 2] / 1e9
-        del src, dst
-    return out
+    return {"torch_1GiB_gbps": copy_gbps(1 << 30, 5), "torch_expert_gbps": copy_gbps(expert_bytes, 50)}
 
 
 # -- decode ----------------------------------------------------------------------------------------
@@ -245,11 +246,11 @@ def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
     )
     model.eval()
     load_s = time.perf_counter() - t0
+    import inspect
+
     experts = model.model.layers[0].mlp.experts
     info = {"experts_dtype": str(getattr(experts, "gate_up_proj").dtype), "experts_implementation":
             getattr(model.config, "_experts_implementation", None), "attn_implementation": model.config._attn_implementation}
-    import inspect
-
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     kv = DynamicCache(config=model.config)
 
@@ -263,8 +264,6 @@ def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
     r.update(name="transformers-resident-bf16", load_seconds=load_s, **info)
     result["runs"].append(r)
     log(f"transformers: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token ({info})")
-    del model, kv
-    torch.cuda.empty_cache()
 
 
 def summarise(result: dict) -> dict:

@@ -65,7 +65,7 @@ class GptOssFamily(ModelFamily):
     # -- checkpoint ------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
         c = self.hf_config
-        H, I, E, V = self.hidden, self.inter, self.num_experts, int(c.vocab_size)
+        H, E, V = self.hidden, self.num_experts, int(c.vocab_size)
         hd = int(c.head_dim or H // c.num_attention_heads)
         nq, nkv = int(c.num_attention_heads) * hd, int(c.num_key_value_heads) * hd
         f = FLOAT_DTYPES
