@@ -93,7 +93,8 @@ class ExpertCache:
         self.layout = host.layout
         self.sched = scheduler
         self.device = torch.device(device)
-        self.capacity = n_slots
+        self.n_slots = n_slots  # slots allocated in ``slots``
+        self.capacity = n_slots  # slots in use: a limit <= n_slots set by reset(capacity)
         self.policy = policy
         self.lfu_decay = lfu_decay
         self.num_layers, self.num_experts = host.num_layers, host.num_experts
@@ -426,11 +427,19 @@ class ExpertCache:
             self._free_slot(s)
 
     # -- lifecycle -------------------------------------------------------------------
-    def reset(self) -> None:
-        """Empty the cache and the scheduler queues, zero statistics; stays usable."""
+    def reset(self, capacity: int | None = None) -> None:
+        """Empty the cache and the scheduler queues, zero statistics; stays usable.
+
+        ``capacity`` (1 .. n_slots) limits the slots used from now on: slots at or above it
+        are never handed out. None keeps the current limit.
+        """
+        if capacity is not None and not 1 <= capacity <= self.n_slots:
+            raise PdflashError(f"the expert cache capacity must be between 1 and the {self.n_slots} allocated slots, got {capacity}")
         if self._async_device:
             torch.cuda.synchronize(self.device)  # no queued kernel may still read a slot
         self.sched.reset()  # cancels queued copies, lets chunks in flight land
+        if capacity is not None:
+            self.capacity = capacity
         self._clear_state()
         self.errors.clear()
 

@@ -116,6 +116,7 @@ class OffloadedModel:
         background_priority: int = Band.BACKGROUND,
         preload: bool = False,
         progress: bool = False,
+        trace: int = 0,
     ) -> "OffloadedModel":
         """Validate and load a checkpoint; experts go to (pinned) host memory, the rest to ``device``.
 
@@ -123,6 +124,7 @@ class OffloadedModel:
         else every expert (all resident). Fewer than min(E, block_tokens * top_k) is an error.
         ``link_gbps`` simulates a host->device link of that speed on the CPU (memcpy backend).
         ``preload`` copies every expert that fits before returning (statistics start at zero).
+        ``trace`` > 0 keeps that many ended transfers for ``rt.scheduler.drain_trace()``.
         """
         self = object.__new__(cls)
         self._closed = True
@@ -141,7 +143,8 @@ class OffloadedModel:
         ckpt = Checkpoint(model_dir)
         try:
             self._load(ckpt, dev, dtype, expert_cache_mib, expert_cache_experts, block_tokens, eviction, link_gbps,
-                       workers, chunk_mib, lookahead_depth, history_depth, route_ahead_priority, background_priority, progress)
+                       workers, chunk_mib, lookahead_depth, history_depth, route_ahead_priority, background_priority, progress,
+                       trace)
         except BaseException:
             self._release()
             raise
@@ -152,7 +155,7 @@ class OffloadedModel:
         return self
 
     def _load(self, ckpt, dev, dtype, cache_mib, cache_experts, block_tokens, eviction, link_gbps, workers, chunk_mib,
-              lookahead_depth, history_depth, route_ahead_priority, background_priority, progress) -> None:
+              lookahead_depth, history_depth, route_ahead_priority, background_priority, progress, trace=0) -> None:
         fam = ckpt.family
         self.path = ckpt.path
         self.family = fam
@@ -186,6 +189,7 @@ class OffloadedModel:
                 link_gbps=link_gbps,
                 chunk_bytes=max(4096, int(chunk_mib * 2**20)),
                 device=dev.index or 0,
+                trace=trace,
             )
         except SchedulerError as exc:
             raise PdflashError(f"could not start the fetch scheduler: {exc}") from None
@@ -391,10 +395,20 @@ class OffloadedModel:
         return self.cache.stats.hit_rate()
 
     # -- lifecycle -------------------------------------------------------------------
-    def reset_cache(self) -> None:
-        """Not terminal: empty the device cache and the scheduler's queues, zero all statistics."""
+    def reset_cache(self, capacity_experts: int | None = None) -> None:
+        """Not terminal: empty the device cache and the scheduler's queues, zero all statistics.
+
+        ``capacity_experts`` limits the cache to that many of its allocated slots from now on
+        (at least the load-time minimum, at most the slots allocated); None keeps the limit.
+        """
         self._check_open()
-        self.cache.reset()
+        if capacity_experts is not None:
+            fam = self.family
+            need = min_cache_experts(fam.num_experts, fam.top_k, self.block_tokens)
+            if not need <= capacity_experts <= self.cache.n_slots:
+                raise PdflashError(f"capacity_experts must be between {need} (one layer of a {self.block_tokens}-token "
+                                   f"block) and the {self.cache.n_slots} slots allocated at load, got {capacity_experts}")
+        self.cache.reset(capacity_experts)
         self.prefetcher.reset()
         self.last_routing = {}
 
