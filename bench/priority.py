@@ -179,11 +179,11 @@ class PriorityConfig:
                 raise PdflashError("--device cuda was asked for but no CUDA device is available; use --device cpu")
         if self.block_size is not None and self.block_size < 1:
             raise PdflashError(f"--block-size must be at least 1, got {self.block_size}")
-        from pdflash.draft.route_ahead import PREDICTORS
+        from pdflash.draft.route_ahead import PREDICTORS, check_predictor_name
 
-        bad = [p for p in self.predictor.split("+") if p.strip() not in PREDICTORS]
-        if bad:
-            raise PdflashError(f"unknown route-ahead predictor {bad[0]!r}: choose from {', '.join(PREDICTORS)} (join with '+')")
+        check_predictor_name(self.predictor)
+        if self.predictor == "none":
+            raise PdflashError(f"--predictor none leaves flat and banded without route-ahead: choose from {', '.join(PREDICTORS)}")
         if self.history_depth < 0:
             raise PdflashError(f"--history-depth must be 0 or more, got {self.history_depth}")
         if self.workers < 1:
@@ -343,6 +343,7 @@ class PriorityBench:
     def __init__(self, cfg: PriorityConfig, budget: Budget, log: Callable[[str], None]):
         self.cfg, self.budget, self.log = cfg, budget, log
         self.rt = None
+        self.draft = None
         self.switches = 0  # non-terminal reset_cache() calls between runs
         self.references: list[list[int] | None] = []
         self.oracle_plans: list[list[dict[int, list[int]]] | None] = []
@@ -843,6 +844,7 @@ def run_priority_bench(cfg: PriorityConfig, log: Callable[[str], None] = lambda 
     finally:
         if bench.rt is not None:
             bench.rt.close()  # terminal, once, after the last arm
+        bench.rt = bench.draft = None
     if cfg.peers:
         peers_out = run_peers_side_by_side(cfg, budget, prompts_ids, dtype_name, samples, log)
     checks = instrumentation_checks(samples)
@@ -902,8 +904,7 @@ def run_peers_side_by_side(cfg: PriorityConfig, budget: Budget, prompts: list[li
         time_limit_s=cfg.peer_time_limit_s, dtype=dtype, device=cfg.device,
     )
     log(f"peers: {', '.join(arms)} on the same {len(prompts)} prompt(s); accelerate GPU budget "
-        f"{gpu_budget / peers.GIB:.2f} GiB = non-expert weights {dense / peers.GIB:.2f} + expert budget "
-        f"{budget.budget_bytes / peers.GIB:.2f}")
+        f"{_size(gpu_budget)} = non-expert weights {_size(dense)} + expert budget {_size(budget.budget_bytes)}")
     results = peers.run_peers(pcfg, log=log)
     ratios = {}
     for arm in cfg.arms:
@@ -921,6 +922,10 @@ def run_peers_side_by_side(cfg: PriorityConfig, budget: Budget, prompts: list[li
                  + (f" in oracle-acceptance mode (P = {cfg.draft_acceptance})" if cfg.draft_acceptance is not None else "")
                  + "; peers decode plain greedy (one token per forward); all produce the target's greedy tokens"),
     }
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 __all__ = [

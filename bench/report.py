@@ -165,7 +165,9 @@ def _interval_bars(ax, arms: list[str], ivs: list[dict], scale: float, title: st
         m, lo, hi = iv["mean"] * scale, iv["lo"] * scale, iv["hi"] * scale
         ax.bar(x, m, color=ARM_COLORS.get(arm, "#333333"), alpha=0.85)
         ax.errorbar(x, m, yerr=[[m - lo], [hi - m]], color="black", capsize=5, lw=1.2)
+        ax.annotate(f"{m:.3g}", (x, hi), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), arms)
+    ax.margins(y=0.12)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
 
@@ -175,6 +177,8 @@ def _timeline(ax, arm: str, t: dict) -> None:
     for r in rows:
         b = r["band"]
         y = b if b <= 2 else 3
+        if r.get("submit_s") is not None and r["submit_s"] < r["start_s"]:  # queued: thin line from submit to start
+            ax.hlines(y, 1e3 * r["submit_s"], 1e3 * r["start_s"], colors=BAND_COLORS.get(b, "#bcbd22"), lw=0.8, alpha=0.5)
         ax.broken_barh([(1e3 * r["start_s"], max(1e3 * (r["end_s"] - r["start_s"]), 1e-3))], (y - 0.35, 0.7),
                        facecolors=BAND_COLORS.get(b, "#bcbd22"), edgecolors="black", linewidth=0.3, alpha=0.75)
     ax.axvline(0, color="black", lw=0.8, ls=":")
@@ -182,7 +186,9 @@ def _timeline(ax, arm: str, t: dict) -> None:
     ax.set_yticks([0, 1, 2], [BAND_LABELS[0], BAND_LABELS[1], BAND_LABELS[2]])
     ax.set_ylim(-0.6, 2.6)
     ax.invert_yaxis()
-    ax.set_xlabel("ms from the start of the step (dotted: step start and end)")
-    ax.set_title(f"{arm}: link transfers of verify step {t['step']} of {t['steps']} by band "
-                 f"({len(rows)} transfers)", loc="left")
+    lo = min([0.0] + [1e3 * r["submit_s"] for r in rows if r.get("submit_s") is not None])
+    ax.set_xlim(lo - 0.02 * (1e3 * t["step_s"] - lo), 1e3 * t["step_s"] * 1.02)
+    ax.set_xlabel("ms from the start of the step (dotted: step start and end; bar: transfer, thin line: queued since submit)")
+    ax.set_title(f"{arm}: link transfers of verify step {t['step']} of {t['steps']}, by band at completion "
+                 f"(promoted prefetches end in band 0; {len(rows)} transfers)", loc="left")
     ax.grid(axis="x", alpha=0.3)

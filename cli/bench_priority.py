@@ -43,6 +43,7 @@ def bench_priority(
     timeline: Annotated[bool, typer.Option("--timeline/--no-timeline", help="Trace one step of the flat and banded arms for the link timeline in the figure.")] = True,
     output: Annotated[Path, typer.Option(help="Where to write the JSON result; the PNG figure goes next to it with the suffix .png.")] = Path("bm3.json"),
     peers: Annotated[bool, typer.Option("--peers", help="Also run transformers (resident, and accelerate offload on CUDA) on the same prompts and report tokens/s ratios.")] = False,
+    peer_time_limit: Annotated[float, typer.Option(help="With --peers: decode time limit of each peer arm in seconds.")] = 120.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON result on stdout instead of the tables.")] = False,
 ) -> None:
     """Measure whether the route-ahead priority band pays: flat vs banded prefetch, with on-demand,
@@ -63,10 +64,10 @@ def bench_priority(
         block_size=block_size, draft_acceptance=draft_acceptance, expert_cache_fraction=expert_cache_fraction,
         expert_cache_mib=expert_cache_mib, device=_resolve_device(device), link_gbps=link_gbps, seed=seed,
         warmup=warmup, history_depth=history_depth, predictor=predictor, workers=workers, timeline=timeline,
-        peers=peers, output=str(output),
+        peers=peers, peer_time_limit_s=peer_time_limit, output=str(output),
     )
     err = Console(stderr=True, highlight=False)
-    result = run_priority_bench(cfg, log=lambda m: err.print(m, markup=False))
+    result = run_priority_bench(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
 
     write_json(result, output)
     png = output.with_suffix(".png")
