@@ -91,7 +91,9 @@ def print_report(result: dict, console) -> None:
         console.print(pt)
 
     peers = result.get("peers")
-    if peers:
+    if peers and "error" in peers:
+        console.print(f"[bold yellow]peers not measured:[/] {peers['error']}")
+    elif peers:
         pt = Table(title="Peers on the same prompts (ratio = pdflash arm tokens/s / peer tokens/s)", title_justify="left")
         pt.add_column("peer")
         pt.add_column("tokens/s", justify="right")

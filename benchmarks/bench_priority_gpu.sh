@@ -5,12 +5,16 @@
 # 25 % of all experts for the budget arms, all five arms, peers (transformers resident and
 # accelerate offload capped at pdflash's GPU budget) on the same prompts.
 #
-#   OUT=/some/dir bash benchmarks/bench_priority_gpu.sh
+#   OUT=/some/dir bash benchmarks/bench_priority_gpu.sh          # both stages
+#   bash benchmarks/bench_priority_gpu.sh make                     # only write the checkpoints
+#   bash benchmarks/bench_priority_gpu.sh bench                    # only the benchmark (checkpoints exist)
 #
 # Writes $OUT/bm3.json, $OUT/bm3.png, $OUT/bm3.txt (the tables and verdict), $OUT/bm3.log
 # (progress), $OUT/make_synthetic.json. The checkpoints (about 14 GB) go to $WORK, reused when
 # present. Sized to finish in about 8 minutes; knobs below via the environment.
 set -euo pipefail
+STAGE="${1:-all}"
+case "$STAGE" in all|make|bench) ;; *) echo "Error: stage must be all, make or bench, got '$STAGE'" >&2; exit 2 ;; esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/out}"
@@ -21,6 +25,11 @@ PROMPTS="${PROMPTS:-3}"
 TOKENS="${TOKENS:-32}"
 ARMS="${ARMS:-flat,banded,on-demand,resident,oracle}"
 PEER_LIMIT="${PEER_LIMIT:-60}"
+DEVICE="${DEVICE:-cuda}"
+PRESET="${PRESET:-gpt-oss-20b}"               # PRESET=tiny DRAFT_PRESET=tiny DEVICE=cpu EXTRA="--link-gbps 0.05":
+DRAFT_PRESET="${DRAFT_PRESET:-gpt-oss-20b-DFlash}"  # a CPU check of this script in seconds
+EXTRA="${EXTRA:-}"
+CKPT="$WORK/$PRESET-mxfp4"
 mkdir -p "$OUT" "$WORK"
 cd "$ROOT"
 
@@ -28,17 +37,20 @@ cd "$ROOT"
 if ! "$PY" -c "import pdflash.native._pf_sched" 2>/dev/null; then
   "$PY" -m pip install -q --no-build-isolation -e . || "$PY" -m pdflash.cli.main build-native
 fi
-nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/gpu.csv" || true
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv > "$OUT/gpu.csv" || true
 
 t0=$(date +%s)
-if [ ! -f "$WORK/oss20b/config.json" ] || [ ! -f "$WORK/oss20b/draft/config.json" ]; then
-  "$PY" -m pdflash.cli.main make-synthetic "$WORK/oss20b" --preset gpt-oss-20b --mxfp4 \
-    --draft-preset gpt-oss-20b-DFlash --json > "$OUT/make_synthetic.json"
+if [ "$STAGE" != bench ]; then
+  if [ ! -f "$CKPT/config.json" ] || [ ! -f "$CKPT/draft/config.json" ]; then
+    "$PY" -m pdflash.cli.main make-synthetic "$CKPT" --preset "$PRESET" --mxfp4 \
+      --draft-preset "$DRAFT_PRESET" --json > "$OUT/make_synthetic.json"
+  fi
+  echo "checkpoints ready in $(( $(date +%s) - t0 )) s" >&2
+  [ "$STAGE" = make ] && exit 0
 fi
-echo "checkpoints ready in $(( $(date +%s) - t0 )) s" >&2
 
 "$PY" -m pdflash.cli.main bench-priority \
-  --model "$WORK/oss20b" --draft "$WORK/oss20b/draft" --device cuda \
+  --model "$CKPT" --draft "$CKPT/draft" --device "$DEVICE" $EXTRA \
   --arms "$ARMS" --repetitions "$REPS" --prompts "$PROMPTS" --max-new-tokens "$TOKENS" \
   --draft-acceptance 0.7 --expert-cache-fraction 0.25 --seed 0 --warmup 1 \
   --peers --peer-time-limit "$PEER_LIMIT" \
