@@ -44,7 +44,7 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -313,28 +313,23 @@ def _delta(end, start):
     return end - (start or 0)
 
 
-class _ReplayPredictor:
-    """Route-ahead predictor of the oracle arm: step i predicts the experts verify pass i used."""
+def _replay_predictor(steps: list[dict[int, list[int]]]):
+    """Route-ahead predictor of the oracle arm: step i predicts the experts verify pass i used
+    (known before the draft runs, so submitted at the start of the step)."""
+    from pdflash.draft.route_ahead import Predictor
 
-    name = "oracle-replay"
+    class ReplayPredictor(Predictor):
+        name = "oracle-replay"
 
-    def __init__(self, steps: list[dict[int, list[int]]]):
-        self.steps = steps
-        self.i = 0
+        def __init__(self):
+            self.i = 0
 
-    def before_draft(self):
-        s = self.steps[self.i] if self.i < len(self.steps) else None
-        self.i += 1
-        return {layer: set(ex) for layer, ex in s.items()} if s else None
+        def before_draft(self):
+            s = steps[self.i] if self.i < len(steps) else None
+            self.i += 1
+            return {layer: set(ex) for layer, ex in s.items()} if s else None
 
-    def after_draft(self, draft_hidden):
-        return None
-
-    def verify_hooks(self, target, submit):
-        return []
-
-    def observe(self, used) -> None:
-        pass
+    return ReplayPredictor()
 
 
 class PriorityBench:
@@ -354,24 +349,12 @@ class PriorityBench:
         from pdflash.offload.runtime import OffloadedModel
 
         cfg, b = self.cfg, self.budget
-        extra = {}
-        self.traced, self.trace_reason = False, "not asked for (--no-timeline)"
-        if cfg.timeline:
-            if "trace" in _params(OffloadedModel.load):
-                extra["trace"] = TRACE_EVENTS
-            else:
-                self.trace_reason = "this build's runtime cannot record the scheduler's transfer trace"
         t0 = time.perf_counter()
         self.rt = OffloadedModel.load(
             cfg.model_dir, device=cfg.device, expert_cache_experts=b.allocated_experts, block_tokens=b.block_size,
             link_gbps=cfg.link_gbps, workers=cfg.workers, lookahead_depth=0, history_depth=0,
-            progress=sys.stderr.isatty(), **extra,
+            progress=sys.stderr.isatty(), trace=TRACE_EVENTS if cfg.timeline else 0,
         )
-        if extra and callable(getattr(self.rt.scheduler, "drain_trace", None)):
-            self.traced = True
-        if b.allocated_experts != b.budget_experts and "capacity_experts" not in _params(self.rt.reset_cache):
-            raise PdflashError("this runtime's reset_cache() has no capacity_experts limit, which the resident arm "
-                               "needs next to the budget arms; drop the resident arm (--arms) or update pdflash")
         self.draft = load_draft(cfg.draft_dir, self.rt.model)
         self.load_s = time.perf_counter() - t0
         tok = self.rt.tokenizer
@@ -407,11 +390,7 @@ class PriorityBench:
         """Switch the runtime to ``arm``: non-terminal reset to an empty cache of the arm's
         capacity, prefetcher bands and depths; the resident arm then fills the cache."""
         spec, b, rt = ARM_SPECS[arm], self.budget, self.rt
-        cap = b.total_experts if spec.resident else b.budget_experts
-        if b.allocated_experts != b.budget_experts:
-            rt.reset_cache(capacity_experts=cap)
-        else:
-            rt.reset_cache()
+        rt.reset_cache(capacity_experts=b.total_experts if spec.resident else b.budget_experts)
         self.switches += 1
         p = rt.prefetcher
         p.route_ahead_priority = spec.route_ahead_band if spec.route_ahead_band is not None else int(Band.ROUTE_AHEAD)
@@ -452,8 +431,8 @@ class PriorityBench:
         ra = RouteAhead(rt.model, "previous", rt.prefetcher.prefetch_experts, block_size=b.block_size,
                         priority=rt.prefetcher.route_ahead_priority, bytes_per_expert=rt.cache.slot_bytes,
                         window_layers=window_for_cache(rt.cache.capacity, b.num_experts, b.top_k, b.block_size))
-        ra.predictor = _ReplayPredictor(self.oracle_plans[pi])
-        ra.report.predictor = _ReplayPredictor.name
+        ra.predictor = _replay_predictor(self.oracle_plans[pi])
+        ra.report.predictor = ra.predictor.name
         try:
             return speculative_generate(rt.model, self.draft, prompt, cfg.max_new_tokens, block_size=b.block_size,
                                         eos_token_ids=[], route_ahead=ra, oracle=oracle, on_step=on_step)
@@ -489,12 +468,9 @@ def trace_steps(bench: PriorityBench, arms: list[str], log: Callable[[str], None
     """One extra run per arm with the scheduler's transfer trace on; keeps the transfers of one
     verify step in the middle of the run (times in seconds from the step's start).
 
-    These runs are not samples: they only draw the link timeline. Returns {"available": False,
-    "reason": ...} when the scheduler offers no trace.
+    These runs are not samples: they only draw the link timeline.
     """
     sched = bench.rt.scheduler
-    if not bench.traced:
-        return {"available": False, "reason": bench.trace_reason}
     out: dict = {"available": True, "arms": {}}
     for arm in arms:
         sched.drain_trace()  # drop what earlier runs left
@@ -521,15 +497,6 @@ def trace_steps(bench: PriorityBench, arms: list[str], log: Callable[[str], None
                             "prompt": 0, "events_in_run": len(events)}
         log(f"timeline: {arm} step {k + 1}/{len(times)}: {len(rows)} transfers in {1e3 * (w1 - w0):.1f} ms")
     return out
-
-
-def _params(fn) -> set[str]:
-    import inspect
-
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def _ratio(a, b):
