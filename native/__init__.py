@@ -17,6 +17,7 @@ buffers passed in until then.
 from __future__ import annotations
 
 import enum
+import operator
 import os
 import threading
 from typing import Any
@@ -136,6 +137,8 @@ class _Pin:
             raise SchedulerError(
                 f"{what} must be a torch tensor, a buffer object or an integer address, got {type(obj).__name__}"
             ) from None
+        except (ValueError, BufferError) as exc:  # non-contiguous, or a read-only destination
+            raise SchedulerError(f"{what} buffer cannot be used: {exc}") from None
         return int(ffi.cast("uintptr_t", buf)), len(buf), (obj, buf)
 
 
@@ -208,6 +211,7 @@ class Scheduler:
         self._active = 0
         self._closed = False
         self._owners: dict[int, list] = {}  # ticket -> objects kept alive until it ends
+        self._tls = threading.local()
 
     # -- plumbing -----------------------------------------------------------------
     def _strerror(self, rc: int) -> str:
@@ -223,7 +227,7 @@ class Scheduler:
     def _leave(self):
         with self._lock:
             self._active -= 1
-            if self._active == 0:
+            if self._closed and self._active == 0:
                 self._idle.notify_all()
 
     def _check(self, rc: int, what: str) -> int:
@@ -235,10 +239,29 @@ class Scheduler:
 
     @staticmethod
     def _priority(priority) -> int:
-        p = int(priority)
+        try:
+            p = operator.index(priority)
+        except TypeError:
+            raise SchedulerError(f"priority must be an integer or a Band, got {priority!r}") from None
         if not 0 <= p < NUM_PRIORITY:
             raise SchedulerError(f"priority must be in [0, {NUM_PRIORITY}), got {priority}")
         return p
+
+    @staticmethod
+    def _key(key) -> int:
+        try:
+            k = operator.index(key)
+        except TypeError:
+            raise SchedulerError(f"key must be an integer (see make_key), got {key!r}") from None
+        if not 0 <= k < 2**64:
+            raise SchedulerError(f"key must fit in 64 bits, got {k}")
+        return k
+
+    def _release(self, ticket: int, status: "WaitStatus") -> None:
+        """Drop the references kept for a ticket once it has ended."""
+        if status not in (WaitStatus.TIMEOUT, WaitStatus.PENDING):
+            with self._lock:
+                self._owners.pop(ticket, None)
 
     # -- API -----------------------------------------------------------------------
     def submit(self, key: int, src, dst, nbytes: int | None = None, priority=Band.BACKGROUND) -> int:
@@ -250,8 +273,7 @@ class Scheduler:
         task's ticket (promoted if ``priority`` is more urgent).
         """
         p = self._priority(priority)
-        if not 0 <= key < 2**64:
-            raise SchedulerError(f"key must fit in 64 bits, got {key}")
+        key = self._key(key)
         want = "cuda" if self.backend == "cuda" else None
         src_addr, src_len, src_owner = _Pin.resolve(src, self._ffi, "src", want, self.device)
         dst_addr, dst_len, dst_owner = _Pin.resolve(dst, self._ffi, "dst", want, self.device)
@@ -264,19 +286,30 @@ class Scheduler:
         for name, size in (("src", src_len), ("dst", dst_len)):
             if size is not None and nbytes > size:
                 raise SchedulerError(f"{name} holds {size} bytes but the copy needs {nbytes}")
+        owners = [o for o in (src_owner, dst_owner) if o is not None]
+        out = self._out_ticket()
         s = self._enter()
         try:
-            out = self._ffi.new("uint64_t *")
             rc = self._lib.pf_submit(s, key, self._ffi.cast("void *", src_addr), self._ffi.cast("void *", dst_addr), nbytes, p, out)
             self._check(rc, "submit")
             ticket = int(out[0])
+            if owners:
+                with self._lock:
+                    self._owners.setdefault(ticket, []).extend(owners)
+                # it may have ended (and been waited for) before the owners were attached
+                if self._lib.pf_query(s, ticket) != self._lib.PF_PENDING:
+                    with self._lock:
+                        self._owners.pop(ticket, None)
         finally:
             self._leave()
-        owners = [o for o in (src_owner, dst_owner) if o is not None]
-        if owners:
-            with self._lock:
-                self._owners.setdefault(ticket, []).extend(owners)
         return ticket
+
+    def _out_ticket(self):
+        """A per-thread uint64_t out-parameter, allocated once per thread."""
+        out = getattr(self._tls, "ticket", None)
+        if out is None:
+            out = self._tls.ticket = self._ffi.new("uint64_t *")
+        return out
 
     def wait(self, ticket: int, timeout: float | None = None) -> WaitStatus:
         """Block (GIL released) until the ticket ends or ``timeout`` seconds pass."""
@@ -289,9 +322,7 @@ class Scheduler:
             raise SchedulerError(f"wait: ticket {ticket} was not issued by this scheduler")
         self._check(rc, "wait")
         status = WaitStatus(rc)
-        if status not in (WaitStatus.TIMEOUT, WaitStatus.PENDING):
-            with self._lock:
-                self._owners.pop(ticket, None)
+        self._release(ticket, status)
         return status
 
     def query(self, ticket: int) -> WaitStatus:
@@ -303,7 +334,9 @@ class Scheduler:
             self._leave()
         if rc == self._lib.PF_ENOTICKET:
             raise SchedulerError(f"query: ticket {ticket} was not issued by this scheduler")
-        return WaitStatus(self._check(rc, "query"))
+        status = WaitStatus(self._check(rc, "query"))
+        self._release(ticket, status)
+        return status
 
     def ticket_error(self, ticket: int) -> str:
         s = self._enter()
@@ -316,6 +349,7 @@ class Scheduler:
 
     def promote(self, key: int, priority) -> bool:
         p = self._priority(priority)
+        key = self._key(key)
         s = self._enter()
         try:
             return bool(self._check(self._lib.pf_promote(s, key, p), "promote"))
@@ -323,6 +357,7 @@ class Scheduler:
             self._leave()
 
     def cancel(self, key: int) -> bool:
+        key = self._key(key)
         s = self._enter()
         try:
             return bool(self._check(self._lib.pf_cancel(s, key), "cancel"))
@@ -352,10 +387,15 @@ class Scheduler:
         s = self._enter()
         try:
             self._check(self._lib.pf_reset(s), "reset")
+            # tasks submitted by other threads during the reset are still live: keep theirs
+            with self._lock:
+                tickets = list(self._owners)
+            ended = [t for t in tickets if self._lib.pf_query(s, t) != self._lib.PF_PENDING]
+            with self._lock:
+                for t in ended:
+                    self._owners.pop(t, None)
         finally:
             self._leave()
-        with self._lock:
-            self._owners.clear()
 
     def stats(self) -> dict:
         """Plain-dict statistics: one dict per priority level plus link totals (seconds)."""

@@ -77,6 +77,10 @@ def build_in_place(debug: bool = False, sanitize: str | None = None, verbose: bo
         # compile() writes pdflash/native/_pf_sched*.so under tmp; move it here
         name = os.path.basename(built)
         target = os.path.join(HERE, name)
+        # one library only: a stale build under another suffix (abi3 vs cpython-3xx) would shadow it
+        for old in os.listdir(HERE):
+            if old.startswith("_pf_sched.") and old.endswith(".so") and old != name:
+                os.remove(os.path.join(HERE, old))
         os.replace(built, target)
     return target
 

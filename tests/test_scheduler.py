@@ -237,7 +237,6 @@ def test_invalid_submits_raise():
         assert totals(s)["submitted"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="native/__init__.py _Pin.resolve catches only TypeError from ffi.from_buffer")
 def test_unsupported_buffers_raise_scheduler_error():
     with Scheduler() as s:
         with pytest.raises(SchedulerError):  # not C-contiguous: ffi.from_buffer raises ValueError
