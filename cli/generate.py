@@ -188,7 +188,7 @@ def _speculative_rows(report: dict) -> list[tuple[str, str]]:
 
 def generate(
     prompt: Annotated[str, typer.Argument(help="The prompt text; '-' reads it from stdin.")],
-    model: Annotated[Path | None, typer.Option(help="Checkpoint directory: config.json, safetensors weights and tokenizer.")] = None,
+    model: Annotated[Path | None, typer.Option(help="Checkpoint directory: config.json, safetensors weights and tokenizer. Default: the embedded stdlib-moe model (with its draft).")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate (generation also stops at an end-of-sequence token).")] = 64,
     expert_cache_mib: Annotated[float | None, typer.Option(help="Device memory for the expert cache in MiB; default: every expert resident.")] = None,
     expert_cache_experts: Annotated[int | None, typer.Option(help="Expert cache size as a number of experts (instead of --expert-cache-mib).")] = None,
@@ -207,10 +207,12 @@ def generate(
     block_size: Annotated[int | None, typer.Option(help="With --draft: tokens per verify pass, from 1 up to the draft's trained block size (its default).")] = None,
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "draft-router",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
 
     Examples:
+      pdflash generate "def fibonacci(n):"          # embedded model + draft, CPU is enough
       pdflash generate "The capital of France is" --model ./gpt-oss-20b --expert-cache-mib 4096
       echo "Hello" | pdflash generate - --model /tmp/tiny --device cpu --link-gbps 8 --json
       pdflash generate "Hello" --model /tmp/tiny --draft /tmp/tiny/draft --block-size 3 --expert-cache-experts 8
@@ -220,7 +222,15 @@ def generate(
     from pdflash.offload.runtime import OffloadedModel
 
     if model is None:
-        raise PdflashError("--model is required: pass a checkpoint directory (make one with 'pdflash make-synthetic')", exit_code=2)
+        from pdflash.offload.embedded import embedded_draft, embedded_target
+
+        model = embedded_target()
+        if draft is None and not no_draft:
+            draft = embedded_draft()
+    if no_draft and draft is not None and draft != model / "draft":
+        raise PdflashError("--draft and --no-draft contradict each other; give one", exit_code=2)
+    if no_draft:
+        draft = None
     spec = speculative_options(draft, block_size=block_size, predictor=route_ahead_predictor,
                                acceptance=draft_acceptance, temperature=temperature)
     text = _read_prompt(prompt)
