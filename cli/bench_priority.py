@@ -13,6 +13,21 @@ def _split_arms(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
 
 
+def _model_pair(model: Path | None, draft: Path | None) -> tuple[Path, Path]:
+    """(target, draft) directories: both given, or neither (the embedded pair)."""
+    from pdflash import PdflashError
+
+    if model is None:
+        if draft is not None:
+            raise PdflashError("--draft needs --model: give the target the draft was fitted to")
+        from pdflash.offload.embedded import embedded_draft, embedded_target
+
+        return embedded_target(), embedded_draft()
+    if draft is None:
+        raise PdflashError(f"give --draft DIR: the DFlash draft fitted to --model {model} (see pdflash make-synthetic --draft-preset)")
+    return model, draft
+
+
 def _resolve_device(device: str) -> str:
     if device == "auto":
         import torch
@@ -22,8 +37,8 @@ def _resolve_device(device: str) -> str:
 
 
 def bench_priority(
-    model: Annotated[Path, typer.Option(help="Target checkpoint directory (config.json, safetensors, tokenizer).")],
-    draft: Annotated[Path, typer.Option(help="DFlash draft checkpoint directory fitted to the target.")],
+    model: Annotated[Path | None, typer.Option(help="Target checkpoint directory (config.json, safetensors, tokenizer); default: the embedded model pair.")] = None,
+    draft: Annotated[Path | None, typer.Option(help="DFlash draft checkpoint directory fitted to the target (needed with --model).")] = None,
     arms: Annotated[str, typer.Option(help="Comma-separated arms: flat, banded, on-demand, resident, oracle.")] = "flat,banded,on-demand,resident,oracle",
     repetitions: Annotated[int, typer.Option(help="Measured repetitions; each runs every arm on every prompt in a shuffled arm order.")] = 5,
     prompts: Annotated[int, typer.Option("--prompts", help="How many of the built-in prompts to use (ignored when --prompt is given).")] = 3,
@@ -50,6 +65,7 @@ def bench_priority(
     all-resident and oracle arms as bounds, on one loaded model; writes JSON + PNG and a verdict.
 
     Examples:
+      pdflash bench-priority --device cpu --link-gbps 0.2
       pdflash bench-priority --model /tmp/tiny --draft /tmp/tiny/draft --device cpu --link-gbps 0.05 --draft-acceptance 0.7
       pdflash bench-priority --model /data/oss20b --draft /data/oss20b/draft --device cuda --draft-acceptance 0.7 --peers --output out/bm3.json
     """
@@ -58,6 +74,7 @@ def bench_priority(
     from pdflash.bench.priority import PriorityConfig, run_priority_bench
     from pdflash.bench.report import print_report, write_figure, write_json
 
+    model, draft = _model_pair(model, draft)
     cfg = PriorityConfig(
         model_dir=str(model), draft_dir=str(draft), arms=_split_arms(arms), repetitions=repetitions,
         prompts=tuple(prompt) if prompt else None, n_prompts=prompts, max_new_tokens=max_new_tokens,

@@ -198,6 +198,20 @@ def test_bad_input_is_one_error_line_before_any_work(pair, tmp_path, monkeypatch
     assert not out.exists()
 
 
+def test_model_needs_its_draft_and_the_embedded_pair_is_the_default(pair, tmp_path, monkeypatch, capsys):
+    code, err = run_main(monkeypatch, capsys, "bench-priority", "--model", pair / "target", "--output", tmp_path / "x.json")
+    assert code == 1 and err.startswith("Error: give --draft DIR")
+    code, err = run_main(monkeypatch, capsys, "bench-priority", "--draft", pair / "draft", "--output", tmp_path / "x.json")
+    assert code == 1 and err.startswith("Error: --draft needs --model")
+    # without either: the embedded pair, checked and sized before anything is loaded
+    code, err = run_main(monkeypatch, capsys, "bench-priority", "--arms", "flat,nope", "--output", tmp_path / "x.json")
+    assert code == 1 and "unknown arm 'nope'" in err
+    from pdflash.offload.embedded import embedded_draft, embedded_target
+
+    b = priority.plan_budget(PriorityConfig(model_dir=str(embedded_target()), draft_dir=str(embedded_draft())))
+    assert b.total_experts == b.num_layers * b.num_experts and b.budget_experts == round(0.25 * b.total_experts)
+
+
 def test_missing_model_and_output_directory(pair, tmp_path, monkeypatch, capsys):
     code, err = run_main(monkeypatch, capsys, "bench-priority", "--model", tmp_path / "nope", "--draft", pair / "draft",
                          "--device", "cpu", "--output", tmp_path / "bm3.json")
