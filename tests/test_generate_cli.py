@@ -150,10 +150,6 @@ def test_empty_prompt(run, ck):
     assert "prompt is empty" in _one_error_line(*run("generate", "-", "--model", ck, stdin="  \n")[::2])
 
 
-def test_missing_model_option(run):
-    assert "--model is required" in _one_error_line(*run("generate", PROMPT)[::2], expect_code=2)
-
-
 def test_no_tokenizer(run, ck, tmp_path):
     d = _copy(ck, tmp_path)
     (d / "tokenizer.json").unlink()
