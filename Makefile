@@ -40,6 +40,11 @@ stress-tsan: native/stress/stress_tsan
 bench: install
 	$(PYTHON) benchmarks/bench_scheduler.py
 
+# The main job on the embedded model pair (CPU is enough): speculative decoding with a
+# half-size expert cache behind a simulated 2 GB/s link, with the live band table.
+demo: install
+	$(PYTHON) -m pdflash.cli.main generate "def fibonacci(n):" --max-new-tokens 64 --expert-cache-experts 64 --link-gbps 2
+
 clean:
 	rm -f native/_pf_sched*.so native/stress/stress_asan native/stress/stress_tsan
 	rm -rf build *.egg-info
