@@ -28,27 +28,14 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from pdflash.cli import build_native, smoke
+    from pdflash.cli import bench_priority, build_native, fetch_models, generate, make_synthetic, smoke
 
-    app.command("build-native")(build_native.build_native)
+    app.command("generate")(generate.generate)
+    app.command("bench-priority")(bench_priority.bench_priority)
+    app.command("fetch-models")(fetch_models.fetch_models)
+    app.command("make-synthetic")(make_synthetic.make_synthetic)
     app.command("smoke")(smoke.smoke)
-    for name, module, func in _OPTIONAL:
-        try:
-            mod = __import__(f"pdflash.cli.{module}", fromlist=[func])
-        except ModuleNotFoundError as exc:  # command module not present in this build
-            if exc.name != f"pdflash.cli.{module}":
-                raise
-            continue
-        app.command(name)(getattr(mod, func))
-
-
-# (command name, module in pdflash.cli, function)
-_OPTIONAL = [
-    ("fetch-models", "fetch_models", "fetch_models"),
-    ("make-synthetic", "make_synthetic", "make_synthetic"),
-    ("generate", "generate", "generate"),
-    ("bench-priority", "bench_priority", "bench_priority"),
-]
+    app.command("build-native")(build_native.build_native)
 
 
 def main() -> None:
