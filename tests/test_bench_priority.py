@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from pdflash import PdflashError
 from pdflash.bench import priority
@@ -20,13 +19,6 @@ from pdflash.offload.synthetic import write_checkpoint
 
 LINK_GBPS = 0.05  # one tiny MXFP4 expert (6912 B) crosses in ~0.14 ms
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,6 @@ import torch
 from pdflash.draft import greedy_generate, load_draft, make_oracle, speculative_generate
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def pdflash(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "pdflash.cli.main", *map(str, args)],

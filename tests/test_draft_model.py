@@ -31,14 +31,6 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only contend on a shared CPU
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_target(vocab=96, layers=4, hidden=32, seed=0):
     cfg = GptOssConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=32, num_hidden_layers=layers,

@@ -5,7 +5,6 @@ scheduler trace option records every transfer."""
 import time
 
 import pytest
-import torch
 
 from pdflash import PdflashError
 from pdflash.offload.config import ModelPreset
@@ -16,13 +15,6 @@ from pdflash.offload.synthetic import write_checkpoint
 PROMPT = [3, 17, 41, 5, 99, 12, 7, 250, 31, 8, 64, 2]
 ALL = 4 * 8  # tiny: 4 layers x 8 experts
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

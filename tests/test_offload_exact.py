@@ -29,14 +29,6 @@ CHECKPOINTS = {  # name -> (write_checkpoint kwargs, compute dtype)
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: the suite shares two cores; results do not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):

@@ -18,14 +18,6 @@ E, K, L = TINY.num_local_experts, TINY.num_experts_per_tok, TINY.num_hidden_laye
 PROMPT = [5, 77, 200, 31, 9, 100, 250, 17, 3, 44, 81, 90]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: the suite shares two cores; results do not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory):

@@ -28,13 +28,6 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 PROMPT = [5, 9, 2, 44, 7, 1, 3, 8, 60, 12]  # longer than the sliding window (6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def tiny_target(vocab=96, seed=0, logit_scale=1.0):
     cfg = GptOssConfig(

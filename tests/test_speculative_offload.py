@@ -5,7 +5,6 @@ going through the runtime's prefetcher."""
 import json
 
 import pytest
-import torch
 
 from pdflash import PdflashError
 from pdflash.draft import (
@@ -26,13 +25,6 @@ PROMPT = [3, 17, 41, 5, 99, 12, 7, 250, 31, 8, 64, 2]  # longer than the tiny pr
 NEW = 30
 BLOCK = 4  # the tiny draft's trained block size
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=["bf16", "mxfp4"])
