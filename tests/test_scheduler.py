@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -52,11 +53,11 @@ def slow_sched(workers: int = 1, **kw) -> Scheduler:
 class Blocker:
     """A long on-demand task that holds the only worker until it is cancelled."""
 
-    def __init__(self, s: Scheduler, layer: int = 900):
+    def __init__(self, s: Scheduler, layer: int = 900, size: int = BLOCKER):
         self.s = s
         self.key = make_key(layer, 0)
-        self.src = pattern(BLOCKER, 99)
-        self.dst = torch.zeros(BLOCKER, dtype=torch.uint8)
+        self.src = pattern(size, 99)
+        self.dst = torch.zeros(size, dtype=torch.uint8)
         self.ticket = s.submit(self.key, self.src, self.dst, priority=Band.ON_DEMAND)
         wait_started(s)
 
@@ -554,7 +555,7 @@ def test_a_hundred_resets_in_a_row():
 # ---- close --------------------------------------------------------------------------------------
 def test_close_is_terminal_idempotent_and_wakes_blocked_waiters():
     s = slow_sched(workers=2)
-    b = Blocker(s)
+    b = Blocker(s, size=8 * BLOCKER)  # ~1 s: outlasts the set-up below even on a loaded machine
     tickets = [s.submit(make_key(4, i), pattern(CH, i), torch.zeros(CH, dtype=torch.uint8), priority=i % 3)
                for i in range(5)]
     results, ready = [], threading.Barrier(len(tickets) + 2)
@@ -567,8 +568,10 @@ def test_close_is_terminal_idempotent_and_wakes_blocked_waiters():
     for th in threads:
         th.start()
     ready.wait()
-    while s._active < len(threads):  # every waiter inside its wait call
+    deadline = time.monotonic() + 10
+    while s._active < len(threads) and time.monotonic() < deadline:  # every waiter inside its wait call
         threading.Event().wait(0.001)
+    assert s._active == len(threads), "a waiter returned before close (the blocker ended early)"
     threading.Event().wait(0.05)  # ... and blocked in C
     assert b.still_running()
     s.close()
