@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from pdflash import PdflashError
+from pdflash.offload.gpt_oss import finish_loaded_model
 
 RESIDENT = "transformers-resident"
 ACCELERATE_OFFLOAD = "transformers-accelerate-offload"
@@ -153,19 +154,9 @@ def load_transformers_reference(
             if unexpected:
                 raise PdflashError(f"internal: checkpoint tensors {unexpected[:3]} have no parameter in GptOssForCausalLM")
             del state
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
     finally:
         ckpt.close()
-    # Non-persistent buffers (rotary inv_freq) are not in the checkpoint: rebuild them on the device.
-    with torch.device(device):
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_meta:
-            raise PdflashError(f"internal: {name} was not loaded from {model_dir}")
-    model.requires_grad_(False)
-    model.eval()
-    return model
+    return finish_loaded_model(model, device, source=str(model_dir))
 
 
 def encode_prompts(model_dir: str | Path, texts: list[str] | tuple[str, ...]) -> list[list[int]]:

@@ -141,17 +141,7 @@ class GptOssFamily(ModelFamily):
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise PdflashError(f"internal: weights did not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        # Non-persistent buffers (rotary inv_freq) are not in the checkpoint: rebuild them on the device.
-        with torch.device(device):
-            model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-        for n, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if t.is_meta:
-                raise PdflashError(f"internal: {n} was not loaded")
-        model.requires_grad_(False)
-        model.eval()
-        return model
+        return finish_loaded_model(model, device)
 
     def expert_kernel(self, layout: ExpertLayout, dtype: torch.dtype, alpha: float, limit: float) -> "GptOssExpertKernel":
         return GptOssExpertKernel(layout, dtype, alpha, limit)
@@ -234,3 +224,19 @@ class GptOssExpertKernel:
         w1, b1, w2, b2 = weights
         gate_up = torch.bmm(x, w1) + b1[:, None, :]  # [n_exp, m, 2I]
         return torch.bmm(self._glu(gate_up), w2) + b2[:, None, :]  # [n_exp, m, H]
+
+
+def finish_loaded_model(model: nn.Module, device: torch.device, source: str = "the checkpoint") -> nn.Module:
+    """Last step of loading a GptOssForCausalLM built on the meta device with ``assign=True``:
+    tie the head if the config says so, rebuild the non-persistent rotary buffers on ``device``,
+    check that nothing is still on meta, and put the model in inference mode."""
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise PdflashError(f"internal: {name} was not loaded from {source}")
+    model.requires_grad_(False)
+    model.eval()
+    return model
