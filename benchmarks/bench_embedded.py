@@ -51,15 +51,8 @@ TEST_DIRS = {"test", "tests", "idle_test"}  # path parts that mark test-suite fi
 SEQ = 256  # window length of the held-out loss, as tools/train_embedded.py measures it
 
 
-def _import_pdflash() -> None:
-    """Make ``pdflash`` importable from this checkout when it is not installed."""
-    try:
-        import pdflash  # noqa: F401
-    except ModuleNotFoundError:
-        spec = importlib.util.spec_from_file_location("pdflash", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["pdflash"] = mod
-        spec.loader.exec_module(mod)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ itself, also when imported by path
+from _checkout import import_pdflash as _import_pdflash  # noqa: E402
 
 
 def _train_embedded():

@@ -1,7 +1,12 @@
-"""Suite-wide settings."""
+"""Suite-wide settings and fixtures."""
+
+import io
+import sys
 
 import pytest
 import torch
+
+from pdflash.cli.main import main
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -11,3 +16,22 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def run(monkeypatch, capsys):
+    """Run `pdflash ARGS` in this process through cli.main.main(); returns (exit code, stdout, stderr)."""
+
+    def _run(*args, stdin=None):
+        monkeypatch.setattr(sys, "argv", ["pdflash", *map(str, args)])
+        if stdin is not None:
+            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        code = 0
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return _run

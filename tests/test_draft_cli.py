@@ -59,24 +59,6 @@ def test_bad_draft_preset_is_one_line(tmp_path):
 PROMPT = "The router keeps the best experts for every token"
 
 
-@pytest.fixture
-def run(monkeypatch, capsys):
-    """`pdflash ARGS` in this process through cli.main.main(): (exit code, stdout, stderr)."""
-    from pdflash.cli.main import main
-
-    def _run(*args):
-        monkeypatch.setattr(sys, "argv", ["pdflash", *map(str, args)])
-        code = 0
-        try:
-            main()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return _run
-
-
 @pytest.fixture(scope="module")
 def mx_pair(tmp_path_factory):
     from pdflash.draft import write_synthetic_draft

@@ -1,6 +1,5 @@
 """`pdflash generate` through the real entry point (main's error handling): output and bad input."""
 
-import io
 import json
 import os
 import shutil
@@ -12,7 +11,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pdflash.cli.main import main
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.synthetic import write_checkpoint
 
@@ -23,25 +21,6 @@ PROMPT = "The router keeps the best experts for every token"
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("cli") / "mx", TINY, seed=31, mxfp4=True)
-
-
-@pytest.fixture
-def run(monkeypatch, capsys):
-    """Run `pdflash ARGS` in this process through cli.main.main(); returns (exit code, stdout, stderr)."""
-
-    def _run(*args, stdin=None):
-        monkeypatch.setattr(sys, "argv", ["pdflash", *map(str, args)])
-        if stdin is not None:
-            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-        code = 0
-        try:
-            main()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return _run
 
 
 def _reference_tokens(path, prompt_ids, n):
