@@ -29,6 +29,7 @@ from torch import nn
 
 from pdflash import PdflashError
 from pdflash.offload.cache import ExpertCache
+from pdflash.offload.mxfp4_triton import MAX_TOKENS as FUSED_MAX_TOKENS
 
 
 class OffloadedExperts(nn.Module):
@@ -67,34 +68,40 @@ class OffloadedExperts(nn.Module):
 
         idx_cpu = idx.to("cpu")  # device->host sync: every earlier kernel has finished (cache.py)
         cache.sync_point()
-        flat = idx_cpu.reshape(-1)  # [T*K], position p = t*K + k
-        order = torch.argsort(flat, stable=True)  # positions grouped by expert, tokens ascending
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        span, start = {}, 0
-        for e, c in enumerate(counts):
-            if c:
-                span[e] = (start, start + c)
-                start += c
-        experts = list(span)
+        positions: dict[int, list[int]] = {}  # expert -> its positions p = t*K + k, ascending
+        for p, e in enumerate(idx_cpu.view(-1).tolist()):
+            positions.setdefault(e, []).append(p)
+        experts = sorted(positions)
         self.on_routed(layer, experts)
 
-        order_dev = order.to(x.device, non_blocking=True)
+        dev = x.device
         w_flat = w.reshape(-1)
         out_dtype = torch.promote_types(self.kernel.dtype, w.dtype)
-        contrib = torch.empty((T * K, H), dtype=out_dtype, device=x.device)  # weighted output per (t, k)
+        contrib = torch.empty((T * K, H), dtype=out_dtype, device=dev)  # weighted output per (t, k)
+        fused = self.kernel.fused(dev) if T <= FUSED_MAX_TOKENS else None
+        if fused is not None:
+            x = x.contiguous()
+            w_flat = w_flat.contiguous()
+            h = torch.empty((T * K, fused.inter), dtype=self.kernel.dtype, device=dev)
 
         def compute(batch: list[tuple[int, int]]) -> None:
             """batch: [(expert, slot)] -> writes contrib rows of their (t, k) positions."""
+            if fused is not None:  # one program per (position, feature tile): batch-invariant
+                pos = [p for e, _ in batch for p in positions[e]]
+                slot_of = [s for e, s in batch for _ in positions[e]]
+                work = torch.tensor([pos, slot_of], dtype=torch.int32).to(dev, non_blocking=True)
+                fused.run(cache.slots, x, w_flat, work, h, contrib, K)
+                return
             weights = self.kernel.weights(cache.slots, [s for _, s in batch])
-            sizes = [span[e][1] - span[e][0] for e, _ in batch]
+            sizes = [len(positions[e]) for e, _ in batch]
             if len(set(sizes)) == 1:  # same token count (always so in decoding): one batched call
-                pos = torch.cat([order_dev[span[e][0] : span[e][1]] for e, _ in batch]) if len(batch) > 1 else order_dev[slice(*span[batch[0][0]])]
+                pos = torch.tensor([p for e, _ in batch for p in positions[e]]).to(dev, non_blocking=True)
                 xs = x.index_select(0, pos // K).view(len(batch), sizes[0], H)
                 y = self.kernel.apply_batched(weights, xs).reshape(-1, H)
                 contrib.index_copy_(0, pos, y * w_flat[pos].unsqueeze(-1))
                 return
             for i, (e, _) in enumerate(batch):
-                pos = order_dev[span[e][0] : span[e][1]]
+                pos = torch.tensor(positions[e]).to(dev, non_blocking=True)
                 y = self.kernel.apply(weights, i, x.index_select(0, pos // K))
                 contrib.index_copy_(0, pos, y * w_flat[pos].unsqueeze(-1))
 
@@ -123,8 +130,8 @@ class OffloadedExperts(nn.Module):
                 if f is None:
                     if pending:
                         break
-                    if x.device.type == "cuda":
-                        torch.cuda.current_stream(x.device).synchronize()  # their kernels must finish first
+                    if dev.type == "cuda":
+                        torch.cuda.current_stream(dev).synchronize()  # their kernels must finish first
                     cache.release(done_slots)
                     done_slots = []
                     f = cache.request(layer, waiting[0])

@@ -182,6 +182,19 @@ class GptOssExpertKernel:
         self.alpha = alpha
         self.limit = limit
         self.rows_layout = rows_layout  # None: [out, in] rows on CUDA, [in, out] elsewhere
+        self._fused: dict[str, object] = {}
+
+    def fused(self, device: torch.device):
+        """The fused MXFP4 kernels (mxfp4_triton.py) for small token counts on ``device``, or None
+        where they cannot run (no Triton, a CPU without Triton's interpreter, dense experts,
+        float16). PDFLASH_FUSED_EXPERTS=0 turns them off."""
+        key = str(device)
+        if key not in self._fused:
+            from pdflash.offload import mxfp4_triton
+
+            ok = self.layout.quantized and self.dtype in (torch.bfloat16, torch.float32) and mxfp4_triton.available(device)
+            self._fused[key] = mxfp4_triton.FusedMxfp4Experts(self.layout, self.alpha, self.limit) if ok else None
+        return self._fused[key]
 
     def weights(self, slots: torch.Tensor, slot_ids: list[int]) -> tuple[torch.Tensor, ...]:
         """(W1 [n, H, 2I], b1 [n, 2I], W2 [n, I, H], b2 [n, H]) in the compute dtype.

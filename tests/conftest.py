@@ -1,7 +1,13 @@
 """Suite-wide settings and fixtures."""
 
 import io
+import os
 import sys
+
+# Triton (when installed) runs kernels through its CPU interpreter in this suite. It decides
+# that when triton.language is first imported, so this comes before anything imports it.
+# pdflash itself uses Triton on the CPU only with PDFLASH_FUSED_EXPERTS=1 (tests/test_fused_experts.py).
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch

@@ -1,0 +1,121 @@
+"""Where does a decode step's time go? A torch.profiler view of batch-1 decoding on the GPU.
+
+    python benchmarks/profile_decode.py --checkpoint-dir /data/oss20b-mxfp4 --out-dir prof/
+
+Loads the checkpoint with every expert resident (``--cache-fraction`` to offload), decodes
+``--warmup`` tokens, then profiles ``--tokens`` tokens and writes:
+
+- ``profile_<name>.txt``: the ops sorted by self CPU time and by self device time;
+- ``profile_<name>.json``: per-token wall time, device busy time per token, the time spent in
+  the experts modules (CPU wall, measured around each call) and a micro-timing of one layer's
+  expert maths (weights + batched apply for top-k experts) with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pdflash.offload.config import ModelPreset
+from pdflash.offload.experts import OffloadedExperts
+from pdflash.offload.generate import decode_one_token, prefill
+from pdflash.offload.runtime import OffloadedModel
+from pdflash.offload.synthetic import write_checkpoint
+
+
+def ensure(path: Path, preset: ModelPreset) -> None:
+    if not (path / "config.json").exists():
+        write_checkpoint(path, preset, mxfp4=True, seed=0, progress=False)
+
+
+def expert_microtime(rt, repeat: int = 50) -> dict:
+    """One layer's routed expert maths for one token (top-k experts), timed on the device."""
+    experts = rt.family.decoder_layers(rt.model)[0].mlp.experts
+    kernel, cache = experts.kernel, rt.cache
+    K, H = rt.family.top_k, rt.family.hidden
+    slots = list(range(K))
+    x = torch.randn(K, 1, H, device=rt.device, dtype=rt.dtype)
+    times = {"weights": [], "apply": []}
+    for _ in range(repeat):
+        a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        a.record()
+        w = kernel.weights(cache.slots, slots)
+        b.record()
+        kernel.apply_batched(w, x)
+        c.record()
+        c.synchronize()
+        times["weights"].append(a.elapsed_time(b))
+        times["apply"].append(b.elapsed_time(c))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint-dir", type=Path, required=True)
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--preset", default="gpt-oss-20b")
+    ap.add_argument("--cache-fraction", type=float, default=1.0)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--name", default="resident")
+    args = ap.parse_args()
+    preset = ModelPreset.from_name(args.preset)
+    ensure(args.checkpoint_dir, preset)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    total = preset.num_hidden_layers * preset.num_local_experts
+    slots = None if args.cache_fraction >= 1 else max(preset.num_experts_per_tok, round(args.cache_fraction * total))
+    with OffloadedModel.load(args.checkpoint_dir, device="cuda", expert_cache_experts=slots, preload=slots is None) as rt:
+        wall = {"experts": 0.0}
+        orig = OffloadedExperts.forward
+
+        def timed(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(self, *a, **k)
+            finally:
+                wall["experts"] += time.perf_counter() - t
+
+        OffloadedExperts.forward = timed
+        kv = rt.new_kv_cache()
+        tok = int(prefill(rt, torch.arange(16)[None], kv).argmax(-1))
+        for _ in range(args.warmup):
+            tok = int(decode_one_token(rt, tok, kv).argmax(-1))
+        torch.cuda.synchronize()
+        wall["experts"] = 0.0
+        t0 = time.perf_counter()
+        for _ in range(args.tokens):
+            tok = int(decode_one_token(rt, tok, kv).argmax(-1))
+        plain = (time.perf_counter() - t0) / args.tokens
+        experts_share = wall["experts"] / args.tokens
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.tokens):
+                tok = int(decode_one_token(rt, tok, kv).argmax(-1))
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        dev_attr = "self_device_time_total" if hasattr(next(iter(ka)), "self_device_time_total") else "self_cuda_time_total"
+        text = ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n" + ka.table(sort_by=dev_attr, row_limit=40)
+        (args.out_dir / f"profile_{args.name}.txt").write_text(text)
+        device_us = sum(getattr(e, dev_attr) for e in ka)
+        result = {
+            "name": args.name, "cache_fraction": args.cache_fraction,
+            "ms_per_token": plain * 1e3,
+            "experts_cpu_wall_ms_per_token": experts_share * 1e3,
+            "device_busy_ms_per_token": device_us / 1e3 / args.tokens,
+            "kernel_launches_per_token": sum(e.count for e in ka if e.key.startswith("cudaLaunchKernel")) / args.tokens,
+            "expert_micro_ms": expert_microtime(rt),
+        }
+        OffloadedExperts.forward = orig
+    (args.out_dir / f"profile_{args.name}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
