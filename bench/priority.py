@@ -123,6 +123,7 @@ class PriorityConfig:
     expert_cache_fraction: float | None = 0.25
     expert_cache_mib: float | None = None  # overrides the fraction
     device: str = "cpu"
+    dtype: str | None = None  # compute dtype (default: the checkpoint's)
     link_gbps: float | None = None  # simulated host->device link (CPU only)
     seed: int = 0
     warmup: int = 1  # discarded rounds of every arm before the measured ones
@@ -179,6 +180,10 @@ class PriorityConfig:
                 raise PdflashError("--device cuda was asked for but no CUDA device is available; use --device cpu")
         if self.block_size is not None and self.block_size < 1:
             raise PdflashError(f"--block-size must be at least 1, got {self.block_size}")
+        if self.dtype is not None:
+            from pdflash.offload.runtime import resolve_dtype
+
+            resolve_dtype(self.dtype, None)  # an unknown name fails here, before any work
         from pdflash.draft.route_ahead import PREDICTORS, check_predictor_name
 
         check_predictor_name(self.predictor)
@@ -351,7 +356,7 @@ class PriorityBench:
         cfg, b = self.cfg, self.budget
         t0 = time.perf_counter()
         self.rt = OffloadedModel.load(
-            cfg.model_dir, device=cfg.device, expert_cache_experts=b.allocated_experts, block_tokens=b.block_size,
+            cfg.model_dir, device=cfg.device, dtype=cfg.dtype, expert_cache_experts=b.allocated_experts, block_tokens=b.block_size,
             link_gbps=cfg.link_gbps, workers=cfg.workers, lookahead_depth=0, history_depth=0,
             progress=sys.stderr.isatty(), trace=TRACE_EVENTS if cfg.timeline else 0,
         )

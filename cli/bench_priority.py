@@ -49,6 +49,7 @@ def bench_priority(
     expert_cache_fraction: Annotated[float, typer.Option(help="Expert cache of the budget arms as a fraction of all experts.")] = 0.25,
     expert_cache_mib: Annotated[float | None, typer.Option(help="Expert cache of the budget arms in MiB (overrides --expert-cache-fraction).")] = None,
     device: Annotated[str, typer.Option(help="Where to compute: cpu, cuda, cuda:N, or auto (cuda when available).")] = "auto",
+    dtype: Annotated[str | None, typer.Option(help="Compute dtype: bfloat16, float16 or float32 (default: the checkpoint's).")] = None,
     link_gbps: Annotated[float | None, typer.Option(help="CPU only: simulate a host-to-device link of this many GB/s.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the arm orders, the oracle proposals and the bootstrap.")] = 0,
     warmup: Annotated[int, typer.Option(help="Discarded rounds of every arm before the measured repetitions.")] = 1,
@@ -79,7 +80,7 @@ def bench_priority(
         model_dir=str(model), draft_dir=str(draft), arms=_split_arms(arms), repetitions=repetitions,
         prompts=tuple(prompt) if prompt else None, n_prompts=prompts, max_new_tokens=max_new_tokens,
         block_size=block_size, draft_acceptance=draft_acceptance, expert_cache_fraction=expert_cache_fraction,
-        expert_cache_mib=expert_cache_mib, device=_resolve_device(device), link_gbps=link_gbps, seed=seed,
+        expert_cache_mib=expert_cache_mib, device=_resolve_device(device), dtype=dtype, link_gbps=link_gbps, seed=seed,
         warmup=warmup, history_depth=history_depth, predictor=predictor, workers=workers, timeline=timeline,
         peers=peers, peer_time_limit_s=peer_time_limit, output=str(output),
     )

@@ -172,7 +172,7 @@ def run(args) -> dict:
     total = int(cfg["num_hidden_layers"]) * int(cfg["num_local_experts"])
     size = ({"expert_cache_mib": args.cache_mib} if args.cache_mib is not None
             else {"expert_cache_experts": max(1, round(args.cache_fraction * total))})
-    rt = OffloadedModel.load(model_dir, device=args.device, block_tokens=args.block_size, link_gbps=args.link_gbps,
+    rt = OffloadedModel.load(model_dir, device=args.device, dtype=args.dtype, block_tokens=args.block_size, link_gbps=args.link_gbps,
                              lookahead_depth=args.lookahead_depth, progress=True, **size)
     slots = rt.cache.capacity
     try:
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", type=Path, help="DFlash draft checkpoint directory.")
     ap.add_argument("--synthetic", choices=["tiny"], help="Write a tiny MXFP4 pair to a temporary directory and use it.")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="Compute dtype (default: the checkpoint's): bfloat16, float16 or float32.")
     ap.add_argument("--cache-fraction", type=float, default=0.25, help="Expert cache as a fraction of all experts.")
     ap.add_argument("--cache-mib", type=float, default=None, help="Expert cache in MiB (overrides --cache-fraction).")
     ap.add_argument("--acceptance", type=float, default=0.7, help="Oracle acceptance rate P.")

@@ -93,14 +93,7 @@ class OffloadedExperts(nn.Module):
                 fused.run(cache.slots, x, w_flat, work, h, contrib, K)
                 return
             weights = self.kernel.weights(cache.slots, [s for _, s in batch])
-            sizes = [len(positions[e]) for e, _ in batch]
-            if len(set(sizes)) == 1:  # same token count (always so in decoding): one batched call
-                pos = torch.tensor([p for e, _ in batch for p in positions[e]]).to(dev, non_blocking=True)
-                xs = x.index_select(0, pos // K).view(len(batch), sizes[0], H)
-                y = self.kernel.apply_batched(weights, xs).reshape(-1, H)
-                contrib.index_copy_(0, pos, y * w_flat[pos].unsqueeze(-1))
-                return
-            for i, (e, _) in enumerate(batch):
+            for i, (e, _) in enumerate(batch):  # one matmul per expert: its result depends only on its tokens
                 pos = torch.tensor(positions[e]).to(dev, non_blocking=True)
                 y = self.kernel.apply(weights, i, x.index_select(0, pos // K))
                 contrib.index_copy_(0, pos, y * w_flat[pos].unsqueeze(-1))

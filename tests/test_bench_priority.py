@@ -176,6 +176,7 @@ def run_main(monkeypatch, capsys, *args) -> tuple[int, str]:
 
 @pytest.mark.parametrize("extra, message", [
     (("--arms", "flat,turbo"), "unknown arm 'turbo'"),
+    (("--dtype", "float8"), "unknown dtype 'float8'"),
     (("--repetitions", "0"), "--repetitions must be at least 1"),
     (("--output", "/nonexistent-dir/bm3.json"), "cannot be written"),
     (("--predictor", "psychic"), "unknown route-ahead predictor"),
