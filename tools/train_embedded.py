@@ -1,7 +1,15 @@
 """Train the small model pair that ships with pdflash (the embedded default).
 
     python tools/train_embedded.py --out models/stdlib-moe --device cuda \
-        --target-minutes 4 --draft-minutes 2
+        --target-minutes 4 --draft-minutes 4
+
+    python tools/train_embedded.py --draft-only --target-dir models/stdlib-moe --out OUT
+
+The second form retrains only the draft (phase 4) against a shipped target: the target is loaded
+from ``--target-dir`` as pdflash's peers loader builds it (transformers' GptOssForCausalLM, MXFP4
+experts dequantized, bf16), the corpus is split and encoded with that directory's tokenizer, and
+``OUT/draft/`` plus ``OUT/training.json`` (the target directory's record with its ``draft``
+section replaced) are written. Nothing else in ``--target-dir`` is touched unless OUT is it.
 
 Phases, each recorded in ``<out>/training.json`` (corpus, steps, loss curve, wall time):
 
@@ -24,9 +32,13 @@ import hashlib
 import json
 import math
 import os
+import platform
 import random
+import shlex
+import sys
 import sysconfig
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -292,9 +304,66 @@ def save_target(model, out: Path, shard_bytes: int = 9_000_000) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
 
 
+# ---- draft only -------------------------------------------------------------------------------
+TARGET_FILES = ("config.json", "tokenizer.json", "training.json")
+
+
+def draft_only_problem(args) -> str | None:
+    """What stops ``--draft-only`` before any work, or None."""
+    if args.target_dir is None:
+        return "--draft-only needs --target-dir DIR (a trained target with its tokenizer.json and training.json)"
+    missing = [name for name in TARGET_FILES if not (args.target_dir / name).is_file()]
+    if not any((args.target_dir / name).is_file() for name in ("model.safetensors.index.json", "model.safetensors")):
+        missing.append("model.safetensors(.index.json)")
+    if missing:
+        return f"--target-dir {args.target_dir} lacks {', '.join(missing)}"
+    if args.draft_minutes <= 0:
+        return "--draft-only needs --draft-minutes above 0"
+    return None
+
+
+def retrain_draft(args, device, log) -> dict:
+    """Phase 4 alone against the target in ``args.target_dir``; returns the new training record."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from pdflash.bench.peers import load_transformers_reference
+    from train_draft import train_draft  # tools/train_draft.py
+
+    t0 = time.time()
+    record = json.loads((args.target_dir / "training.json").read_text())
+    train_texts, held_texts, corpus = read_corpus()
+    tok = Tokenizer.from_file(str(args.target_dir / "tokenizer.json"))
+    train_ids, held_ids = encode_all(tok, train_texts), encode_all(tok, held_texts)
+    log(f"corpus: {corpus}; {train_ids.numel()} train / {held_ids.numel()} held-out tokens ({time.time() - t0:.0f}s)")
+    same = (corpus.get("file_list_sha256_16") == record.get("corpus", {}).get("file_list_sha256_16")
+            and train_ids.numel() == record.get("tokenizer", {}).get("train_tokens"))
+    if not same:
+        log("warning: this corpus differs from the one the target was trained on (recorded in draft.corpus)")
+    target = load_transformers_reference(args.target_dir, device, torch.bfloat16, experts_implementation=args.experts_impl)
+    log(f"target loaded from {args.target_dir} ({time.time() - t0:.0f}s)")
+    draft = train_draft(target, train_ids, held_ids, args.out, args, device, log)
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    command = shlex.join(["python3", *sys.argv])
+    draft = {
+        "note": f"the draft was retrained alone on {when} against the shipped target (tools/train_embedded.py "
+                f"--draft-only); the seed, device, corpus, tokenizer and target sections are those of the original run",
+        "date": when,
+        "command": command,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "software": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
+        "wall_seconds_total": round(time.time() - t0, 1),
+        **({} if same else {"corpus": {**corpus, "train_tokens": int(train_ids.numel()), "held_out_tokens": int(held_ids.numel())}}),
+        **draft,
+    }
+    return {**record, "draft": draft}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--draft-only", action="store_true", help="retrain only the draft of the target in --target-dir")
+    ap.add_argument("--target-dir", type=Path, default=None, help="trained target for --draft-only (e.g. models/stdlib-moe)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -314,23 +383,43 @@ def main() -> None:
     ap.add_argument("--aux-loss", type=float, default=0.01)
     ap.add_argument("--max-steps", type=int, default=4000)
     ap.add_argument("--target-minutes", type=float, default=4.0)
-    ap.add_argument("--draft-minutes", type=float, default=2.0)
+    ap.add_argument("--draft-minutes", type=float, default=4.0, help="cap on draft data + training")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--experts-impl", default=None, help="transformers experts implementation (default: its own)")
-    from train_draft import add_arguments  # tools/train_draft.py
+    from train_draft import add_arguments, argument_problem  # tools/train_draft.py
 
     add_arguments(ap)
     args = ap.parse_args()
+    problem = argument_problem(args) or (draft_only_problem(args) if args.draft_only else None)
+    if problem:
+        print(f"train_embedded: {problem}", file=sys.stderr)
+        raise SystemExit(2)
 
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        print(f"train_embedded: --device {args.device!r} is not a torch device (cpu, cuda, cuda:0, ...)", file=sys.stderr)
+        raise SystemExit(2)
     random.seed(args.seed)
-    device = torch.device(args.device)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    record: dict = {"seed": args.seed, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    if args.draft_only:
+        from pdflash import PdflashError
+
+        try:
+            record = retrain_draft(args, device, log)
+        except PdflashError as exc:
+            print(f"train_embedded: {exc}", file=sys.stderr)
+            raise SystemExit(1)
+        (out / "training.json").write_text(json.dumps(record, indent=2))
+        log(f"done in {record['draft']['wall_seconds_total']}s -> {out / 'draft'}, {out / 'training.json'}")
+        return
+
+    record: dict = {"seed": args.seed, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     t0 = time.time()
     train_texts, held_texts, record["corpus"] = read_corpus()
     log(f"corpus: {record['corpus']}")
