@@ -88,7 +88,7 @@ def test_generate_with_draft_is_lossless_and_reports_speculation(run, mx_pair):
     assert spec["block_size"] == 3 and spec["verify_steps"] >= 1 and spec["acceptance_length"] >= 1.0
     assert len(spec["acceptance_per_position"]) == 2 and spec["draft_ms"] >= 0 and spec["verify_ms"] > 0
     ra = spec["route_ahead"]
-    assert ra["predictor"] == "draft-router" and {"predicted", "used", "recall", "precision", "wasted_bytes"} <= set(ra)
+    assert ra["predictor"] == "previous" and {"predicted", "used", "recall", "precision", "wasted_bytes"} <= set(ra)
     assert spec["cache"]["slots"] == 6 and "oracle_acceptance" not in spec
 
 
