@@ -42,7 +42,7 @@ def speculative_options(
     predictor: str,
     acceptance: float | None,
     temperature: float,
-    default_predictor: str = "draft-router",
+    default_predictor: str = "previous",
 ) -> dict | None:
     """Check the command-line options of a draft run before anything is loaded.
 
@@ -76,7 +76,7 @@ def speculative_on_runtime(
     max_new_tokens: int,
     *,
     block_size: int | None = None,
-    predictor: str | None = "draft-router",
+    predictor: str | None = "previous",
     acceptance: float | None = None,
     reference: Sequence[int] | None = None,
     temperature: float = 0.0,
@@ -128,7 +128,7 @@ def generate_with_draft(
     draft_dir: str | Path,
     max_new_tokens: int,
     block_size: int | None = None,
-    predictor: str | None = "draft-router",
+    predictor: str | None = "previous",
     acceptance: float | None = None,
     temperature: float = 0.0,
     seed: int = 0,
