@@ -22,28 +22,19 @@ from pathlib import Path
 
 import torch
 
-from pdflash.offload.gpt_oss import GptOssExpertKernel
-from pdflash.offload.host_store import ExpertLayout
+from pdflash.offload.gpt_oss import GptOssExpertKernel, mxfp4_expert_layout
+from pdflash.offload.synthetic import random_mxfp4_slots
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ itself
+from bench_offload_gpu import cuda_time  # noqa: E402
 
 H = I = 2880
 E, K = 8, 4
 
 
 def make_slots(dev):
-    layout = ExpertLayout.build([
-        ("gate_up_proj_blocks", (2 * I, H // 32, 16), torch.uint8), ("gate_up_proj_scales", (2 * I, H // 32), torch.uint8),
-        ("gate_up_proj_bias", (2 * I,), torch.bfloat16), ("down_proj_blocks", (H, I // 32, 16), torch.uint8),
-        ("down_proj_scales", (H, I // 32), torch.uint8), ("down_proj_bias", (H,), torch.bfloat16),
-    ], quantized=True)
-    g = torch.Generator().manual_seed(0)
-    slots = torch.randint(0, 256, (E, layout.expert_bytes), dtype=torch.uint8, generator=g)
-    for name in ("gate_up_proj_scales", "down_proj_scales"):
-        v = layout.view(slots, name)
-        v.copy_(torch.randint(118, 124, v.shape, generator=g))
-    for name in ("gate_up_proj_bias", "down_proj_bias"):
-        v = layout.view(slots, name)
-        v.copy_(torch.randn(v.shape, generator=g) * 0.1)
-    return layout, slots.to(dev)
+    layout = mxfp4_expert_layout(H, I)
+    return layout, random_mxfp4_slots(layout, E, seed=0).to(dev)
 
 
 def generic(kernel, slots, x, w, idx, T):
@@ -69,15 +60,9 @@ def fused_run(fused, slots, x, w, idx, batches, T):
 
 
 def timed(fn, repeat=50):
-    ts = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    """Median milliseconds of fn on the device (CUDA events)."""
+    ts = sorted(cuda_time(fn, repeat))
+    return ts[len(ts) // 2] * 1e3
 
 
 def main() -> int:

@@ -29,6 +29,33 @@ from pdflash.offload.mxfp4 import dequantize, dequantize_rows
 _EXPERT_PREFIX = "model.layers.{}.mlp.experts."
 
 
+def expert_pieces(hidden: int, inter: int, quantized: bool) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+    """Per-expert pieces in stored format, in packing order: (name, shape, allowed dtypes)."""
+    H, I = hidden, inter
+    u8 = ("U8",)
+    if quantized:
+        return [
+            ("gate_up_proj_blocks", (2 * I, H // 32, 16), u8),
+            ("gate_up_proj_scales", (2 * I, H // 32), u8),
+            ("gate_up_proj_bias", (2 * I,), FLOAT_DTYPES),
+            ("down_proj_blocks", (H, I // 32, 16), u8),
+            ("down_proj_scales", (H, I // 32), u8),
+            ("down_proj_bias", (H,), FLOAT_DTYPES),
+        ]
+    return [
+        ("gate_up_proj", (H, 2 * I), FLOAT_DTYPES),
+        ("gate_up_proj_bias", (2 * I,), FLOAT_DTYPES),
+        ("down_proj", (I, H), FLOAT_DTYPES),
+        ("down_proj_bias", (H,), FLOAT_DTYPES),
+    ]
+
+
+def mxfp4_expert_layout(hidden: int, inter: int, bias_dtype: torch.dtype = torch.bfloat16) -> ExpertLayout:
+    """The packed slot layout of one MXFP4 gpt-oss expert of this size (biases in ``bias_dtype``)."""
+    spec = [(name, shape, torch.uint8 if dts == ("U8",) else bias_dtype) for name, shape, dts in expert_pieces(hidden, inter, True)]
+    return ExpertLayout.build(spec, quantized=True)
+
+
 class GptOssFamily(ModelFamily):
     name = "gpt_oss (GptOssForCausalLM)"
 
@@ -88,24 +115,7 @@ class GptOssFamily(ModelFamily):
         return specs
 
     def _expert_piece_shapes(self) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
-        """Per-expert pieces in stored format, in packing order: (name, shape, allowed dtypes)."""
-        H, I = self.hidden, self.inter
-        u8 = ("U8",)
-        if self.quantized:
-            return [
-                ("gate_up_proj_blocks", (2 * I, H // 32, 16), u8),
-                ("gate_up_proj_scales", (2 * I, H // 32), u8),
-                ("gate_up_proj_bias", (2 * I,), FLOAT_DTYPES),
-                ("down_proj_blocks", (H, I // 32, 16), u8),
-                ("down_proj_scales", (H, I // 32), u8),
-                ("down_proj_bias", (H,), FLOAT_DTYPES),
-            ]
-        return [
-            ("gate_up_proj", (H, 2 * I), FLOAT_DTYPES),
-            ("gate_up_proj_bias", (2 * I,), FLOAT_DTYPES),
-            ("down_proj", (I, H), FLOAT_DTYPES),
-            ("down_proj_bias", (H,), FLOAT_DTYPES),
-        ]
+        return expert_pieces(self.hidden, self.inter, self.quantized)
 
     def expert_sources(self, layer: int) -> dict[str, str]:
         return {piece: _EXPERT_PREFIX.format(layer) + piece for piece, _, _ in self._expert_piece_shapes()}

@@ -325,3 +325,18 @@ class _progress:
         if self.enabled:
             self.bar.stop()
         return False
+
+
+def random_mxfp4_slots(layout, n: int, seed: int = 0, scales: tuple[int, int] = (118, 124), bias_std: float = 0.1) -> torch.Tensor:
+    """[n, expert_bytes] uint8 slots of random MXFP4 experts in ``layout``: random code bytes,
+    E8M0 scales drawn from ``scales`` (low inclusive, high exclusive), normal biases. For kernel
+    checks that need expert bytes without a checkpoint."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, 256, (n, layout.expert_bytes), dtype=torch.uint8, generator=g)
+    for p in layout.pieces:
+        v = layout.view(slots, p.name)
+        if p.name.endswith("_scales"):
+            v.copy_(torch.randint(scales[0], scales[1], v.shape, generator=g))
+        elif p.name.endswith("_bias"):
+            v.copy_(torch.randn(v.shape, generator=g) * bias_std)
+    return slots

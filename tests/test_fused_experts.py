@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton", reason="the fused kernels need Triton (pip install triton)")
 
-from pdflash.offload.gpt_oss import GptOssExpertKernel  # noqa: E402
-from pdflash.offload.host_store import ExpertLayout  # noqa: E402
+from pdflash.offload.gpt_oss import GptOssExpertKernel, mxfp4_expert_layout  # noqa: E402
+from pdflash.offload.synthetic import random_mxfp4_slots  # noqa: E402
 
 H, I, E, K, T = 64, 96, 5, 2, 3
 
@@ -24,20 +24,9 @@ def _interpreter(monkeypatch):
 
 
 def _slots(bias_dtype=torch.bfloat16, seed=0):
-    layout = ExpertLayout.build([
-        ("gate_up_proj_blocks", (2 * I, H // 32, 16), torch.uint8), ("gate_up_proj_scales", (2 * I, H // 32), torch.uint8),
-        ("gate_up_proj_bias", (2 * I,), bias_dtype), ("down_proj_blocks", (H, I // 32, 16), torch.uint8),
-        ("down_proj_scales", (H, I // 32), torch.uint8), ("down_proj_bias", (H,), bias_dtype),
-    ], quantized=True)
-    g = torch.Generator().manual_seed(seed)
-    slots = torch.randint(0, 256, (E, layout.expert_bytes), dtype=torch.uint8, generator=g)
-    for name in ("gate_up_proj_scales", "down_proj_scales"):
-        v = layout.view(slots, name)
-        v.copy_(torch.randint(119, 127, v.shape, generator=g))
-    for name in ("gate_up_proj_bias", "down_proj_bias"):
-        v = layout.view(slots, name)
-        v.copy_(torch.randn(v.shape, generator=g))
-    return layout, slots, g
+    layout = mxfp4_expert_layout(H, I, bias_dtype)
+    slots = random_mxfp4_slots(layout, E, seed, scales=(119, 127), bias_std=1.0)
+    return layout, slots, torch.Generator().manual_seed(seed + 1)
 
 
 def _generic(kernel, slots, x, w, idx):

@@ -100,21 +100,13 @@ def test_cuda_equals_cpu():
 
 def test_expert_kernel_row_layout_path():
     """The GPU's weight layout ([out, in] rows, transposed views) computes the same experts."""
-    from pdflash.offload.gpt_oss import GptOssExpertKernel
-    from pdflash.offload.host_store import ExpertLayout
+    from pdflash.offload.gpt_oss import GptOssExpertKernel, mxfp4_expert_layout
+    from pdflash.offload.synthetic import random_mxfp4_slots
 
     H, I, n = 64, 32, 3
-    layout = ExpertLayout.build([
-        ("gate_up_proj_blocks", (2 * I, H // 32, 16), torch.uint8), ("gate_up_proj_scales", (2 * I, H // 32), torch.uint8),
-        ("gate_up_proj_bias", (2 * I,), torch.bfloat16), ("down_proj_blocks", (H, I // 32, 16), torch.uint8),
-        ("down_proj_scales", (H, I // 32), torch.uint8), ("down_proj_bias", (H,), torch.bfloat16),
-    ], quantized=True)
-    g = torch.Generator().manual_seed(5)
-    slots = torch.randint(0, 256, (5, layout.expert_bytes), dtype=torch.uint8, generator=g)
-    for name in ("gate_up_proj_scales", "down_proj_scales"):  # sane scales, biases
-        layout.view(slots, name).copy_(torch.randint(118, 124, layout.view(slots, name).shape, generator=g))
-    for name in ("gate_up_proj_bias", "down_proj_bias"):
-        layout.view(slots, name).copy_(torch.randn(layout.view(slots, name).shape, generator=g) * 0.1)
+    layout = mxfp4_expert_layout(H, I)
+    slots = random_mxfp4_slots(layout, 5, seed=5)  # sane scales, small biases
+    g = torch.Generator().manual_seed(6)
     x = torch.randn(n, 2, H, generator=g).to(torch.bfloat16)
     ids = [4, 0, 2]
     ref = GptOssExpertKernel(layout, torch.float32, 1.702, 7.0, rows_layout=False)
