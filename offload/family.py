@@ -58,8 +58,8 @@ class ExpertKernel(Protocol):
     def apply(self, weights: tuple[torch.Tensor, ...], i: int, x: torch.Tensor) -> torch.Tensor:
         """Output of the i-th expert of ``weights`` for its tokens x [n, H] -> [n, H]."""
 
-    def apply_batched(self, weights: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
-        """All experts at once when each has the same token count: x [n_exp, m, H] -> [n_exp, m, H]."""
+    def fused(self, device: torch.device):
+        """A fused path for small token counts on ``device`` (gpt_oss: mxfp4_triton.FusedMxfp4Experts), or None."""
 
 
 class ModelFamily:

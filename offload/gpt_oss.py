@@ -244,6 +244,9 @@ class GptOssExpertKernel:
         return self._glu(gate_up) @ w2[i] + b2[i]  # [n, H]
 
     def apply_batched(self, weights: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+        """Every expert in one batched matmul, x [n_exp, m, H] -> [n_exp, m, H]. Not used by the
+        runtime: on CUDA its bf16 results depend on how many experts are batched together
+        (benchmarks/check_fused_gpu.py measures that against ``apply`` and the fused kernels)."""
         w1, b1, w2, b2 = weights
         gate_up = torch.bmm(x, w1) + b1[:, None, :]  # [n_exp, m, 2I]
         return torch.bmm(self._glu(gate_up), w2) + b2[:, None, :]  # [n_exp, m, H]
