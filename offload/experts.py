@@ -13,10 +13,15 @@ given; this module
    crossing the link,
 4. sums each token's K weighted expert outputs in top-k order in one reduction.
 
+Two compute paths, both independent of which experts were hits or how arrivals were
+batched (so every cache size gives the same output):
+- the fused MXFP4 kernels (mxfp4_triton.py) for up to FUSED_MAX_TOKENS tokens on CUDA
+  (decode, verify blocks): one program per (token, expert) pair and feature tile;
+- otherwise (prefill, the CPU, dense experts) one matmul per expert over its tokens in
+  token order, mirroring transformers' GptOssExperts loop, so outputs are bit-identical to
+  the library's CPU path.
+
 Shape legend: T tokens, K experts per token, H hidden, E experts per layer.
-The arithmetic mirrors transformers' GptOssExperts (per-expert matmuls over the
-expert's tokens in token order, weighted outputs summed over K at the end), so
-outputs are bit-identical to the library's on the same device.
 """
 
 from __future__ import annotations
