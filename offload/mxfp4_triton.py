@@ -64,7 +64,7 @@ def available(device: torch.device) -> bool:
         return False
     try:
         _kernels()
-    except Exception:  # no triton, or one that cannot compile here
+    except ImportError:  # no (usable) triton
         return False
     return True
 
