@@ -99,17 +99,20 @@ def test_logits_bit_identical_prefill(ckpts):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_transformers_on_cuda(ckpts):
-    """On CUDA the library's kernels differ from the CPU's: logits close, greedy tokens equal."""
+    """On CUDA the kernels differ from the library's (cuBLAS shapes, the fused MXFP4 decode
+    kernels), so bits may differ: prefill logits close to transformers', and greedy tokens the
+    same at every cache size (the expert maths does not depend on hits and misses)."""
     from transformers import GptOssForCausalLM
 
     path = ckpts["mxfp4-bf16"]
-    # batched_mm computes each routed (token, expert) like the runtime's decode path and sums over K in fp32
     ref = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda", experts_implementation="batched_mm")
     ids = torch.tensor([PROMPT], device="cuda")
     with torch.no_grad():
         want_logits = ref(ids).logits.float()
-    want = ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, len(PROMPT):].tolist()
-    with OffloadedModel.load(path, device="cuda", expert_cache_experts=K, lookahead_depth=1) as rt:
-        got_logits = rt.forward(ids).logits.float()
-        assert torch.allclose(got_logits, want_logits, atol=0.1, rtol=0.05)
-        assert generate(rt, PROMPT, max_new_tokens=8, eos_token_ids=[]).token_ids == want
+    tokens = {}
+    for slots, kw in ((K, {"lookahead_depth": 1}), (K + 3, {}), (None, {})):
+        with OffloadedModel.load(path, device="cuda", expert_cache_experts=slots, **kw) as rt:
+            got_logits = rt.forward(ids).logits.float()
+            assert torch.allclose(got_logits, want_logits, atol=0.1, rtol=0.05)
+            tokens[slots] = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+    assert tokens[K] == tokens[K + 3] == tokens[None]
