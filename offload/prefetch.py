@@ -8,7 +8,10 @@ Sources of predictions, each with its band (lower = served first):
 - lookahead routing (``lookahead_depth`` d > 0), at ``route_ahead_priority``: when
   decoder layer L starts, the routers of layers L+1..L+d are applied to the
   hidden state entering layer L (through each target layer's own
-  post-attention norm) and the union of their top-k over the tokens is fetched;
+  post-attention norm), and the union of their top-k over the tokens is fetched
+  as soon as layer L has routed. The predictions travel to the host with layer L's
+  own routing copy (one device->host synchronisation per layer, lookahead or not);
+  a copy of their own at layer start would stall the host until the device caught up;
 - history / frequency (``history_depth`` d > 0), at ``background_priority``: the
   ``history_experts`` most used experts (use counts decayed by ``history_decay``
   per forward) of layers L+1..L+d; at the last layer it predicts layers 0..d-1 of
@@ -69,6 +72,7 @@ class ExpertPrefetcher:
         self._freq = torch.zeros(self.num_layers, self.num_experts)  # decayed use counts
         self._predicted: dict[int, dict[str, set[int]]] = {}  # layer -> predictor -> experts
         self._score: dict[str, list[int]] = {}  # predictor -> [predicted, used, correct]
+        self._lookahead_pending: tuple[list[int], torch.Tensor] | None = None  # (layers, top-k on its way to the host)
         self.cache.protected.clear()
 
     # -- explicit lists ----------------------------------------------------------------
@@ -102,7 +106,11 @@ class ExpertPrefetcher:
             self._history(layer)
 
     def on_layer_routed(self, layer: int, experts: list[int]) -> None:
-        """The forward of ``layer`` used ``experts``: score predictions, update history."""
+        """The forward of ``layer`` used ``experts`` (called right after its routing reached the
+        host): submit the lookahead prefetches computed at its start, score predictions, update history."""
+        if self._lookahead_pending is not None:
+            self._submit_lookahead(*self._lookahead_pending)
+            self._lookahead_pending = None
         used = set(experts)
         for name, pred in self._predicted.pop(layer, {}).items():
             sc = self._score.setdefault(name, [0, 0, 0])
@@ -123,8 +131,10 @@ class ExpertPrefetcher:
         h = hidden.reshape(-1, hidden.shape[-1])
         with torch.no_grad():
             top = torch.stack([self.family.router_topk(self.model, m, h) for m in targets])  # [d, T, K]
-        top = top.to("cpu")  # device->host sync: queued kernels are done
-        self.cache.sync_point()
+        # queued behind this layer's attention; complete once the layer's routing copy has synchronised
+        self._lookahead_pending = (targets, top.to("cpu", non_blocking=True))
+
+    def _submit_lookahead(self, targets: list[int], top: torch.Tensor) -> None:
         for i, m in enumerate(targets):
             experts = sorted(set(top[i].reshape(-1).tolist()))
             self._note("lookahead", m, experts)
