@@ -41,3 +41,21 @@ def run(monkeypatch, capsys):
         return code, out, err
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """Import a script of the repository (benchmarks/, tools/) by its path: load_script("tools/x.py")."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+
+    def _load(rel: str):
+        path = root / rel
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return _load

@@ -1,6 +1,5 @@
 """benchmarks/bench_embedded.py: its measurement functions on the embedded pair, at small sizes."""
 
-import importlib.util
 import itertools
 import json
 import math
@@ -17,11 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def be():
-    spec = importlib.util.spec_from_file_location("bench_embedded", ROOT / "benchmarks" / "bench_embedded.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def be(load_script):
+    return load_script("benchmarks/bench_embedded.py")
 
 
 @pytest.fixture(scope="module")

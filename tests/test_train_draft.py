@@ -1,8 +1,6 @@
 """tools/train_draft.py: the batched training forward against the inference forward, the
 distillation data against target-only greedy decoding and the runtime's feature tap, the metrics."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,15 +11,10 @@ from transformers import GptOssConfig, GptOssForCausalLM
 from pdflash.draft import DFlashConfig, FeatureTap, greedy_generate
 from pdflash.draft.model import DFlashDraftModel
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
-def td():
-    spec = importlib.util.spec_from_file_location("train_draft", ROOT / "tools" / "train_draft.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def td(load_script):
+    return load_script("tools/train_draft.py")
 
 
 def tiny_draft(block=4, layers=2, hidden=32, vocab=64, k=2, seed=0):
