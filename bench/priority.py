@@ -653,7 +653,9 @@ def instrumentation_checks(samples: list[dict]) -> dict:
         checks["same_tokens"] = {"ok": all(same), "differing_runs": same.count(False)}
     refresh = sum(s["oracle_refreshes"] or 0 for s in samples)
     checks["oracle_refreshes"] = {"ok": refresh == 0, "count": refresh,
-                                  "note": "refresh forwards (oracle divergence repair) run inside the decode window"}
+                                  "note": "refresh forwards (oracle divergence repair) run inside the decode window"
+                                  + ("; in bf16 on random weights, block and single-token forwards round apart: "
+                                     "--dtype float32 avoids the repairs" if refresh else "")}
     return checks
 
 
