@@ -204,6 +204,10 @@ def run(args) -> dict:
                     _log(f"rep {rep} prompt {pi} {arm}: {row['tokens_per_second'] or 0:.2f} tok/s"
                          + (f", accept {row['acceptance_length']:.2f}" if "acceptance_length" in row else ""))
         summary = summarise(runs)
+        repairs = sum(r.get("oracle_divergences") or 0 for r in runs)
+        if repairs:
+            _log(f"note: the oracle repaired {repairs} divergences; their forwards count in the byte and exposed-fetch "
+                 "figures (in bf16 on random weights block and single-token forwards round apart: --dtype float32 avoids this)")
         return {
             "oracle_acceptance": args.acceptance,
             "config": {
