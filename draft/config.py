@@ -251,30 +251,38 @@ class DFlashConfig:
     # -- presets -------------------------------------------------------------------------------
 
     @classmethod
+    def fitted_to(cls, target: TargetShape, *, intermediate_size: int, num_hidden_layers: int, block_size: int,
+                  mask_token_id: int, features: int, dtype: str) -> "DFlashConfig":
+        """A draft whose attention shape, vocabulary, norms and rotary are the target's, reading
+        ``features`` target layers spread over its stack (spread_layer_ids)."""
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=spread_layer_ids(target.num_hidden_layers, features),
+            num_target_layers=target.num_hidden_layers,
+            rms_norm_eps=target.rms_norm_eps,
+            attention_bias=True,
+            max_position_embeddings=target.max_position_embeddings,
+            rope_parameters=dict(target.rope_parameters),
+            dtype=dtype,
+        )
+
+    @classmethod
     def from_preset(cls, name: str, target: TargetShape | None = None) -> "DFlashConfig":
         """A named draft shape. ``tiny`` is fitted to ``target`` (required); ``gpt-oss-20b-DFlash`` is
         the published gpt-oss-20b drafter shape and is checked against ``target`` when one is given."""
         if name == "tiny":
             if target is None:
                 raise PdflashError("the tiny draft preset is fitted to a target: give the target checkpoint directory")
-            config = cls(
-                hidden_size=target.hidden_size,
-                intermediate_size=2 * target.hidden_size,
-                num_hidden_layers=2,
-                num_attention_heads=target.num_attention_heads,
-                num_key_value_heads=target.num_key_value_heads,
-                head_dim=target.head_dim,
-                vocab_size=target.vocab_size,
-                block_size=4,
-                mask_token_id=target.vocab_size - 1,
-                target_layer_ids=spread_layer_ids(target.num_hidden_layers, 3),
-                num_target_layers=target.num_hidden_layers,
-                rms_norm_eps=target.rms_norm_eps,
-                attention_bias=True,
-                max_position_embeddings=target.max_position_embeddings,
-                rope_parameters=dict(target.rope_parameters),
-                dtype="float32",
-            )
+            config = cls.fitted_to(target, intermediate_size=2 * target.hidden_size, num_hidden_layers=2, block_size=4,
+                                   mask_token_id=target.vocab_size - 1, features=3, dtype="float32")
         elif name == "gpt-oss-20b-DFlash":
             config = cls(
                 hidden_size=2880,

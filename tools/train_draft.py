@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdflash.draft.config import DFlashConfig, TargetShape, spread_layer_ids
+from pdflash.draft.config import DFlashConfig, TargetShape
 from pdflash.draft.model import DFlashDraftModel, _apply_rotary
 from pdflash.draft.taps import FeatureTap
 
@@ -59,24 +59,10 @@ EOS_ID, MASK_ID, PAD_ID = 0, 1, 2
 
 
 def draft_config(target, args, mask_id: int) -> DFlashConfig:
-    shape = TargetShape.from_config(target.config)
-    return DFlashConfig(
-        hidden_size=shape.hidden_size,
-        intermediate_size=args.draft_intermediate,
-        num_hidden_layers=args.draft_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        vocab_size=shape.vocab_size,
-        block_size=args.block_size,
-        mask_token_id=mask_id,
-        target_layer_ids=spread_layer_ids(shape.num_hidden_layers, args.draft_features),
-        num_target_layers=shape.num_hidden_layers,
-        rms_norm_eps=shape.rms_norm_eps,
-        attention_bias=True,
-        max_position_embeddings=shape.max_position_embeddings,
-        rope_parameters=dict(shape.rope_parameters),
-        dtype="bfloat16",
+    return DFlashConfig.fitted_to(
+        TargetShape.from_config(target.config), intermediate_size=args.draft_intermediate,
+        num_hidden_layers=args.draft_layers, block_size=args.block_size, mask_token_id=mask_id,
+        features=args.draft_features, dtype="bfloat16",
     )
 
 
