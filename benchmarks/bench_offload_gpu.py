@@ -166,13 +166,18 @@ def pdflash_snapshot(rt):
     return snap
 
 
-def pdflash_decode(rt, ids, warmup, tokens) -> dict:
-    kv = rt.new_kv_cache()
-    r = decode_run(
-        lambda p: prefill(rt, torch.tensor([p]), kv),
-        lambda t: decode_one_token(rt, t, kv),
-        ids, warmup, tokens, pdflash_snapshot(rt),
-    )
+def pdflash_decode(rt, ids, warmup, tokens, graphs: bool = False) -> dict:
+    if graphs:  # each layer's non-expert part replayed as a CUDA graph (offload/graphs.py)
+        from pdflash.offload.graphs import GraphedDecoder
+
+        dec = GraphedDecoder(rt, max_len=len(ids) + warmup + tokens + 1, graphs=True)
+        dec.prepare()
+        step_prefill, step_decode = dec.prefill, dec.decode
+    else:
+        kv = rt.new_kv_cache()
+        step_prefill = lambda p: prefill(rt, torch.tensor([p]), kv)  # noqa: E731
+        step_decode = lambda t: decode_one_token(rt, t, kv)  # noqa: E731
+    r = decode_run(step_prefill, step_decode, ids, warmup, tokens, pdflash_snapshot(rt))
     b, a = r.pop("before"), r.pop("after")
     n = r["tokens"]
     d = {k: a[k] - b[k] for k in ("exposed", "bytes", "hits", "misses", "promoted", "link_busy",
@@ -211,10 +216,13 @@ def run_resident(ckpt: Path, ids, args, result: dict) -> None:
         rt.scheduler.reset()
         rt.cache.zero_stats()
         log(f"link: {json.dumps(result['link'])}")
-        r = pdflash_decode(rt, ids, args.warmup, args.tokens)
-        r.update(name="pdflash-resident", cache_slots=rt.cache.capacity, cache_fraction=1.0)
-        result["runs"].append(r)
-        log(f"resident: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token, exposed {r['exposed_fetch_ms_per_token']:.3f} ms/token")
+        for graphs in (False, True) if args.cuda_graphs else (False,):
+            rt.cache.zero_stats()
+            r = pdflash_decode(rt, ids, args.warmup, args.tokens, graphs)
+            name = "pdflash-resident" + ("-graphs" if graphs else "")
+            r.update(name=name, cache_slots=rt.cache.capacity, cache_fraction=1.0)
+            result["runs"].append(r)
+            log(f"{name}: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token, exposed {r['exposed_fetch_ms_per_token']:.3f} ms/token")
 
 
 def run_offload(ckpt: Path, ids, args, result: dict) -> None:
@@ -224,11 +232,12 @@ def run_offload(ckpt: Path, ids, args, result: dict) -> None:
     with OffloadedModel.load(ckpt, device=DEVICE, expert_cache_experts=slots, eviction=args.eviction,
                              link_gbps=args.link_gbps) as rt:
         result["offload_load_seconds"] = time.perf_counter() - t0
-        for depth in args.lookahead:
+        for depth, graphs in [(d, g) for d in args.lookahead for g in ((False, True) if args.cuda_graphs else (False,))]:
             rt.reset_cache()  # cold cache, zero statistics; not terminal
             rt.prefetcher.lookahead_depth = depth
-            r = pdflash_decode(rt, ids, args.warmup, args.tokens)
-            name = f"pdflash-offload-{round(args.cache_fraction * 100)}pct" + (f"-lookahead{depth}" if depth else "")
+            r = pdflash_decode(rt, ids, args.warmup, args.tokens, graphs)
+            name = (f"pdflash-offload-{round(args.cache_fraction * 100)}pct" + (f"-lookahead{depth}" if depth else "")
+                    + ("-graphs" if graphs else ""))
             r.update(name=name, cache_slots=slots, cache_fraction=slots / total, lookahead_depth=depth,
                      eviction=args.eviction)
             result["runs"].append(r)
@@ -268,12 +277,12 @@ def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
 
 def summarise(result: dict) -> dict:
     runs = {r["name"]: r for r in result["runs"]}
-    resident = runs.get("pdflash-resident")
     tf = runs.get("transformers-resident-bf16")
     bw = result.get("link", {}).get("bound_gbps")
     summary = {}
     for name, r in runs.items():
         s = {"tokens_per_second": r["tokens_per_second"], "tpot_ms": r["tpot_ms"]}
+        resident = runs.get("pdflash-resident-graphs" if name.endswith("-graphs") else "pdflash-resident")  # same step kind
         if "bytes_per_token" in r and resident and bw:
             bound_ms = r["bytes_per_token"] / (bw * 1e9) * 1e3 + resident["tpot_ms"]
             s.update(bound_tpot_ms=bound_ms, utilisation_of_bound=bound_ms / r["tpot_ms"],
@@ -285,6 +294,10 @@ def summarise(result: dict) -> dict:
         if tf and name != tf["name"]:
             same = sum(a == b for a, b in zip(r["token_ids"], tf["token_ids"]))
             s["greedy_tokens_equal_to_transformers"] = f"{same}/{min(len(r['token_ids']), len(tf['token_ids']))}"
+        base = runs.get("pdflash-resident")
+        if base and name.startswith("pdflash") and name != base["name"]:
+            same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
+            s["greedy_tokens_equal_to_pdflash_resident"] = f"{same}/{min(len(r['token_ids']), len(base['token_ids']))}"
         summary[name] = s
     return summary
 
@@ -301,6 +314,7 @@ def main() -> int:
     ap.add_argument("--lookahead", type=int, nargs="+", default=[0, 1], help="Lookahead depths to run offloaded (0: no prefetch).")
     ap.add_argument("--eviction", default="lru", help="Eviction policy of the offloaded runs.")
     ap.add_argument("--skip-transformers", action="store_true", help="Do not run the transformers reference.")
+    ap.add_argument("--cuda-graphs", action="store_true", help="Also run every pdflash configuration with CUDA graphs (offload/graphs.py).")
     ap.add_argument("--preset", default="gpt-oss-20b", help="Synthetic model shape (tiny: a quick CPU check of this script).")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a check of this script).")
     ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link speed in GB/s.")
@@ -310,6 +324,9 @@ def main() -> int:
     args.preset = ModelPreset.from_name(args.preset)
     if DEVICE.startswith("cuda") and not torch.cuda.is_available():
         print("Error: this benchmark needs a CUDA GPU (or --device cpu --preset tiny to check the script)", file=sys.stderr)
+        return 1
+    if args.cuda_graphs and not DEVICE.startswith("cuda"):
+        print("Error: --cuda-graphs needs --device cuda", file=sys.stderr)
         return 1
     try:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -83,7 +83,7 @@ def _encode(rt, text: str, chat: bool) -> list[int]:
 
 
 def _run(rt, ids: list[int], *, max_new_tokens: int, temperature: float, seed: int, on_step,
-         spec: dict | None = None, on_verify=None) -> tuple[Any, dict]:
+         spec: dict | None = None, on_verify=None, cuda_graphs: bool = False) -> tuple[Any, dict]:
     """Decode; returns (GenerationResult, extra fields for the JSON report).
 
     ``spec`` (from pdflash.draft.speculative_options) switches to speculative decoding with a
@@ -97,8 +97,9 @@ def _run(rt, ids: list[int], *, max_new_tokens: int, temperature: float, seed: i
         return generate_with_draft(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                    on_step=on_step, on_verify=on_verify, **spec)
 
-    res = run_generate(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step)
-    return res, {}
+    res = run_generate(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step,
+                       cuda_graphs=cuda_graphs)
+    return res, {"cuda_graphs": cuda_graphs}
 
 
 def _report(rt, res, text: str, extra: dict, load_s: float) -> dict:
@@ -208,6 +209,7 @@ def generate(
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "previous",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs", help="Without a draft, on CUDA: replay each layer's non-expert part as a CUDA graph.")] = False,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
 
@@ -231,6 +233,10 @@ def generate(
         raise PdflashError("--draft and --no-draft contradict each other; give one", exit_code=2)
     if no_draft:
         draft = None
+    if cuda_graphs and draft is not None:
+        raise PdflashError("--cuda-graphs applies to plain decoding: add --no-draft (or drop --draft)", exit_code=2)
+    if cuda_graphs and device not in ("cuda", "auto") and not str(device).startswith("cuda:"):
+        raise PdflashError("--cuda-graphs needs --device cuda", exit_code=2)
     spec = speculative_options(draft, block_size=block_size, predictor=route_ahead_predictor,
                                acceptance=draft_acceptance, temperature=temperature)
     text = _read_prompt(prompt)
@@ -277,7 +283,7 @@ def generate(
 
         with LiveBandTable(rt.scheduler, status=status, enabled=draw):
             res, extra = _run(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step,
-                              spec=spec, on_verify=on_verify)
+                              spec=spec, on_verify=on_verify, cuda_graphs=cuda_graphs)
         out_text = rt.tokenizer.decode(res.token_ids)
         report = _report(rt, res, out_text, extra, load_s)
     if json_out:

@@ -75,12 +75,16 @@ def generate(
     seed: int = 0,
     on_step: Callable[[StepInfo], None] | None = None,
     eos_token_ids: list[int] | None = None,
+    cuda_graphs: bool = False,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([T] or [1, T]).
 
     Stops early at any of ``eos_token_ids`` (default: the checkpoint's eos ids; pass []
     to never stop early). ``stats`` in the result is ``rt.stats()`` at the end
     (cumulative since load or the last reset_cache()).
+
+    ``cuda_graphs`` decodes through graphs.GraphedDecoder: each layer's non-expert part replayed
+    as a CUDA graph (captured before the prompt runs, so outside the timings).
     """
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.dim() == 1:
@@ -95,11 +99,22 @@ def generate(
         raise PdflashError(f"temperature must be >= 0, got {temperature}")
     eos = set(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
     gen = torch.Generator().manual_seed(seed)
-    kv = rt.new_kv_cache()
     dev = rt.device
+    if cuda_graphs:
+        from pdflash.offload.graphs import GraphedDecoder
+
+        if dev.type != "cuda":
+            raise PdflashError("--cuda-graphs needs --device cuda")
+        dec = GraphedDecoder(rt, max_len=int(ids.shape[1]) + max_new_tokens, graphs=True)
+        dec.prepare()
+        step_prefill, step_decode = dec.prefill, dec.decode
+    else:
+        kv = rt.new_kv_cache()
+        step_prefill = lambda p: prefill(rt, p, kv)  # noqa: E731
+        step_decode = lambda t: decode_one_token(rt, t, kv)  # noqa: E731
 
     t0 = time.perf_counter()
-    logits = prefill(rt, ids, kv)
+    logits = step_prefill(ids)
     tok = sample(logits, temperature, gen)  # .item() synchronises the device
     t_first = time.perf_counter()
     out = [tok]
@@ -107,7 +122,7 @@ def generate(
     if on_step:
         on_step(StepInfo(0, tok, t_first - t0, None))
     while stop == "length" and len(out) < max_new_tokens:
-        logits = decode_one_token(rt, tok, kv)
+        logits = step_decode(tok)
         tok = sample(logits, temperature, gen)
         out.append(tok)
         if tok in eos:

@@ -232,6 +232,11 @@ class OffloadedModel:
         else:
             emb = kwargs.get("inputs_embeds")
             tokens = emb.shape[:-1].numel() if emb is not None else 0
+        self.begin_forward(tokens)
+
+    def begin_forward(self, tokens: int) -> None:
+        """A forward over ``tokens`` tokens starts (the model's hook calls this; so does graphs.py,
+        whose replayed segments run no hooks)."""
         self.cache.begin_forward(tokens)
         for rec in self._records:
             rec._start()

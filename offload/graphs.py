@@ -1,0 +1,245 @@
+"""Graphed decoding: the non-expert part of each decoder layer replayed as one CUDA graph.
+
+On a GPU a batch-1 decode step is bound by the host: transformers' eager attention, norms and
+router launch about fifty kernels per layer, each costing more host time than device time
+(docs/benchmarks.md, profile). The experts cannot be captured: their routing must reach the host
+to decide what to fetch. So a step is cut at the routing points into L + 1 segments:
+
+    S_0    = embed, rotary, masks, layer 0 up to its router
+    S_l    = residual add of layer l-1's expert output, layer l up to its router   (0 < l < L)
+    S_L    = residual add of layer L-1's expert output, final norm, lm_head
+
+and between S_l and S_l+1 the runtime's own experts module runs eagerly on S_l's static router
+outputs (sync, fetch, compute). On CUDA each segment is captured once as a CUDA graph and replayed
+every step; elsewhere (and for prefill, T > 1) the same segment functions run eagerly, which is
+how the CPU tests check this file against the ordinary forward.
+
+The modules are transformers' own (GptOssRMSNorm, GptOssAttention with its eager attention and
+sinks, GptOssTopKRouter); this file only orders their calls as GptOssModel.forward and
+GptOssDecoderLayer.forward do, with a static KV cache: every layer keeps all positions up to
+``max_len`` and an additive mask hides future positions (and, on sliding layers, those outside
+the window), so shapes never change between steps.
+
+Module hooks do not run inside replayed graphs, so the runtime's layer hooks (prefetcher, cache
+bookkeeping) are called explicitly, in the same order.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from pdflash import PdflashError
+
+
+class StaticKV:
+    """Key / value buffers of every layer, [1, kv_heads, max_len, head_dim], zero-initialised
+    (masked positions must hold finite values). ``update`` is what GptOssAttention calls: it writes
+    the new keys / values at ``self.positions`` and returns the whole buffers."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype, device):
+        shape = (1, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.positions = torch.zeros(1, dtype=torch.long, device=device)  # set before each forward
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.k[layer_idx].index_copy_(2, self.positions, key)
+        self.v[layer_idx].index_copy_(2, self.positions, value)
+        return self.k[layer_idx], self.v[layer_idx]
+
+
+def _cache_kw(attn: nn.Module) -> str:
+    params = inspect.signature(attn.forward).parameters
+    for name in ("cache", "past_key_values", "past_key_value"):
+        if name in params:
+            return name
+    raise PdflashError("this transformers version's GptOssAttention takes no KV cache argument pdflash knows")
+
+
+class GraphedDecoder:
+    """Prefill and batch-1 decode of an OffloadedModel through segment functions (see above).
+
+    ``graphs`` (default: on CUDA) captures the decode segments as CUDA graphs on first use.
+    One instance holds one KV cache: ``prefill`` starts a sequence, ``decode`` continues it.
+    """
+
+    def __init__(self, rt, max_len: int, graphs: bool | None = None):
+        model = rt.model
+        cfg = model.config
+        self.rt = rt
+        self.model = model
+        self.layers = list(model.model.layers)
+        self.layer_types = list(cfg.layer_types)
+        self.window = int(cfg.sliding_window or 0)
+        self.device = rt.device
+        self.dtype = rt.dtype
+        self.max_len = int(max_len)
+        hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.kv = StaticKV(len(self.layers), int(cfg.num_key_value_heads), hd, self.max_len, self.dtype, self.device)
+        self.cache_kw = _cache_kw(self.layers[0].self_attn)
+        self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
+        if self.graphs and self.device.type != "cuda":
+            raise PdflashError("CUDA graphs need --device cuda")
+        dev = self.device
+        with torch.inference_mode():
+            all_pos = torch.arange(self.max_len, device=dev)[None]
+            probe = torch.zeros(1, dtype=self.dtype, device=dev)
+            cos, sin = model.model.rotary_emb(probe, all_pos)  # [1, max_len, hd]
+        self.cos, self.sin = cos, sin
+        self.key_pos = torch.arange(self.max_len, device=dev)  # [max_len]
+        self.length = 0  # positions written so far
+        self._step: list | None = None  # captured graphs and their static tensors
+        # decode-step static inputs
+        self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+
+    # -- segments ---------------------------------------------------------------------
+    def _masks(self, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Additive masks [1, 1, T, max_len] for query positions ``pos`` [T]."""
+        q = pos[:, None]
+        k = self.key_pos[None, :]
+        full = k <= q
+        neg = torch.finfo(self.dtype).min
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        low = torch.full((), neg, dtype=self.dtype, device=self.device)
+        out = {"full_attention": torch.where(full, zero, low)[None, None]}
+        if self.window:
+            sliding = full & (k > q - self.window)
+            out["sliding_attention"] = torch.where(sliding, zero, low)[None, None]
+        return out
+
+    def _embed(self, ids: torch.Tensor, pos: torch.Tensor):
+        x = self.model.model.embed_tokens(ids)  # [1, T, H]
+        pe = (self.cos.index_select(1, pos), self.sin.index_select(1, pos))
+        return x, pe, self._masks(pos)
+
+    def _pre_experts(self, i: int, x: torch.Tensor, pe, masks):
+        """Layer i up to its router: returns (residual after attention, normed MLP input [T, H],
+        router scores, router indices)."""
+        layer = self.layers[i]
+        a = layer.input_layernorm(x)
+        a, _ = layer.self_attn(hidden_states=a, position_embeddings=pe, attention_mask=masks[self.layer_types[i]],
+                               **{self.cache_kw: self.kv})
+        x = x + a
+        m = layer.post_attention_layernorm(x)
+        flat = m.reshape(-1, m.shape[-1])
+        routed = layer.mlp.router(flat)
+        return x, flat, routed[-2], routed[-1]
+
+    def _experts(self, i: int, x, flat, scores, indices) -> torch.Tensor:
+        """Layer i's experts, eagerly. The runtime's layer-start hook runs first, explicitly; its
+        lookahead sees the residual stream after layer i's attention (the ordinary forward gives
+        it the stream entering the layer)."""
+        self.rt.prefetcher.on_layer_start(i, x)
+        return self.layers[i].mlp.experts(flat, indices, scores)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()  # [1, V]
+
+    # -- eager (prefill, CPU) ------------------------------------------------------------
+    def _forward_eager(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]
+        if self.length + T > self.max_len:
+            raise PdflashError(f"the sequence would reach {self.length + T} positions; this decoder holds {self.max_len}")
+        pos = torch.arange(self.length, self.length + T, device=self.device)
+        self.kv.positions = pos
+        self.rt.begin_forward(T)
+        x, pe, masks = self._embed(ids.to(self.device), pos)
+        for i in range(len(self.layers)):
+            x, flat, scores, indices = self._pre_experts(i, x, pe, masks)
+            x = x + self._experts(i, x, flat, scores, indices).view_as(x)
+        self.length += T
+        return self._head(x)
+
+    # -- graphed decode -------------------------------------------------------------------
+    def _capture(self) -> list:
+        """Capture the decode segments once (static inputs self.ids / self.pos)."""
+        n = len(self.layers)
+        H = self.model.config.hidden_size
+        e_in = [torch.zeros((1, H), dtype=self.dtype, device=self.device) for _ in range(n)]  # experts outputs
+        segs = []
+
+        def seg0():
+            self.kv.positions = self.pos
+            x, pe, masks = self._embed(self.ids, self.pos)
+            return (pe, masks) + self._pre_experts(0, x, pe, masks)
+
+        def make_mid(i, prev):
+            def seg():
+                pe, masks, x_prev = prev["pe"], prev["masks"], prev["x"]
+                x = x_prev + e_in[i - 1].view_as(x_prev)
+                return self._pre_experts(i, x, pe, masks)
+            return seg
+
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        outs: list[dict] = []
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for i in range(n + 1):
+                if i == 0:
+                    fn = seg0
+                elif i < n:
+                    fn = make_mid(i, outs[-1])
+                else:
+                    last = outs[-1]
+                    fn = (lambda last=last: self._head(last["x"] + e_in[n - 1].view_as(last["x"])))
+                fn()  # warm-up outside the graph (allocations, lazy inits)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    res = fn()
+                if i == 0:
+                    pe, masks, x, flat, scores, indices = res
+                    outs.append({"pe": pe, "masks": masks, "x": x, "flat": flat, "scores": scores, "indices": indices})
+                elif i < n:
+                    x, flat, scores, indices = res
+                    outs.append({"pe": outs[0]["pe"], "masks": outs[0]["masks"], "x": x, "flat": flat,
+                                 "scores": scores, "indices": indices})
+                else:
+                    outs.append({"logits": res})
+                segs.append(g)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return [segs, outs, e_in]
+
+    def _decode_graphed(self, token_id: int) -> torch.Tensor:
+        if self._step is None:
+            self._step = self._capture()
+        segs, outs, e_in = self._step
+        n = len(self.layers)
+        self.ids.fill_(int(token_id))
+        self.pos.fill_(self.length)
+        self.kv.positions = self.pos
+        self.rt.begin_forward(1)
+        for i in range(n):
+            segs[i].replay()
+            o = outs[i]
+            e_in[i].copy_(self._experts(i, o["x"], o["flat"], o["scores"], o["indices"]).view_as(e_in[i]))
+        segs[n].replay()
+        self.length += 1
+        return outs[n]["logits"].clone()
+
+    # -- public ----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Capture the decode graphs now (else on the first decode); a no-op without graphs."""
+        if self.graphs and self._step is None:
+            self._step = self._capture()
+
+    def prefill(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """Start a sequence: run the prompt, return the last position's logits [1, V] (float32)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+        self.length = 0
+        with torch.inference_mode():
+            return self._forward_eager(ids)
+
+    def decode(self, token_id: int) -> torch.Tensor:
+        """Feed one token; returns its next-token logits [1, V] (float32)."""
+        if self.length >= self.max_len:
+            raise PdflashError(f"the sequence reached {self.max_len} positions, the most this decoder holds")
+        with torch.inference_mode():
+            if self.graphs:
+                return self._decode_graphed(token_id)
+            return self._forward_eager(torch.tensor([[int(token_id)]]))
