@@ -175,6 +175,9 @@ class GraphedDecoder:
                 return self._pre_experts(i, x, pe, masks)
             return seg
 
+        # The scheduler's copy threads use CUDA too: let nothing be in flight during the capture,
+        # and make only this thread's calls capture errors ("thread_local").
+        self.rt.cache.drain()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -190,7 +193,7 @@ class GraphedDecoder:
                     fn = (lambda last=last: self._head(last["x"] + e_in[n - 1].view_as(last["x"])))
                 fn()  # warm-up outside the graph (allocations, lazy inits)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream):
+                with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     res = fn()
                 if i == 0:
                     pe, masks, x, flat, scores, indices = res
