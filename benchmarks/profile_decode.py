@@ -63,6 +63,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--name", default="resident")
+    ap.add_argument("--cuda-graphs", action="store_true", help="Decode through offload/graphs.py (non-expert parts replayed as CUDA graphs).")
     args = ap.parse_args()
     preset = ModelPreset.from_name(args.preset)
     ensure(args.checkpoint_dir, preset)
@@ -81,22 +82,31 @@ def main() -> int:
                 wall["experts"] += time.perf_counter() - t
 
         OffloadedExperts.forward = timed
-        kv = rt.new_kv_cache()
-        tok = int(prefill(rt, torch.arange(16)[None], kv).argmax(-1))
+        if args.cuda_graphs:
+            from pdflash.offload.graphs import GraphedDecoder
+
+            dec = GraphedDecoder(rt, max_len=16 + args.warmup + 2 * args.tokens + 1, graphs=True)
+            dec.prepare()
+            step = dec.decode
+            tok = int(dec.prefill(torch.arange(16)).argmax(-1))
+        else:
+            kv = rt.new_kv_cache()
+            step = lambda t: decode_one_token(rt, t, kv)  # noqa: E731
+            tok = int(prefill(rt, torch.arange(16)[None], kv).argmax(-1))
         for _ in range(args.warmup):
-            tok = int(decode_one_token(rt, tok, kv).argmax(-1))
+            tok = int(step(tok).argmax(-1))
         torch.cuda.synchronize()
         wall["experts"] = 0.0
         t0 = time.perf_counter()
         for _ in range(args.tokens):
-            tok = int(decode_one_token(rt, tok, kv).argmax(-1))
+            tok = int(step(tok).argmax(-1))
         plain = (time.perf_counter() - t0) / args.tokens
         experts_share = wall["experts"] / args.tokens
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.tokens):
-                tok = int(decode_one_token(rt, tok, kv).argmax(-1))
+                tok = int(step(tok).argmax(-1))
             torch.cuda.synchronize()
         ka = prof.key_averages()
         dev_attr = "self_device_time_total" if hasattr(next(iter(ka)), "self_device_time_total") else "self_cuda_time_total"

@@ -209,12 +209,14 @@ class GraphedDecoder:
         return [segs, outs, e_in]
 
     def _decode_graphed(self, token_id: int) -> torch.Tensor:
+        # Static inputs first: a capture's warm-up runs the segments eagerly and writes this
+        # position's keys / values, which the replay below then overwrites.
+        self.ids.fill_(int(token_id))
+        self.pos.fill_(self.length)
         if self._step is None:
             self._step = self._capture()
         segs, outs, e_in = self._step
         n = len(self.layers)
-        self.ids.fill_(int(token_id))
-        self.pos.fill_(self.length)
         self.kv.positions = self.pos
         self.rt.begin_forward(1)
         for i in range(n):
@@ -229,6 +231,7 @@ class GraphedDecoder:
     def prepare(self) -> None:
         """Capture the decode graphs now (else on the first decode); a no-op without graphs."""
         if self.graphs and self._step is None:
+            self.pos.fill_(min(self.length, self.max_len - 1))  # the warm-up writes only a position not yet used
             self._step = self._capture()
 
     def prefill(self, ids: list[int] | torch.Tensor) -> torch.Tensor:

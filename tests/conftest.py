@@ -7,7 +7,7 @@ import sys
 # Triton (when installed) runs kernels through its CPU interpreter in this suite. It decides
 # that when triton.language is first imported, so this comes before anything imports it.
 # pdflash itself uses Triton on the CPU only with PDFLASH_FUSED_EXPERTS=1 (tests/test_fused_experts.py).
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")  # TRITON_INTERPRET=0 on a GPU runs the compiled kernels
 
 import pytest
 import torch

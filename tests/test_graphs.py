@@ -60,3 +60,26 @@ def test_cli_refuses_cuda_graphs_where_they_cannot_run(run, ckpt):
     assert code == 2 and "--cuda-graphs needs --device cuda" in err
     code, _, err = run("generate", "hi", "--cuda-graphs", "--device", "cpu")  # embedded pair: speculative
     assert code == 2 and "--cuda-graphs applies to plain decoding" in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("prepare", [True, False], ids=["prepared", "captured-on-first-decode"])
+def test_cuda_graphs_replay_what_the_segments_compute(ckpt, prepare):
+    """On a GPU: graphed decoding gives the tokens and (within rounding) the logits of the same
+    segments run eagerly, at the minimum cache with lookahead prefetch."""
+    with OffloadedModel.load(ckpt, device="cuda", expert_cache_experts=TINY.num_experts_per_tok, lookahead_depth=1) as rt:
+        def run(graphs):
+            rt.reset_cache()
+            dec = GraphedDecoder(rt, max_len=40, graphs=graphs)
+            if prepare:
+                dec.prepare()
+            logits = [dec.prefill(PROMPT)]
+            for _ in range(16):
+                logits.append(dec.decode(int(logits[-1].argmax())))
+            return torch.cat(logits), rt.stats()["cache"]
+
+        want, want_cache = run(False)
+        got, got_cache = run(True)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        assert got_cache["hits"] + got_cache["misses"] == want_cache["hits"] + want_cache["misses"]
