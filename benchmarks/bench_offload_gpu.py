@@ -45,6 +45,7 @@ from pdflash.offload.runtime import OffloadedModel
 from pdflash.offload.synthetic import write_checkpoint
 
 DEVICE = "cuda"
+TF_RUN = "transformers-resident-bf16"  # the reference run's name ("-float32" with --dtype float32)
 
 
 def sync() -> None:
@@ -198,7 +199,7 @@ def pdflash_decode(rt, ids, warmup, tokens, graphs: bool = False) -> dict:
 # -- runs ------------------------------------------------------------------------------------------
 def run_resident(ckpt: Path, ids, args, result: dict) -> None:
     t0 = time.perf_counter()
-    with OffloadedModel.load(ckpt, device=DEVICE, link_gbps=args.link_gbps) as rt:
+    with OffloadedModel.load(ckpt, device=DEVICE, link_gbps=args.link_gbps, dtype=args.dtype) as rt:
         result["resident_load_seconds"] = time.perf_counter() - t0
         expert_bytes = rt.cache.slot_bytes
         result["expert_bytes"] = expert_bytes
@@ -230,7 +231,7 @@ def run_offload(ckpt: Path, ids, args, result: dict) -> None:
     slots = max(args.preset.num_experts_per_tok, round(args.cache_fraction * total))
     t0 = time.perf_counter()
     with OffloadedModel.load(ckpt, device=DEVICE, expert_cache_experts=slots, eviction=args.eviction,
-                             link_gbps=args.link_gbps) as rt:
+                             link_gbps=args.link_gbps, dtype=args.dtype) as rt:
         result["offload_load_seconds"] = time.perf_counter() - t0
         for depth, graphs in [(d, g) for d in args.lookahead for g in ((False, True) if args.cuda_graphs else (False,))]:
             rt.reset_cache()  # cold cache, zero statistics; not terminal
@@ -251,7 +252,7 @@ def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
 
     t0 = time.perf_counter()
     model = GptOssForCausalLM.from_pretrained(
-        ckpt, dtype=torch.bfloat16, device_map=DEVICE, quantization_config=Mxfp4Config(dequantize=True)
+        ckpt, dtype=getattr(torch, args.dtype or "bfloat16"), device_map=DEVICE, quantization_config=Mxfp4Config(dequantize=True)
     )
     model.eval()
     load_s = time.perf_counter() - t0
@@ -270,14 +271,14 @@ def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
 
     r = decode_run(lambda p: step(p), lambda t: step([t]), ids, args.warmup, args.tokens)
     r.pop("before"), r.pop("after")
-    r.update(name="transformers-resident-bf16", load_seconds=load_s, **info)
+    r.update(name=TF_RUN, load_seconds=load_s, **info)
     result["runs"].append(r)
     log(f"transformers: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token ({info})")
 
 
 def summarise(result: dict) -> dict:
     runs = {r["name"]: r for r in result["runs"]}
-    tf = runs.get("transformers-resident-bf16")
+    tf = runs.get(TF_RUN)
     bw = result.get("link", {}).get("bound_gbps")
     summary = {}
     for name, r in runs.items():
@@ -315,12 +316,16 @@ def main() -> int:
     ap.add_argument("--eviction", default="lru", help="Eviction policy of the offloaded runs.")
     ap.add_argument("--skip-transformers", action="store_true", help="Do not run the transformers reference.")
     ap.add_argument("--cuda-graphs", action="store_true", help="Also run every pdflash configuration with CUDA graphs (offload/graphs.py).")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="Compute dtype of every run (default: the checkpoint's, bf16). float32 removes bf16 rounding "
+                         "differences, so greedy tokens can be compared across implementations.")
     ap.add_argument("--preset", default="gpt-oss-20b", help="Synthetic model shape (tiny: a quick CPU check of this script).")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a check of this script).")
     ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link speed in GB/s.")
     args = ap.parse_args()
-    global DEVICE
+    global DEVICE, TF_RUN
     DEVICE = args.device
+    TF_RUN = "transformers-resident-" + {"float32": "float32"}.get(args.dtype, "bf16")
     args.preset = ModelPreset.from_name(args.preset)
     if DEVICE.startswith("cuda") and not torch.cuda.is_available():
         print("Error: this benchmark needs a CUDA GPU (or --device cpu --preset tiny to check the script)", file=sys.stderr)
