@@ -12,7 +12,13 @@ Runs, all in one process, greedy batch-1 decoding of the same prompt:
 3. offload-N%: pdflash with a cache of N % of the experts (default 25 %), without prefetch and
                with lookahead prefetch, from a cold cache (``reset_cache``) each;
 4. transformers: GptOssForCausalLM.from_pretrained on the same checkpoint, experts dequantized
-               to bf16 by transformers itself (Mxfp4Config(dequantize=True)), fully on the GPU.
+               to bf16 by transformers itself (Mxfp4Config(dequantize=True)), fully on the GPU
+               (with ``--dtype float32`` every bf16 tensor is then cast to float32: an all-float32
+               reference, since the dequantized values are exact in both dtypes).
+
+Greedy tokens are compared as the equal prefix; where two runs part, the top-1 minus top-2
+logit margin of both at that step is recorded (random weights give near-ties that any change
+of summation order flips).
 
 For each pdflash run, over the measured decode tokens (after a warm-up): tokens/s, time per
 token, exposed fetch per token (time blocked in the scheduler's wait, by band), bytes moved per
@@ -124,28 +130,37 @@ def prompt_ids(vocab_limit: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab_limit, (n,), generator=g).tolist()
 
 
+def _pick(logits) -> tuple[int, float]:
+    """Greedy token and its margin over the runner-up logit (one device-to-host copy)."""
+    v, i = logits.reshape(-1).float().topk(2)
+    a, b, tok = torch.cat([v, i.float()])[:3].tolist()
+    return int(tok), a - b
+
+
 def decode_run(step_prefill, step_decode, ids: list[int], warmup: int, tokens: int, snapshot=None) -> dict:
-    """Prefill, ``warmup`` tokens, then ``tokens`` measured tokens; stats snapshots around the window."""
+    """Prefill, ``warmup`` tokens, then ``tokens`` measured tokens; stats snapshots around the window.
+
+    Every step records the greedy token and its top-1 minus top-2 logit margin, so a divergence
+    between two runs can be told apart from rounding: a near-tie flips under any change of order."""
     sync()
     t0 = time.perf_counter()
-    logits = step_prefill(ids)
-    tok = int(logits.argmax(-1).item())
+    tok, m = _pick(step_prefill(ids))
     ttft = time.perf_counter() - t0
-    out = [tok]
+    out, margins = [tok], [m]
     for _ in range(warmup):
-        tok = int(step_decode(tok).argmax(-1).item())
-        out.append(tok)
+        tok, m = _pick(step_decode(tok))
+        out.append(tok), margins.append(m)
     before = snapshot() if snapshot else None
     sync()
     t1 = time.perf_counter()
     for _ in range(tokens):
-        tok = int(step_decode(tok).argmax(-1).item())
-        out.append(tok)
+        tok, m = _pick(step_decode(tok))
+        out.append(tok), margins.append(m)
     sync()
     dt = time.perf_counter() - t1
     after = snapshot() if snapshot else None
     return {"ttft_ms": ttft * 1e3, "seconds": dt, "tokens": tokens, "tpot_ms": dt / tokens * 1e3,
-            "tokens_per_second": tokens / dt, "token_ids": out, "before": before, "after": after}
+            "tokens_per_second": tokens / dt, "token_ids": out, "margins": margins, "before": before, "after": after}
 
 
 def pdflash_snapshot(rt):
@@ -229,22 +244,25 @@ def run_resident(ckpt: Path, ids, args, result: dict) -> None:
 def run_offload(ckpt: Path, ids, args, result: dict) -> None:
     total = args.preset.num_hidden_layers * args.preset.num_local_experts
     slots = max(args.preset.num_experts_per_tok, round(args.cache_fraction * total))
-    t0 = time.perf_counter()
-    with OffloadedModel.load(ckpt, device=DEVICE, expert_cache_experts=slots, eviction=args.eviction,
-                             link_gbps=args.link_gbps, dtype=args.dtype) as rt:
-        result["offload_load_seconds"] = time.perf_counter() - t0
-        for depth, graphs in [(d, g) for d in args.lookahead for g in ((False, True) if args.cuda_graphs else (False,))]:
-            rt.reset_cache()  # cold cache, zero statistics; not terminal
-            rt.prefetcher.lookahead_depth = depth
-            r = pdflash_decode(rt, ids, args.warmup, args.tokens, graphs)
-            name = (f"pdflash-offload-{round(args.cache_fraction * 100)}pct" + (f"-lookahead{depth}" if depth else "")
-                    + ("-graphs" if graphs else ""))
-            r.update(name=name, cache_slots=slots, cache_fraction=slots / total, lookahead_depth=depth,
-                     eviction=args.eviction)
-            result["runs"].append(r)
-            log(f"{name}: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token, exposed "
-                f"{r['exposed_fetch_ms_per_token']:.2f} ms/token, {r['bytes_per_token'] / 1e6:.0f} MB/token, "
-                f"hit rate {r['hit_rate']:.2f}")
+    copy_configs = [(c, w) for c in args.chunk_mib for w in args.workers]
+    for chunk_mib, workers in copy_configs:  # one load per copy configuration (the scheduler is built at load)
+        t0 = time.perf_counter()
+        with OffloadedModel.load(ckpt, device=DEVICE, expert_cache_experts=slots, eviction=args.eviction,
+                                 link_gbps=args.link_gbps, dtype=args.dtype, chunk_mib=chunk_mib, workers=workers) as rt:
+            result["offload_load_seconds"] = time.perf_counter() - t0
+            for depth, graphs in [(d, g) for d in args.lookahead for g in ((False, True) if args.cuda_graphs else (False,))]:
+                rt.reset_cache()  # cold cache, zero statistics; not terminal
+                rt.prefetcher.lookahead_depth = depth
+                r = pdflash_decode(rt, ids, args.warmup, args.tokens, graphs)
+                name = (f"pdflash-offload-{round(args.cache_fraction * 100)}pct" + (f"-lookahead{depth}" if depth else "")
+                        + (f"-chunk{chunk_mib:g}m-w{workers}" if len(copy_configs) > 1 else "")
+                        + ("-graphs" if graphs else ""))
+                r.update(name=name, cache_slots=slots, cache_fraction=slots / total, lookahead_depth=depth,
+                         eviction=args.eviction, chunk_mib=chunk_mib, workers=workers)
+                result["runs"].append(r)
+                log(f"{name}: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token, exposed "
+                    f"{r['exposed_fetch_ms_per_token']:.2f} ms/token, {r['bytes_per_token'] / 1e6:.0f} MB/token, "
+                    f"hit rate {r['hit_rate']:.2f}, link busy {r['link_busy_share']:.2f}")
 
 
 def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
@@ -255,6 +273,10 @@ def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
         ckpt, dtype=getattr(torch, args.dtype or "bfloat16"), device_map=DEVICE, quantization_config=Mxfp4Config(dequantize=True)
     )
     model.eval()
+    want = getattr(torch, args.dtype or "bfloat16")
+    for t in list(model.parameters()) + list(model.buffers()):  # dequantize=True leaves experts in bf16
+        if t.is_floating_point() and t.dtype != want and t.dtype != torch.float32:
+            t.data = t.data.to(want)
     load_s = time.perf_counter() - t0
     import inspect
 
@@ -276,6 +298,20 @@ def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
     log(f"transformers: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token ({info})")
 
 
+def agreement(run: dict, ref: dict, ref_name: str) -> dict:
+    """Greedy tokens of ``run`` against ``ref``: the equal prefix and, where they part, both margins there.
+
+    After the first difference the two continue from different tokens, so only the prefix counts."""
+    a, b = run["token_ids"], ref["token_ids"]
+    n = min(len(a), len(b))
+    first = next((i for i in range(n) if a[i] != b[i]), None)
+    out = {f"greedy_prefix_equal_to_{ref_name}": f"{n if first is None else first}/{n}"}
+    if first is not None and "margins" in run and "margins" in ref:
+        out[f"{ref_name}_margin_at_divergence"] = ref["margins"][first]
+        out[f"margin_at_divergence_vs_{ref_name}"] = run["margins"][first]
+    return out
+
+
 def summarise(result: dict) -> dict:
     runs = {r["name"]: r for r in result["runs"]}
     tf = runs.get(TF_RUN)
@@ -293,12 +329,10 @@ def summarise(result: dict) -> dict:
             s["speedup_vs_transformers"] = r["tokens_per_second"] / tf["tokens_per_second"]
             s["beats_transformers"] = r["tokens_per_second"] > tf["tokens_per_second"]
         if tf and name != tf["name"]:
-            same = sum(a == b for a, b in zip(r["token_ids"], tf["token_ids"]))
-            s["greedy_tokens_equal_to_transformers"] = f"{same}/{min(len(r['token_ids']), len(tf['token_ids']))}"
+            s.update(agreement(r, tf, "transformers"))
         base = runs.get("pdflash-resident")
         if base and name.startswith("pdflash") and name != base["name"]:
-            same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
-            s["greedy_tokens_equal_to_pdflash_resident"] = f"{same}/{min(len(r['token_ids']), len(base['token_ids']))}"
+            s.update(agreement(r, base, "pdflash_resident"))
         summary[name] = s
     return summary
 
@@ -314,6 +348,9 @@ def main() -> int:
     ap.add_argument("--cache-fraction", type=float, default=0.25, help="Share of all experts the offload cache holds.")
     ap.add_argument("--lookahead", type=int, nargs="+", default=[0, 1], help="Lookahead depths to run offloaded (0: no prefetch).")
     ap.add_argument("--eviction", default="lru", help="Eviction policy of the offloaded runs.")
+    ap.add_argument("--chunk-mib", type=float, nargs="+", default=[4.0],
+                    help="Scheduler chunk size(s) of the offloaded runs; several values sweep (one load each).")
+    ap.add_argument("--workers", type=int, nargs="+", default=[2], help="Scheduler copy thread count(s) of the offloaded runs.")
     ap.add_argument("--skip-transformers", action="store_true", help="Do not run the transformers reference.")
     ap.add_argument("--cuda-graphs", action="store_true", help="Also run every pdflash configuration with CUDA graphs (offload/graphs.py).")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,

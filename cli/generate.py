@@ -209,7 +209,7 @@ def generate(
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "previous",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
-    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs", help="Without a draft, on CUDA: replay each layer's non-expert part as a CUDA graph.")] = False,
+    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph (plain decoding on CUDA; default: on there, off elsewhere).", show_default=False)] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
 
@@ -233,6 +233,8 @@ def generate(
         raise PdflashError("--draft and --no-draft contradict each other; give one", exit_code=2)
     if no_draft:
         draft = None
+    if cuda_graphs is None and draft is not None:
+        cuda_graphs = False  # speculative decoding verifies blocks eagerly; otherwise decided once the device is known
     if cuda_graphs and draft is not None:
         raise PdflashError("--cuda-graphs applies to plain decoding: add --no-draft (or drop --draft)", exit_code=2)
     if cuda_graphs and device not in ("cuda", "auto") and not str(device).startswith("cuda:"):
@@ -255,6 +257,8 @@ def generate(
     with OffloadedModel.load(model, **opts) as rt:
         load_s = time.perf_counter() - t0
         ids = _encode(rt, text, chat)
+        if cuda_graphs is None:
+            cuda_graphs = rt.device.type == "cuda"
         rate: dict[str, Any] = {"n": 0, "tps": None}
 
         def on_step(step) -> None:

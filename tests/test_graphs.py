@@ -83,3 +83,29 @@ def test_cuda_graphs_replay_what_the_segments_compute(ckpt, prepare):
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         assert got_cache["hits"] + got_cache["misses"] == want_cache["hits"] + want_cache["misses"]
+
+
+def test_cli_graphs_default_off_where_they_do_not_apply(run, ckpt):
+    import json
+
+    code, out, err = run("generate", "hi", "--model", str(ckpt), "--device", "cpu", "--no-draft", "--json",
+                         "--max-new-tokens", "3")
+    assert code == 0, err
+    assert json.loads(out)["cuda_graphs"] is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cli_graphs_on_by_default_on_cuda_with_the_same_tokens(run, ckpt):
+    """`generate` on CUDA replays graphs unless told not to; greedy tokens equal the eager run."""
+    import json
+
+    args = ("generate", "hi there", "--model", str(ckpt), "--device", "cuda", "--no-draft", "--json",
+            "--max-new-tokens", "12", "--expert-cache-experts", str(TINY.num_experts_per_tok), "--lookahead-depth", "1")
+    code, out, err = run(*args)
+    assert code == 0, err
+    graphed = json.loads(out)
+    code, out, err = run(*args, "--no-cuda-graphs")
+    assert code == 0, err
+    eager = json.loads(out)
+    assert graphed["cuda_graphs"] is True and eager["cuda_graphs"] is False
+    assert graphed["token_ids"] == eager["token_ids"]
