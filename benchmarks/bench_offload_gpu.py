@@ -132,8 +132,8 @@ def prompt_ids(vocab_limit: int, n: int, seed: int) -> list[int]:
 
 def _pick(logits) -> tuple[int, float]:
     """Greedy token and its margin over the runner-up logit (one device-to-host copy)."""
-    v, i = logits.reshape(-1).float().topk(2)
-    a, b, tok = torch.cat([v, i.float()])[:3].tolist()
+    flat = logits.reshape(-1).float()
+    a, b, tok = torch.cat([flat.topk(2).values, flat.argmax().float()[None]]).tolist()  # argmax: lowest id on a tie
     return int(tok), a - b
 
 
