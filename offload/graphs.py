@@ -18,7 +18,8 @@ The modules are transformers' own (GptOssRMSNorm, GptOssAttention with its eager
 sinks, GptOssTopKRouter); this file only orders their calls as GptOssModel.forward and
 GptOssDecoderLayer.forward do, with a static KV cache: every layer keeps all positions up to
 ``max_len`` and an additive mask hides future positions (and, on sliding layers, those outside
-the window), so shapes never change between steps.
+the window), so shapes never change between graphed steps. Eager forwards (prefill) attend only
+to the positions written so far.
 
 Module hooks do not run inside replayed graphs, so the runtime's layer hooks (prefetcher, cache
 bookkeeping) are called explicitly, in the same order.
@@ -37,7 +38,9 @@ from pdflash import PdflashError
 class StaticKV:
     """Key / value buffers of every layer, [1, kv_heads, max_len, head_dim], zero-initialised
     (masked positions must hold finite values). ``update`` is what GptOssAttention calls: it writes
-    the new keys / values at ``self.positions`` and returns the whole buffers."""
+    the new keys / values at ``self.positions`` and returns the first ``self.visible`` positions
+    (the whole buffers when None: graphed steps need fixed shapes; eager forwards attend only to
+    the positions written so far, so a prefill costs what it costs without a static cache)."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype, device):
         shape = (1, kv_heads, max_len, head_dim)
@@ -45,11 +48,15 @@ class StaticKV:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
         self.positions = torch.zeros(1, dtype=torch.long, device=device)  # set before each forward
+        self.visible: int | None = None  # set before each forward
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.k[layer_idx].index_copy_(2, self.positions, key)
         self.v[layer_idx].index_copy_(2, self.positions, value)
-        return self.k[layer_idx], self.v[layer_idx]
+        n = self.visible
+        if n is None:
+            return self.k[layer_idx], self.v[layer_idx]
+        return self.k[layer_idx][:, :, :n], self.v[layer_idx][:, :, :n]
 
 
 def _cache_kw(attn: nn.Module) -> str:
@@ -98,10 +105,10 @@ class GraphedDecoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
 
     # -- segments ---------------------------------------------------------------------
-    def _masks(self, pos: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Additive masks [1, 1, T, max_len] for query positions ``pos`` [T]."""
+    def _masks(self, pos: torch.Tensor, n_keys: int | None = None) -> dict[str, torch.Tensor]:
+        """Additive masks [1, 1, T, n_keys] (default max_len) for query positions ``pos`` [T]."""
         q = pos[:, None]
-        k = self.key_pos[None, :]
+        k = self.key_pos[None, : self.max_len if n_keys is None else n_keys]
         full = k <= q
         neg = torch.finfo(self.dtype).min
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -112,10 +119,10 @@ class GraphedDecoder:
             out["sliding_attention"] = torch.where(sliding, zero, low)[None, None]
         return out
 
-    def _embed(self, ids: torch.Tensor, pos: torch.Tensor):
+    def _embed(self, ids: torch.Tensor, pos: torch.Tensor, n_keys: int | None = None):
         x = self.model.model.embed_tokens(ids)  # [1, T, H]
         pe = (self.cos.index_select(1, pos), self.sin.index_select(1, pos))
-        return x, pe, self._masks(pos)
+        return x, pe, self._masks(pos, n_keys)
 
     def _pre_experts(self, i: int, x: torch.Tensor, pe, masks):
         """Layer i up to its router: returns (residual after attention, normed MLP input [T, H],
@@ -147,8 +154,9 @@ class GraphedDecoder:
             raise PdflashError(f"the sequence would reach {self.length + T} positions; this decoder holds {self.max_len}")
         pos = torch.arange(self.length, self.length + T, device=self.device)
         self.kv.positions = pos
+        self.kv.visible = self.length + T  # only the positions written so far
         self.rt.begin_forward(T)
-        x, pe, masks = self._embed(ids.to(self.device), pos)
+        x, pe, masks = self._embed(ids.to(self.device), pos, self.length + T)
         for i in range(len(self.layers)):
             x, flat, scores, indices = self._pre_experts(i, x, pe, masks)
             x = x + self._experts(i, x, flat, scores, indices).view_as(x)
@@ -165,6 +173,7 @@ class GraphedDecoder:
 
         def seg0():
             self.kv.positions = self.pos
+            self.kv.visible = None
             x, pe, masks = self._embed(self.ids, self.pos)
             return (pe, masks) + self._pre_experts(0, x, pe, masks)
 
@@ -218,6 +227,7 @@ class GraphedDecoder:
         segs, outs, e_in = self._step
         n = len(self.layers)
         self.kv.positions = self.pos
+        self.kv.visible = None
         self.rt.begin_forward(1)
         for i in range(n):
             segs[i].replay()

@@ -109,3 +109,27 @@ def test_cli_graphs_on_by_default_on_cuda_with_the_same_tokens(run, ckpt):
     eager = json.loads(out)
     assert graphed["cuda_graphs"] is True and eager["cuda_graphs"] is False
     assert graphed["token_ids"] == eager["token_ids"]
+
+
+def test_eager_forwards_attend_only_to_written_positions(ckpt):
+    """A long max_len costs a prefill nothing: attention sees the positions written so far, and the
+    logits do not depend on max_len."""
+    with OffloadedModel.load(ckpt) as rt:
+        short = GraphedDecoder(rt, max_len=len(PROMPT) + 2, graphs=False)
+        want = short.prefill(PROMPT)
+        long = GraphedDecoder(rt, max_len=4096, graphs=False)
+        seen = []
+        update = long.kv.update
+
+        def spy(key, value, layer_idx, *a, **kw):
+            k, v = update(key, value, layer_idx, *a, **kw)
+            seen.append(k.shape[2])
+            return k, v
+
+        long.kv.update = spy
+        got = long.prefill(PROMPT)
+        assert set(seen) == {len(PROMPT)}
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        seen.clear()
+        long.decode(int(got.argmax()))
+        assert set(seen) == {len(PROMPT) + 1}
