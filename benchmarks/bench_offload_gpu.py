@@ -187,7 +187,7 @@ def pdflash_decode(rt, ids, warmup, tokens, graphs: bool = False) -> dict:
         from pdflash.offload.graphs import GraphedDecoder
 
         dec = GraphedDecoder(rt, max_len=len(ids) + warmup + tokens + 1, graphs=True)
-        dec.prepare()
+        dec.prepare(len(ids))
         step_prefill, step_decode = dec.prefill, dec.decode
     else:
         kv = rt.new_kv_cache()

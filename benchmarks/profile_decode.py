@@ -64,6 +64,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--name", default="resident")
     ap.add_argument("--cuda-graphs", action="store_true", help="Decode through offload/graphs.py (non-expert parts replayed as CUDA graphs).")
+    ap.add_argument("--max-len", type=int, default=None, help="With --cuda-graphs: the decoder's KV length (default: just what the run needs).")
+    ap.add_argument("--min-bucket", type=int, default=None, help="With --cuda-graphs: smallest key-length bucket (default GraphedDecoder.MIN_BUCKET; "
+                    "--min-bucket equal to --max-len attends over the whole cache every step).")
     args = ap.parse_args()
     preset = ModelPreset.from_name(args.preset)
     ensure(args.checkpoint_dir, preset)
@@ -85,8 +88,9 @@ def main() -> int:
         if args.cuda_graphs:
             from pdflash.offload.graphs import GraphedDecoder
 
-            dec = GraphedDecoder(rt, max_len=16 + args.warmup + 2 * args.tokens + 1, graphs=True)
-            dec.prepare()
+            need = 16 + args.warmup + 2 * args.tokens + 1
+            dec = GraphedDecoder(rt, max_len=max(need, args.max_len or 0), graphs=True, min_bucket=args.min_bucket)
+            dec.prepare(16)
             step = dec.decode
             tok = int(dec.prefill(torch.arange(16)).argmax(-1))
         else:
@@ -115,6 +119,8 @@ def main() -> int:
         device_us = sum(getattr(e, dev_attr) for e in ka)
         result = {
             "name": args.name, "cache_fraction": args.cache_fraction,
+            "max_len": dec.max_len if args.cuda_graphs else None, "min_bucket": dec.min_bucket if args.cuda_graphs else None,
+            "buckets_captured": sorted(dec._steps) if args.cuda_graphs else None,
             "ms_per_token": plain * 1e3,
             "experts_cpu_wall_ms_per_token": experts_share * 1e3,
             "device_busy_ms_per_token": device_us / 1e3 / args.tokens,

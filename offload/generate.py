@@ -106,7 +106,7 @@ def generate(
         if dev.type != "cuda":
             raise PdflashError("--cuda-graphs needs --device cuda")
         dec = GraphedDecoder(rt, max_len=int(ids.shape[1]) + max_new_tokens, graphs=True)
-        dec.prepare()
+        dec.prepare(int(ids.shape[1]))  # the bucket of the first decode step
         step_prefill, step_decode = dec.prefill, dec.decode
     else:
         kv = rt.new_kv_cache()

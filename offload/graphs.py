@@ -18,8 +18,11 @@ The modules are transformers' own (GptOssRMSNorm, GptOssAttention with its eager
 sinks, GptOssTopKRouter); this file only orders their calls as GptOssModel.forward and
 GptOssDecoderLayer.forward do, with a static KV cache: every layer keeps all positions up to
 ``max_len`` and an additive mask hides future positions (and, on sliding layers, those outside
-the window), so shapes never change between graphed steps. Eager forwards (prefill) attend only
-to the positions written so far.
+the window). A graphed step attends to the first B positions, B the smallest of min_bucket,
+2 min_bucket, 4 min_bucket, ... (capped at ``max_len``) that holds the step's position: shapes are
+fixed within a bucket, one set of graphs is captured per bucket reached, and a short sequence in a
+decoder sized for a long one does not pay for the whole cache every step. Eager forwards
+(prefill) attend only to the positions written so far.
 
 Module hooks do not run inside replayed graphs, so the runtime's layer hooks (prefetcher, cache
 bookkeeping) are called explicitly, in the same order.
@@ -70,11 +73,14 @@ def _cache_kw(attn: nn.Module) -> str:
 class GraphedDecoder:
     """Prefill and batch-1 decode of an OffloadedModel through segment functions (see above).
 
-    ``graphs`` (default: on CUDA) captures the decode segments as CUDA graphs on first use.
-    One instance holds one KV cache: ``prefill`` starts a sequence, ``decode`` continues it.
+    ``graphs`` (default: on CUDA) captures the decode segments as CUDA graphs on first use, once
+    per key-length bucket (``min_bucket`` doubling up to ``max_len``). One instance holds one KV
+    cache: ``prefill`` starts a sequence, ``decode`` continues it.
     """
 
-    def __init__(self, rt, max_len: int, graphs: bool | None = None):
+    MIN_BUCKET = 256
+
+    def __init__(self, rt, max_len: int, graphs: bool | None = None, min_bucket: int | None = None):
         model = rt.model
         cfg = model.config
         self.rt = rt
@@ -85,6 +91,7 @@ class GraphedDecoder:
         self.device = rt.device
         self.dtype = rt.dtype
         self.max_len = int(max_len)
+        self.min_bucket = max(1, int(min_bucket or self.MIN_BUCKET))
         hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.kv = StaticKV(len(self.layers), int(cfg.num_key_value_heads), hd, self.max_len, self.dtype, self.device)
         self.cache_kw = _cache_kw(self.layers[0].self_attn)
@@ -99,7 +106,7 @@ class GraphedDecoder:
         self.cos, self.sin = cos, sin
         self.key_pos = torch.arange(self.max_len, device=dev)  # [max_len]
         self.length = 0  # positions written so far
-        self._step: list | None = None  # captured graphs and their static tensors
+        self._steps: dict[int, list] = {}  # key-length bucket -> captured graphs and their static tensors
         # decode-step static inputs
         self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -164,8 +171,15 @@ class GraphedDecoder:
         return self._head(x)
 
     # -- graphed decode -------------------------------------------------------------------
-    def _capture(self) -> list:
-        """Capture the decode segments once (static inputs self.ids / self.pos)."""
+    def bucket(self, n: int) -> int:
+        """Key length a graphed step at ``n`` positions (its own included) attends to."""
+        b = self.min_bucket
+        while b < n:
+            b *= 2
+        return min(b, self.max_len)
+
+    def _capture(self, bucket: int) -> list:
+        """Capture the decode segments for one key-length bucket (static inputs self.ids / self.pos)."""
         n = len(self.layers)
         H = self.model.config.hidden_size
         e_in = [torch.zeros((1, H), dtype=self.dtype, device=self.device) for _ in range(n)]  # experts outputs
@@ -173,8 +187,8 @@ class GraphedDecoder:
 
         def seg0():
             self.kv.positions = self.pos
-            self.kv.visible = None
-            x, pe, masks = self._embed(self.ids, self.pos)
+            self.kv.visible = bucket
+            x, pe, masks = self._embed(self.ids, self.pos, bucket)
             return (pe, masks) + self._pre_experts(0, x, pe, masks)
 
         def make_mid(i, prev):
@@ -222,12 +236,13 @@ class GraphedDecoder:
         # position's keys / values, which the replay below then overwrites.
         self.ids.fill_(int(token_id))
         self.pos.fill_(self.length)
-        if self._step is None:
-            self._step = self._capture()
-        segs, outs, e_in = self._step
+        bucket = self.bucket(self.length + 1)
+        if bucket not in self._steps:
+            self._steps[bucket] = self._capture(bucket)
+        segs, outs, e_in = self._steps[bucket]
         n = len(self.layers)
         self.kv.positions = self.pos
-        self.kv.visible = None
+        self.kv.visible = bucket
         self.rt.begin_forward(1)
         for i in range(n):
             segs[i].replay()
@@ -238,11 +253,16 @@ class GraphedDecoder:
         return outs[n]["logits"].clone()
 
     # -- public ----------------------------------------------------------------------------
-    def prepare(self) -> None:
-        """Capture the decode graphs now (else on the first decode); a no-op without graphs."""
-        if self.graphs and self._step is None:
-            self.pos.fill_(min(self.length, self.max_len - 1))  # the warm-up writes only a position not yet used
-            self._step = self._capture()
+    def prepare(self, length: int | None = None) -> None:
+        """Capture now (else on first use) the graphs of the bucket that decoding at ``length``
+        positions (default: the current length) uses; a no-op without graphs."""
+        if not self.graphs:
+            return
+        at = min(self.length if length is None else int(length), self.max_len - 1)
+        bucket = self.bucket(at + 1)
+        if bucket not in self._steps:
+            self.pos.fill_(max(at, self.length))  # the warm-up writes only a position not yet used
+            self._steps[bucket] = self._capture(bucket)
 
     def prefill(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Start a sequence: run the prompt, return the last position's logits [1, V] (float32)."""

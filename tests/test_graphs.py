@@ -62,24 +62,33 @@ def test_cli_refuses_cuda_graphs_where_they_cannot_run(run, ckpt):
     assert code == 2 and "--cuda-graphs applies to plain decoding" in err
 
 
+def test_key_length_buckets():
+    dec = GraphedDecoder.__new__(GraphedDecoder)  # bucket() needs only the two sizes
+    dec.min_bucket, dec.max_len = 8, 40
+    assert [dec.bucket(n) for n in (1, 8, 9, 16, 17, 32, 33, 40)] == [8, 8, 16, 16, 32, 32, 40, 40]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("prepare", [True, False], ids=["prepared", "captured-on-first-decode"])
-def test_cuda_graphs_replay_what_the_segments_compute(ckpt, prepare):
+@pytest.mark.parametrize("min_bucket", [8, None], ids=["buckets-16-32-40", "one-bucket"])
+def test_cuda_graphs_replay_what_the_segments_compute(ckpt, prepare, min_bucket):
     """On a GPU: graphed decoding gives the tokens and (within rounding) the logits of the same
-    segments run eagerly, at the minimum cache with lookahead prefetch."""
+    segments run eagerly, at the minimum cache with lookahead prefetch, also across key-length
+    buckets (prompt 12 + 24 decode steps use buckets 16, 32 and 40)."""
     with OffloadedModel.load(ckpt, device="cuda", expert_cache_experts=TINY.num_experts_per_tok, lookahead_depth=1) as rt:
         def run(graphs):
             rt.reset_cache()
-            dec = GraphedDecoder(rt, max_len=40, graphs=graphs)
+            dec = GraphedDecoder(rt, max_len=40, graphs=graphs, min_bucket=min_bucket)
             if prepare:
-                dec.prepare()
+                dec.prepare(len(PROMPT))
             logits = [dec.prefill(PROMPT)]
-            for _ in range(16):
+            for _ in range(24):  # positions 12..35: keys 13..36
                 logits.append(dec.decode(int(logits[-1].argmax())))
-            return torch.cat(logits), rt.stats()["cache"]
+            return torch.cat(logits), rt.stats()["cache"], sorted(dec._steps)
 
-        want, want_cache = run(False)
-        got, got_cache = run(True)
+        want, want_cache, _ = run(False)
+        got, got_cache, buckets = run(True)
+        assert buckets == ([16, 32, 40] if min_bucket == 8 else [40])
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         assert got_cache["hits"] + got_cache["misses"] == want_cache["hits"] + want_cache["misses"]
