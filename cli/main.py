@@ -50,6 +50,13 @@ def main() -> None:
     except KeyboardInterrupt:
         print("Interrupted.", file=sys.stderr)
         sys.exit(130)
+    except Exception as exc:  # torch.OutOfMemoryError, without importing torch here
+        if type(exc).__name__ != "OutOfMemoryError" or os.environ.get("PDFLASH_DEBUG") == "1":
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+        print(f"Error: the device ran out of memory ({first}); give a smaller --expert-cache-mib or "
+              "--max-new-tokens, or free the device", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,12 @@ class GraphedDecoder:
         self.max_len = int(max_len)
         self.min_bucket = max(1, int(min_bucket or self.MIN_BUCKET))
         hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.kv = StaticKV(len(self.layers), int(cfg.num_key_value_heads), hd, self.max_len, self.dtype, self.device)
+        try:
+            self.kv = StaticKV(len(self.layers), int(cfg.num_key_value_heads), hd, self.max_len, self.dtype, self.device)
+        except torch.OutOfMemoryError:
+            gib = 2 * len(self.layers) * int(cfg.num_key_value_heads) * hd * self.max_len * self.dtype.itemsize / 2**30
+            raise PdflashError(f"a static KV cache of {self.max_len} positions ({gib:.1f} GiB) does not fit on the device: "
+                               "lower --max-new-tokens, or decode with --no-cuda-graphs (a cache that grows)") from None
         self.cache_kw = _cache_kw(self.layers[0].self_attn)
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         if self.graphs and self.device.type != "cuda":

@@ -142,3 +142,30 @@ def test_eager_forwards_attend_only_to_written_positions(ckpt):
         seen.clear()
         long.decode(int(got.argmax()))
         assert set(seen) == {len(PROMPT) + 1}
+
+
+def test_a_static_cache_that_does_not_fit_is_a_clear_error(ckpt, monkeypatch):
+    import pdflash.offload.graphs as graphs
+
+    def no_room(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    monkeypatch.setattr(graphs, "StaticKV", no_room)
+    with OffloadedModel.load(ckpt) as rt:
+        with pytest.raises(PdflashError, match=r"static KV cache of 100000 positions \(.* GiB\) does not fit.*--no-cuda-graphs"):
+            GraphedDecoder(rt, max_len=100_000, graphs=False)
+
+
+def test_cli_reports_device_out_of_memory_in_one_line(run, ckpt, monkeypatch):
+    import importlib
+
+    gen = importlib.import_module("pdflash.offload.generate")  # the package exports a function of that name
+
+    def no_room(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(gen, "prefill", no_room)
+    code, out, err = run("generate", "hi", "--model", str(ckpt), "--device", "cpu", "--no-draft", "--no-live")
+    assert code == 1 and out == ""
+    assert err.strip().splitlines() == ["Error: the device ran out of memory (CUDA out of memory. Tried to allocate 2.00 GiB); "
+                                        "give a smaller --expert-cache-mib or --max-new-tokens, or free the device"]
