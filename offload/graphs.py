@@ -42,8 +42,8 @@ class StaticKV:
     """Key / value buffers of every layer, [1, kv_heads, max_len, head_dim], zero-initialised
     (masked positions must hold finite values). ``update`` is what GptOssAttention calls: it writes
     the new keys / values at ``self.positions`` and returns the first ``self.visible`` positions
-    (the whole buffers when None: graphed steps need fixed shapes; eager forwards attend only to
-    the positions written so far, so a prefill costs what it costs without a static cache)."""
+    (a graphed step: its bucket; an eager forward: the positions written so far, so a prefill
+    costs what it costs without a static cache)."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int, dtype, device):
         shape = (1, kv_heads, max_len, head_dim)
@@ -51,14 +51,12 @@ class StaticKV:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
         self.positions = torch.zeros(1, dtype=torch.long, device=device)  # set before each forward
-        self.visible: int | None = None  # set before each forward
+        self.visible = max_len  # set before each forward
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.k[layer_idx].index_copy_(2, self.positions, key)
         self.v[layer_idx].index_copy_(2, self.positions, value)
         n = self.visible
-        if n is None:
-            return self.k[layer_idx], self.v[layer_idx]
         return self.k[layer_idx][:, :, :n], self.v[layer_idx][:, :, :n]
 
 
@@ -117,10 +115,10 @@ class GraphedDecoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
 
     # -- segments ---------------------------------------------------------------------
-    def _masks(self, pos: torch.Tensor, n_keys: int | None = None) -> dict[str, torch.Tensor]:
-        """Additive masks [1, 1, T, n_keys] (default max_len) for query positions ``pos`` [T]."""
+    def _masks(self, pos: torch.Tensor, n_keys: int) -> dict[str, torch.Tensor]:
+        """Additive masks [1, 1, T, n_keys] for query positions ``pos`` [T]."""
         q = pos[:, None]
-        k = self.key_pos[None, : self.max_len if n_keys is None else n_keys]
+        k = self.key_pos[None, :n_keys]
         full = k <= q
         neg = torch.finfo(self.dtype).min
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -131,7 +129,7 @@ class GraphedDecoder:
             out["sliding_attention"] = torch.where(sliding, zero, low)[None, None]
         return out
 
-    def _embed(self, ids: torch.Tensor, pos: torch.Tensor, n_keys: int | None = None):
+    def _embed(self, ids: torch.Tensor, pos: torch.Tensor, n_keys: int):
         x = self.model.model.embed_tokens(ids)  # [1, T, H]
         pe = (self.cos.index_select(1, pos), self.sin.index_select(1, pos))
         return x, pe, self._masks(pos, n_keys)
