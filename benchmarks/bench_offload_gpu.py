@@ -268,12 +268,10 @@ def run_offload(ckpt: Path, ids, args, result: dict) -> None:
 def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
     from transformers import DynamicCache, GptOssForCausalLM, Mxfp4Config
 
-    t0 = time.perf_counter()
-    model = GptOssForCausalLM.from_pretrained(
-        ckpt, dtype=getattr(torch, args.dtype or "bfloat16"), device_map=DEVICE, quantization_config=Mxfp4Config(dequantize=True)
-    )
-    model.eval()
     want = getattr(torch, args.dtype or "bfloat16")
+    t0 = time.perf_counter()
+    model = GptOssForCausalLM.from_pretrained(ckpt, dtype=want, device_map=DEVICE, quantization_config=Mxfp4Config(dequantize=True))
+    model.eval()
     for t in list(model.parameters()) + list(model.buffers()):  # dequantize=True leaves experts in bf16
         if t.is_floating_point() and t.dtype != want and t.dtype != torch.float32:
             t.data = t.data.to(want)

@@ -233,8 +233,6 @@ def generate(
         raise PdflashError("--draft and --no-draft contradict each other; give one", exit_code=2)
     if no_draft:
         draft = None
-    if cuda_graphs is None and draft is not None:
-        cuda_graphs = False  # speculative decoding verifies blocks eagerly; otherwise decided once the device is known
     if cuda_graphs and draft is not None:
         raise PdflashError("--cuda-graphs applies to plain decoding: add --no-draft (or drop --draft)", exit_code=2)
     if cuda_graphs and device not in ("cuda", "auto") and not str(device).startswith("cuda:"):
@@ -257,8 +255,8 @@ def generate(
     with OffloadedModel.load(model, **opts) as rt:
         load_s = time.perf_counter() - t0
         ids = _encode(rt, text, chat)
-        if cuda_graphs is None:
-            cuda_graphs = rt.device.type == "cuda"
+        if cuda_graphs is None:  # default: wherever they apply (speculative decoding verifies blocks eagerly)
+            cuda_graphs = rt.device.type == "cuda" and spec is None
         rate: dict[str, Any] = {"n": 0, "tps": None}
 
         def on_step(step) -> None:
