@@ -9,9 +9,14 @@ STRESS_SRC = native/stress/stress.c native/pf_sched.c
 
 # Install pdflash (editable) with its test extras. PyTorch is taken as already
 # installed when importable, so a CPU or CUDA build you chose stays in place.
+# The build tools go in first and the build runs without isolation (it then works
+# offline too); setup.py refuses to build without cffi, and the last line proves
+# the C library imports, so an install can never silently skip the native build.
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch
-	$(PIP) install -q --no-build-isolation -e ".[test]" || $(PIP) install -q -e ".[test]"
+	$(PIP) install -q "setuptools>=77" wheel "cffi>=1.16"
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+	@$(PYTHON) -c "import pdflash.native._pf_sched" || { echo "error: pdflash installed but its native scheduler does not import; see the build output above" >&2; exit 1; }
 
 native:
 	$(PYTHON) -m pdflash.cli.main build-native
