@@ -11,7 +11,14 @@ mode): worker threads copy tasks chunk by chunk, most urgent priority first.
 
 Caller contract: src and dst stay alive and untouched until the ticket ends or
 ``reset()`` / ``close()`` returns. The wrapper keeps a reference to tensors and
-buffers passed in until then.
+buffers passed in until then: a wait that returns CLOSED does not release them
+(a chunk may still be landing), only ``close()`` does, after joining the workers.
+
+Device ordering (cuda backend): a copy into a CUDA tensor first waits, on the
+device, for the work already queued on that device's current PyTorch stream (an
+event recorded at submit; ``after=`` passes one of the caller's own instead), and
+a ticket ends DONE only after its bytes have landed, so kernels launched after
+``wait`` returns read them.
 """
 
 from __future__ import annotations
@@ -155,7 +162,13 @@ class Scheduler:
         latency_us: float = 0.0,
         history: int = 1 << 16,
         trace: int = 0,
+        fault_every: int = 0,
+        fault_max: int = 0,
+        paced: bool = False,
     ):
+        """``fault_every`` and ``paced`` are test aids of the memcpy backend: every Nth chunk copy
+        fails after writing half of it (at most ``fault_max`` times, 0: no limit); ``paced`` writes each chunk in slices across its simulated
+        link time (needs ``link_gbps``), so the destination changes until the chunk lands."""
         ffi, lib = _load()
         self._ffi, self._lib = ffi, lib
         if backend not in ("memcpy", "cuda"):
@@ -164,8 +177,12 @@ class Scheduler:
             raise SchedulerError(f"workers must be at least 1, got {workers}")
         if chunk_bytes < 4096:
             raise SchedulerError(f"chunk_bytes must be at least 4096, got {chunk_bytes}")
-        if link_gbps is not None and link_gbps <= 0:
-            raise SchedulerError(f"link_gbps must be positive, got {link_gbps}")
+        if link_gbps is not None and not (0 < link_gbps < float("inf")):
+            raise SchedulerError(f"link_gbps must be a positive finite number, got {link_gbps}")
+        if not (0 <= latency_us < float("inf")):
+            raise SchedulerError(f"latency_us must be a finite number >= 0, got {latency_us}")
+        if fault_every < 0 or fault_max < 0 or paced and link_gbps is None:
+            raise SchedulerError("fault_every and fault_max must be >= 0, and paced needs link_gbps")
         self.backend = backend
         self.device = device
         self.workers = workers
@@ -183,6 +200,9 @@ class Scheduler:
         if trace < 0:
             raise SchedulerError(f"trace must be >= 0 (records kept), got {trace}")
         cfg.trace = trace
+        cfg.fault_every = fault_every
+        cfg.fault_max = fault_max
+        cfg.paced = int(bool(paced))
         self.trace_capacity = trace
         keep = None
         if backend == "cuda":
@@ -258,19 +278,25 @@ class Scheduler:
         return k
 
     def _release(self, ticket: int, status: "WaitStatus") -> None:
-        """Drop the references kept for a ticket once it has ended."""
-        if status not in (WaitStatus.TIMEOUT, WaitStatus.PENDING):
+        """Drop the references kept for a ticket once it has ended. CLOSED is not an end:
+        a chunk may still be landing until close() has joined the workers."""
+        if status not in (WaitStatus.TIMEOUT, WaitStatus.PENDING, WaitStatus.CLOSED):
             with self._lock:
                 self._owners.pop(ticket, None)
 
     # -- API -----------------------------------------------------------------------
-    def submit(self, key: int, src, dst, nbytes: int | None = None, priority=Band.BACKGROUND) -> int:
+    def submit(self, key: int, src, dst, nbytes: int | None = None, priority=Band.BACKGROUND, after=None) -> int:
         """Queue a copy of ``nbytes`` from src to dst under ``key``; returns its ticket.
 
         src / dst: torch tensors, buffer objects or integer addresses. ``nbytes``
         defaults to the size of src (both must be known then) and may not exceed
         either buffer's size. A key already queued or in flight returns that
         task's ticket (promoted if ``priority`` is more urgent).
+
+        ``after`` (cuda backend): a ``torch.cuda.Event`` the copy waits for on the device.
+        By default a copy into a CUDA tensor waits for the work queued on the current
+        stream of its device at submit time (one event recorded here); give a recorded
+        event to share one among many submits.
         """
         p = self._priority(priority)
         key = self._key(key)
@@ -287,10 +313,15 @@ class Scheduler:
             if size is not None and nbytes > size:
                 raise SchedulerError(f"{name} holds {size} bytes but the copy needs {nbytes}")
         owners = [o for o in (src_owner, dst_owner) if o is not None]
+        event = self._after_event(after, dst)
+        if event is not None:
+            owners.append(event)  # the event must outlive the task (pf_sched.h)
+        handle = self._ffi.NULL if event is None else self._ffi.cast("void *", event.cuda_event)
         out = self._out_ticket()
         s = self._enter()
         try:
-            rc = self._lib.pf_submit(s, key, self._ffi.cast("void *", src_addr), self._ffi.cast("void *", dst_addr), nbytes, p, out)
+            rc = self._lib.pf_submit_after(s, key, self._ffi.cast("void *", src_addr), self._ffi.cast("void *", dst_addr),
+                                           nbytes, p, handle, out)
             self._check(rc, "submit")
             ticket = int(out[0])
             if owners:
@@ -303,6 +334,22 @@ class Scheduler:
         finally:
             self._leave()
         return ticket
+
+    def _after_event(self, after, dst):
+        """The CUDA event a copy waits for, or None (memcpy backend, raw addresses)."""
+        if self.backend != "cuda":
+            return None
+        if after is not None:
+            if not hasattr(after, "cuda_event") or not after.cuda_event:
+                raise SchedulerError("after must be a torch.cuda.Event that has been recorded")
+            return after
+        if not hasattr(dst, "data_ptr"):
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dst.device))
+        return event
 
     def _out_ticket(self):
         """A per-thread uint64_t out-parameter, allocated once per thread."""
@@ -420,6 +467,7 @@ class Scheduler:
             "levels": levels,
             "link_busy_s": st.link_busy_ns / 1e9,
             "chunks": int(st.chunks),
+            "waiting": int(st.waiting),
             "elapsed_s": elapsed,
             "backend": self.backend,
             "workers": self.workers,

@@ -42,6 +42,7 @@ typedef struct task {
     uint64_t key, ticket;
     const char *src;
     char *dst;
+    void *after;                /* cuda backend: event each chunk copy waits for (caller's) */
     uint64_t nbytes, claimed, landed;
     uint64_t t_submit, t_start;
     int prio;
@@ -81,6 +82,7 @@ typedef int (*cuda_event_create_fn)(void **, unsigned int);
 typedef int (*cuda_event_destroy_fn)(void *);
 typedef int (*cuda_event_record_fn)(void *, void *);
 typedef int (*cuda_event_sync_fn)(void *);
+typedef int (*cuda_stream_wait_event_fn)(void *, void *, unsigned int);
 typedef const char *(*cuda_error_string_fn)(int);
 
 typedef struct cuda_api {
@@ -95,11 +97,13 @@ typedef struct cuda_api {
     cuda_event_destroy_fn event_destroy;
     cuda_event_record_fn event_record;
     cuda_event_sync_fn event_sync;
+    cuda_stream_wait_event_fn stream_wait_event;
     cuda_error_string_fn error_string;
 } cuda_api;
 
 #define CUDA_MEMCPY_DEFAULT 4
 #define CUDA_STREAM_NON_BLOCKING 1
+#define CUDA_EVENT_BLOCKING_SYNC 1 /* a waiting worker sleeps instead of spinning a core */
 #define CUDA_EVENT_DISABLE_TIMING 2
 
 typedef struct worker {
@@ -133,6 +137,13 @@ struct pf_sched {
     int prefetch_limit;  /* at most this many workers copy priority > 0 at once */
     int chunks_out;      /* chunks being copied, all tasks */
     int paused;          /* pf_reset in progress: no new claims */
+    int waiting;         /* callers blocked in pf_wait */
+    uint64_t chunk_seq;  /* chunk copies ever issued (fault injection counts these) */
+    uint32_t faults;     /* failures injected so far */
+    pthread_cond_t ready_cv; /* pf_create waits here until every worker has started */
+    int workers_ready;
+    int worker_rc;       /* first worker start-up failure (cuda: cudaSetDevice) */
+    char worker_err[ERRLEN];
     int stopping;
     int shut_done;
     pthread_mutex_t shut_mu;
@@ -378,6 +389,7 @@ static int cuda_open(pf_sched *s, char *err, size_t errlen) {
     LOAD(event_destroy, "cudaEventDestroy");
     LOAD(event_record, "cudaEventRecord");
     LOAD(event_sync, "cudaEventSynchronize");
+    LOAD(stream_wait_event, "cudaStreamWaitEvent");
     LOAD(error_string, "cudaGetErrorString");
 #undef LOAD
     int count = 0;
@@ -392,9 +404,10 @@ static int cuda_open(pf_sched *s, char *err, size_t errlen) {
     rc = c->set_device(s->cfg.device);
     for (int i = 0; rc == 0 && i < s->cfg.workers; i++) {
         rc = c->stream_create(&s->w[i].stream, CUDA_STREAM_NON_BLOCKING);
-        if (rc == 0) rc = c->event_create(&s->w[i].event, CUDA_EVENT_DISABLE_TIMING);
+        if (rc == 0) rc = c->event_create(&s->w[i].event, CUDA_EVENT_BLOCKING_SYNC | CUDA_EVENT_DISABLE_TIMING);
     }
-    c->set_device(prev);
+    int rc_prev = c->set_device(prev);
+    if (rc == 0 && rc_prev != 0) rc = rc_prev;
     if (rc != 0) {
         errf(err, errlen, "CUDA stream setup failed: %s", c->error_string(rc));
         return PF_EBACKEND;
@@ -412,30 +425,70 @@ static void cuda_close(pf_sched *s) {
     /* the runtime stays loaded: it belongs to the process (PyTorch), not to us */
 }
 
+/* Sleep until the monotonic time `until` (ns). */
+static void sleep_until(uint64_t until) {
+    struct timespec ts;
+    ns_to_timespec(until, &ts);
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+}
+
+#define PACED_SLICES 8
+
 /* Copy one chunk. Returns 0 or writes a message into msg and returns -1. Called
- * without the lock. `link_end` is the simulated link's finish time (0: none). */
-static int copy_chunk(worker *w, char *dst, const char *src, uint64_t n, uint64_t link_end, char *msg) {
+ * without the lock. `link_end` is the simulated link's finish time (0: none) and
+ * `link_dur` the chunk's share of it; `fault` injects a failure (memcpy backend). */
+static int copy_chunk(worker *w, const task *t, uint64_t off, uint64_t n, uint64_t link_end, uint64_t link_dur,
+                      int fault, char *msg) {
     pf_sched *s = w->s;
+    char *dst = t->dst + off;
+    const char *src = t->src + off;
     if (s->cfg.backend == PF_BACKEND_CUDA) {
         cuda_api *c = &s->cuda;
-        int rc = c->memcpy_async(dst, src, (size_t)n, CUDA_MEMCPY_DEFAULT, w->stream);
-        if (rc == 0) rc = c->event_record(w->event, w->stream);
-        if (rc == 0) rc = c->event_sync(w->event);
+        int rc = 0;
+        const char *what = "cudaStreamWaitEvent";
+        if (t->after) rc = c->stream_wait_event(w->stream, t->after, 0);
+        if (rc == 0) {
+            what = "cudaMemcpyAsync";
+            rc = c->memcpy_async(dst, src, (size_t)n, CUDA_MEMCPY_DEFAULT, w->stream);
+        }
+        if (rc == 0) {
+            what = "cudaEventRecord";
+            rc = c->event_record(w->event, w->stream);
+        }
+        if (rc == 0) {
+            what = "cudaEventSynchronize";
+            rc = c->event_sync(w->event);
+        }
         if (rc != 0) {
-            snprintf(msg, ERRLEN, "cudaMemcpyAsync of %llu bytes failed: %s", (unsigned long long)n,
+            snprintf(msg, ERRLEN, "%s for a chunk of %llu bytes failed: %s", what, (unsigned long long)n,
                      c->error_string(rc));
             return -1;
         }
         return 0;
     }
-    memcpy(dst, src, (size_t)n);
+    uint64_t lat = 0;
     if (link_end) {
-        double lat = s->cfg.latency_us * 1000.0;
-        uint64_t until = link_end + (uint64_t)(lat < MAX_LINK_NS ? lat : MAX_LINK_NS);
-        struct timespec ts;
-        ns_to_timespec(until, &ts);
-        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+        double l = s->cfg.latency_us * 1000.0;
+        lat = (uint64_t)(l < MAX_LINK_NS ? l : MAX_LINK_NS);
+    }
+    uint64_t todo = fault ? n / 2 : n; /* an injected failure lands half the chunk */
+    if (s->cfg.paced && link_end) {
+        /* slice i lands at its share of the link time: dst changes until the chunk's end */
+        uint64_t start = link_end - link_dur, step = (todo + PACED_SLICES - 1) / PACED_SLICES;
+        for (uint64_t done = 0, i = 1; done < todo; done += step, i++) {
+            uint64_t m = todo - done < step ? todo - done : step;
+            memcpy(dst + done, src + done, (size_t)m);
+            sleep_until(start + link_dur * i / PACED_SLICES);
         }
+    } else {
+        memcpy(dst, src, (size_t)todo);
+    }
+    if (link_end) sleep_until(link_end + lat);
+    if (fault) {
+        snprintf(msg, ERRLEN, "injected copy failure (fault_every=%u) after %llu of %llu bytes",
+                 s->cfg.fault_every, (unsigned long long)todo, (unsigned long long)n);
+        return -1;
     }
     return 0;
 }
@@ -453,7 +506,18 @@ static void *worker_main(void *arg) {
     worker *w = arg;
     pf_sched *s = w->s;
     char msg[ERRLEN];
-    if (s->cfg.backend == PF_BACKEND_CUDA) s->cuda.set_device(s->cfg.device);
+    int rc0 = 0;
+    if (s->cfg.backend == PF_BACKEND_CUDA) rc0 = s->cuda.set_device(s->cfg.device);
+    pthread_mutex_lock(&s->mu);
+    if (rc0 != 0 && s->worker_rc == 0) {
+        s->worker_rc = PF_EBACKEND;
+        snprintf(s->worker_err, ERRLEN, "a worker could not select CUDA device %d: %s", s->cfg.device,
+                 s->cuda.error_string(rc0));
+    }
+    s->workers_ready++;
+    pthread_cond_broadcast(&s->ready_cv);
+    pthread_mutex_unlock(&s->mu);
+    if (rc0 != 0) return NULL; /* pf_create sees worker_rc and shuts down */
 #ifdef __linux__
     /* the simulated link sleeps to absolute deadlines; the default 50 us timer slack would
      * stretch every chunk and leave the link idle between them */
@@ -487,10 +551,17 @@ static void *worker_main(void *arg) {
         if (t->chunks_out++ == 0) s->st.level[t->prio].in_flight++;
         int prefetch = t->prio > 0;
         s->busy_prefetch += prefetch;
-        uint64_t link_end = 0;
+        uint64_t link_end = 0, dur = 0;
+        int fault = 0;
+        s->chunk_seq++;
+        if (s->cfg.backend == PF_BACKEND_MEMCPY && s->cfg.fault_every && s->chunk_seq % s->cfg.fault_every == 0 &&
+            (!s->cfg.fault_max || s->faults < s->cfg.fault_max)) {
+            fault = 1;
+            s->faults++;
+        }
         if (s->cfg.backend == PF_BACKEND_MEMCPY && s->cfg.link_gbps > 0) {
             double d = (double)n / s->cfg.link_gbps; /* GB/s == B/ns */
-            uint64_t dur = (uint64_t)(d < MAX_LINK_NS ? d : MAX_LINK_NS);
+            dur = (uint64_t)(d < MAX_LINK_NS ? d : MAX_LINK_NS);
             uint64_t start = s->link_free_ns > now ? s->link_free_ns : now;
             link_end = start + dur;
             s->link_free_ns = link_end;
@@ -500,9 +571,11 @@ static void *worker_main(void *arg) {
         }
         s->chunks_out++;
         s->st.chunks++;
+        /* more claimable work (the rest of this task, say): hand it to an idle worker now */
+        if (s->idle_workers && pick(s)) pthread_cond_signal(&s->work_cv);
         pthread_mutex_unlock(&s->mu);
 
-        int rc = copy_chunk(w, t->dst + off, t->src + off, n, link_end, msg);
+        int rc = copy_chunk(w, t, off, n, link_end, dur, fault, msg);
 
         pthread_mutex_lock(&s->mu);
         s->busy_prefetch -= prefetch;
@@ -512,16 +585,15 @@ static void *worker_main(void *arg) {
         }
         if (prefetch && s->idle_workers && s->nonempty) pthread_cond_signal(&s->work_cv);
         t->landed += n;
-        if (rc != 0 && t->state == T_LIVE) {
+        /* a failure is never lost: a cancelled task fails too. A failing task is never revived;
+         * it stays in the key map until its last chunk lands, so a submit of its key meanwhile
+         * gets its ticket (which ends FAILED) and no second copy writes the same dst */
+        if (rc != 0 && t->state != T_FAILING) {
             err_entry *e = &s->errs[t->ticket % NERR];
             e->ticket = t->ticket;
             memcpy(e->msg, msg, ERRLEN);
             t->state = T_FAILING;
             if (t->in_queue) q_remove(s, t);
-            if (t->in_keymap) {
-                map_del(&s->by_key, t, 1);
-                t->in_keymap = 0;
-            }
         }
         if (--t->chunks_out == 0) {
             s->st.level[t->prio].in_flight--;
@@ -570,9 +642,10 @@ int pf_create(const pf_config *cfg, pf_sched **out, char *err, size_t errlen) {
     if (!cfg || !out) return PF_EINVAL;
     *out = NULL;
     if (cfg->workers < 1 || cfg->workers > 256 || cfg->chunk_bytes < 1 ||
-        (cfg->backend != PF_BACKEND_MEMCPY && cfg->backend != PF_BACKEND_CUDA) || cfg->link_gbps < 0 ||
-        cfg->latency_us < 0) {
-        errf(err, errlen, "invalid configuration (workers 1..256, chunk_bytes > 0, known backend)");
+        (cfg->backend != PF_BACKEND_MEMCPY && cfg->backend != PF_BACKEND_CUDA) || !(cfg->link_gbps >= 0) ||
+        !(cfg->latency_us >= 0)) { /* written so that NaN is refused too */
+        errf(err, errlen, "invalid configuration (workers 1..256, chunk_bytes > 0, known backend, "
+             "link_gbps and latency_us >= 0)");
         return PF_EINVAL;
     }
     pf_sched *s = calloc(1, sizeof(*s));
@@ -588,6 +661,7 @@ int pf_create(const pf_config *cfg, pf_sched **out, char *err, size_t errlen) {
     pthread_mutex_init(&s->shut_mu, NULL);
     cond_init_monotonic(&s->work_cv);
     cond_init_monotonic(&s->drain_cv);
+    pthread_cond_init(&s->ready_cv, NULL);
     for (int i = 0; i < NBUCKET; i++) cond_init_monotonic(&s->wait_cv[i]);
     s->hist = calloc(hist, sizeof(hist_entry));
     s->w = calloc((size_t)cfg->workers, sizeof(worker));
@@ -610,6 +684,16 @@ int pf_create(const pf_config *cfg, pf_sched **out, char *err, size_t errlen) {
         }
         s->w[i].started = 1;
     }
+    pthread_mutex_lock(&s->mu);
+    while (s->workers_ready < cfg->workers) pthread_cond_wait(&s->ready_cv, &s->mu);
+    rc = s->worker_rc;
+    if (rc) errf(err, errlen, "%s", s->worker_err);
+    pthread_mutex_unlock(&s->mu);
+    if (rc) {
+        pf_shutdown(s);
+        pf_destroy(s);
+        return rc;
+    }
     *out = s;
     return 0;
 fail:
@@ -620,6 +704,11 @@ fail:
 
 int pf_submit(pf_sched *s, uint64_t key, const void *src, void *dst, uint64_t nbytes, int priority,
               uint64_t *ticket) {
+    return pf_submit_after(s, key, src, dst, nbytes, priority, NULL, ticket);
+}
+
+int pf_submit_after(pf_sched *s, uint64_t key, const void *src, void *dst, uint64_t nbytes, int priority,
+                    void *after, uint64_t *ticket) {
     if (!s || !ticket) return PF_EINVAL;
     if (!src || !dst || nbytes == 0 || !valid_prio(priority)) return PF_EINVAL;
     pthread_mutex_lock(&s->mu);
@@ -629,8 +718,8 @@ int pf_submit(pf_sched *s, uint64_t key, const void *src, void *dst, uint64_t nb
     }
     task *t = map_get(&s->by_key, key, 1);
     int same = t && t->src == src && t->dst == dst && t->nbytes == nbytes;
-    if (t && t->state == T_CANCELLING && !same) {
-        /* cancelled, last chunks landing elsewhere: the key is free for a new task */
+    if (t && t->state != T_LIVE && !same) {
+        /* cancelled or failed, last chunks landing elsewhere: the key is free for a new task */
         map_del(&s->by_key, t, 1);
         t->in_keymap = 0;
         t = NULL;
@@ -650,7 +739,7 @@ int pf_submit(pf_sched *s, uint64_t key, const void *src, void *dst, uint64_t nb
                 q_push(s, t);
                 if (s->idle_workers) pthread_cond_signal(&s->work_cv);
             }
-        } else if (priority < t->prio) {
+        } else if (t->state == T_LIVE && priority < t->prio) {
             /* promote in place: same task, same ticket, nothing copied twice */
             task_promote(s, t, priority);
         }
@@ -670,6 +759,7 @@ int pf_submit(pf_sched *s, uint64_t key, const void *src, void *dst, uint64_t nb
     t->ticket = s->next_ticket++;
     t->src = src;
     t->dst = dst;
+    t->after = s->cfg.backend == PF_BACKEND_CUDA ? after : NULL;
     t->nbytes = nbytes;
     t->prio = priority;
     t->t_submit = now_ns();
@@ -746,7 +836,7 @@ static int ended_status(pf_sched *s, uint64_t ticket) {
 }
 
 int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s) {
-    if (!s) return PF_EINVAL;
+    if (!s || timeout_s != timeout_s) return PF_EINVAL; /* NaN is no time limit anyone meant */
     pthread_mutex_lock(&s->mu);
     if (s->stopping) {
         pthread_mutex_unlock(&s->mu);
@@ -769,6 +859,7 @@ int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s) {
     uint64_t deadline = timeout_s > 0 && timeout_s < MAX_TIMEOUT_S ? start + (uint64_t)(timeout_s * 1e9) : 0;
     int result = PF_TIMEOUT;
     s->waiters[b]++;
+    s->waiting++;
     for (;;) {
         if (deadline) {
             struct timespec ts;
@@ -795,6 +886,7 @@ int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s) {
         }
     }
     s->waiters[b]--;
+    s->waiting--;
     /* statistics cover the time since the last reset: a wait that began before it adds
      * only its blocked time after it, and is counted in the period where it began */
     pf_level_stats *lv = &s->st.level[prio];
@@ -882,6 +974,7 @@ int pf_get_stats(pf_sched *s, pf_stats *out) {
     uint64_t now = now_ns();
     if (s->cfg.link_gbps <= 0 && s->chunks_out > 0) out->link_busy_ns += now - s->busy_since_ns;
     out->now_ns = now;
+    out->waiting = (uint64_t)s->waiting;
     pthread_mutex_unlock(&s->mu);
     return 0;
 }
@@ -942,6 +1035,7 @@ void pf_destroy(pf_sched *s) {
     for (int i = 0; i < NBUCKET; i++) pthread_cond_destroy(&s->wait_cv[i]);
     pthread_cond_destroy(&s->work_cv);
     pthread_cond_destroy(&s->drain_cv);
+    pthread_cond_destroy(&s->ready_cv);
     pthread_mutex_destroy(&s->mu);
     pthread_mutex_destroy(&s->shut_mu);
     free(s);

@@ -9,9 +9,18 @@
  * the preempted copy resumes later from where it stopped.
  *
  * Ownership: the scheduler owns its task records, threads and statistics.
- * It never owns src or dst: the caller keeps both alive and unchanged until
- * the task's ticket ends (done, cancelled or failed) or until pf_reset or
- * pf_shutdown has returned. Statistics are copied into caller memory.
+ * It never owns src, dst or a task's `after` event: the caller keeps them
+ * alive (and src unchanged) until the task's ticket ends (done, cancelled or
+ * failed) or until pf_reset or pf_shutdown has returned. A pf_wait that
+ * returns PF_CLOSED does not end that duty: a chunk of the task may still be
+ * landing until pf_shutdown returns. Statistics are copied into caller memory.
+ *
+ * Device ordering (cuda backend): each worker copies on its own non-blocking
+ * stream and ends a task only after its last chunk has landed on the device
+ * (a blocking-sync event), so work the caller launches after pf_wait returned
+ * PF_DONE reads the landed bytes. Copies wait for the caller's pending work on
+ * dst only through an `after` event (pf_submit_after): without one, the caller
+ * must ensure nothing still reads or writes dst when it submits.
  *
  * Threads: every function except pf_destroy may be called from any thread at
  * any time. pf_shutdown wakes every blocked caller with PF_CLOSED; after it,
@@ -67,6 +76,11 @@ typedef struct pf_config {
     const char *cudart_path;/* cuda backend: runtime library to open; NULL: search known names */
     uint32_t history;       /* ended tickets remembered for wait (rounded up to a power of 2) */
     uint32_t trace;         /* ended tasks kept for pf_trace_drain (oldest dropped); 0: no trace */
+    /* memcpy backend, for tests of failure and in-flight paths that otherwise only a GPU reaches: */
+    uint32_t fault_every;   /* every Nth chunk copy fails (after writing half of it); 0: never */
+    uint32_t fault_max;     /* at most this many injected failures; 0: no limit */
+    int paced;              /* with link_gbps > 0: write each chunk in slices across its link time,
+                             * so dst keeps changing until the chunk lands, as an asynchronous copy does */
 } pf_config;
 
 /* Counters cover the time since the last pf_reset (or pf_create): a wait or queue wait
@@ -92,6 +106,7 @@ typedef struct pf_stats {
     pf_level_stats level[PF_NUM_PRIORITY];
     uint64_t link_busy_ns;  /* wall time during which at least one chunk was being copied */
     uint64_t chunks;        /* chunk copies issued */
+    uint64_t waiting;       /* callers blocked in pf_wait now */
     uint64_t since_ns;      /* monotonic clock at the last reset (or start) */
     uint64_t now_ns;        /* monotonic clock when these stats were taken */
 } pf_stats;
@@ -111,6 +126,14 @@ int pf_create(const pf_config *cfg, pf_sched **out, char *err, size_t errlen);
 int pf_submit(pf_sched *s, uint64_t key, const void *src, void *dst, uint64_t nbytes,
               int priority, uint64_t *ticket);
 
+/* As pf_submit; on the cuda backend every chunk copy of a new task first waits (on the
+ * device, through cudaStreamWaitEvent) for the CUDA event `after` (a cudaEvent_t recorded
+ * by the caller after its last pending use of dst; NULL: no wait). The caller owns the event
+ * and keeps it alive until the ticket ends. A submit answered with a live task's ticket keeps
+ * that task's event. The memcpy backend ignores `after`. */
+int pf_submit_after(pf_sched *s, uint64_t key, const void *src, void *dst, uint64_t nbytes,
+                    int priority, void *after, uint64_t *ticket);
+
 /* Move a live task to a more urgent priority. Returns 1 if moved, 0 if the key is not
  * live or already at least that urgent. */
 int pf_promote(pf_sched *s, uint64_t key, int priority);
@@ -118,7 +141,10 @@ int pf_promote(pf_sched *s, uint64_t key, int priority);
 /* Cancel the live task of key. Chunks already being copied finish; no further chunk
  * starts. Returns 1 if cancelled, 0 if not live (or all its bytes are already claimed:
  * then it completes). A pf_submit of the same key, src, dst and size before those
- * chunks have landed revives the task under its ticket (it then ends done). */
+ * chunks have landed revives the task under its ticket (it then ends done). A chunk that
+ * fails ends its task PF_FAILED whatever its state (a cancelled task too) and the task is
+ * never revived: until its last chunk has landed a submit of its key, src, dst and size
+ * returns its ticket (it ends PF_FAILED); after that a submit starts a new task from byte 0. */
 int pf_cancel(pf_sched *s, uint64_t key);
 
 /* Cancel every live task at `priority`. Returns the number cancelled. */
@@ -130,7 +156,9 @@ int pf_cancel_below_layer(pf_sched *s, uint32_t layer, int min_priority);
 
 /* Block until the ticket ends or timeout_s passes (timeout_s < 0, +inf or >= 1e9: no limit).
  * Returns PF_DONE, PF_CANCELLED, PF_FAILED, PF_TIMEOUT, PF_CLOSED, PF_EXPIRED or a
- * negative error. Time spent blocked is added to the stall of the task's level. */
+ * negative error. Time spent blocked is added to the stall of the task's level.
+ * PF_CLOSED (pf_shutdown began) says nothing about the task's chunks: src and dst must
+ * stay alive until pf_shutdown has returned. */
 int pf_wait(pf_sched *s, uint64_t ticket, double timeout_s);
 
 /* Non-blocking: PF_PENDING while live, else as pf_wait (PF_ECLOSED after pf_shutdown). */

@@ -177,24 +177,41 @@ def check_reset(backend: str, device: int) -> Check:
 
 
 def check_close(backend: str, device: int) -> Check:
+    """close() wakes every blocked waiter and is terminal.
+
+    Decided from the scheduler's own state, not from sleeps: the waiters are known to be
+    blocked (the scheduler counts them), and the check applies only if, just before
+    close(), at least two filler tasks were still unclaimed in band 0, so the background
+    tasks behind them cannot have been claimed (let alone landed) before shutdown began:
+    every waiter must then wake with CLOSED. If the link drained the fillers first, the
+    check says it was not applicable instead of guessing.
+    """
     bufs = _Buffers(backend, device)
+    k = _scale(backend)
     s = _scheduler(backend, device, **_slow(backend))
-    fill = bufs.pair(16 * MiB * _scale(backend))  # tens of ms of link time
+    fill_src, _ = bufs.pair(4 * MiB * k)
+    fill_dst = [torch.zeros_like(fill_src, device=bufs.device) for _ in range(8)]  # 8 x 4k MiB of link time
     work = [bufs.pair(MiB) for _ in range(4)]
-    s.submit(make_key(9, 0), *fill, priority=Band.ON_DEMAND)  # keeps every worker busy
+    for i, d in enumerate(fill_dst):
+        s.submit(make_key(9, i), fill_src, d, priority=Band.ON_DEMAND)  # keeps every worker busy
     tickets = [s.submit(make_key(1, i), *pair, priority=Band.BACKGROUND) for i, pair in enumerate(work)]
-    results: list[WaitStatus] = []
+    results: dict[int, WaitStatus] = {}
     lock = threading.Lock()
 
-    def waiter(t):
+    def waiter(i, t):
         st = s.wait(t)
         with lock:
-            results.append(st)
+            results[i] = st
 
-    threads = [threading.Thread(target=waiter, args=(t,)) for t in tickets]
+    threads = [threading.Thread(target=waiter, args=(i, t)) for i, t in enumerate(tickets)]
     for th in threads:
         th.start()
-    time.sleep(0.01)  # let the waiters block
+    deadline = time.monotonic() + 30
+    while s.stats()["waiting"] < len(tickets) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    st = s.stats()
+    blocked = st["waiting"]
+    unclaimed_fillers = st["levels"][Band.ON_DEMAND]["queue_depth"]
     s.close()
     s.close()  # idempotent
     for th in threads:
@@ -205,9 +222,16 @@ def check_close(backend: str, device: int) -> Check:
         refused = False
     except SchedulerClosed:
         refused = True
-    woke = len(results) == len(tickets) and all(r is WaitStatus.CLOSED for r in results)
-    ok = woke and not hung and refused
-    return Check("close wakes waiters and is terminal", ok, f"{len(results)} waiters woke; later submit refused: {refused}")
+    statuses = ", ".join(f"waiter {i}: {results[i].name if i in results else 'still blocked'}" for i in range(len(tickets)))
+    name = "close wakes waiters and is terminal"
+    if blocked == len(tickets) and unclaimed_fillers < 2:
+        ok = not hung and refused and len(results) == len(tickets)
+        return Check(name, ok, f"not applicable: the link drained the fillers before close ({statuses}); "
+                               f"waiters woke: {not hung}; later submit refused: {refused}")
+    woke = len(results) == len(tickets) and all(r is WaitStatus.CLOSED for r in results.values())
+    ok = blocked == len(tickets) and woke and not hung and refused
+    return Check(name, ok, f"{blocked} waiters blocked, {unclaimed_fillers} fillers unclaimed at close; {statuses}; "
+                           f"later submit refused: {refused}")
 
 
 CHECKS = [check_bytes, check_bands_order, check_dedup, check_cancel, check_reset, check_close]

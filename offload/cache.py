@@ -18,6 +18,10 @@ layer are copied to the CPU before any of its misses or prefetches are
 submitted), at which time every kernel launched before has finished. Anything
 that removes that synchronisation (asynchronous routing) must add a CUDA event
 per slot instead. On the CPU, compute is synchronous and pins end with the layer.
+Copies are also ordered on the device: each one waits for a fence event recorded
+on PyTorch's stream when the first copy after a pin release was submitted (one
+event per interval, shared by its copies), and a slot is read only after its
+ticket ended DONE, which the scheduler reports once the bytes have landed.
 
 Minimum size: a forward over T tokens may touch min(E, T * top_k) experts of a
 layer. The runtime requires at least min(E, block_tokens * top_k) slots, where
@@ -104,6 +108,7 @@ class ExpertCache:
             mib = n_slots * self.layout.expert_bytes / 2**20
             raise PdflashError(f"could not allocate the {mib:.0f} MiB expert cache on {self.device}: {str(exc).splitlines()[0]}; use a smaller --expert-cache-mib") from None
         self._async_device = self.device.type == "cuda"
+        self._fence_event = None
         self.protected: set[tuple[int, int]] = set()  # keys predicted for the next layers (lookahead policy)
         self.errors: list[str] = []
         self._clear_state()
@@ -163,6 +168,7 @@ class ExpertCache:
     def sync_point(self) -> None:
         """Call right after a device->host sync: queued kernels are done, deferred pins end."""
         self._deferred.clear()
+        self._fence_event = None
         self._reconcile()
 
     def lookup(self, layer: int, expert: int) -> int | None:
@@ -230,6 +236,7 @@ class ExpertCache:
         """Unpin slots whose readers have finished (the caller synchronised the device if needed)."""
         for s in slots:
             self._pinned.discard(s)
+        self._fence_event = None  # their readers were queued after the last fence
 
     def end_layer(self) -> None:
         """The running layer's pins end now on CPU, at the next sync_point on CUDA."""
@@ -313,7 +320,19 @@ class ExpertCache:
         is waited on, so no copy can land in memory that was freed meanwhile.
         """
         layer, expert = key
-        return self.sched.submit(make_key(layer, expert), self.host.row(layer, expert), self.slots[s], priority=band)
+        return self.sched.submit(make_key(layer, expert), self.host.row(layer, expert), self.slots[s], priority=band,
+                                 after=self._fence())
+
+    def _fence(self):
+        """CUDA: the event copies into slots wait for on the device, recorded on PyTorch's stream at
+        the first copy since pins were last released, so every kernel that read an unpinned slot
+        was queued before it. None on the CPU."""
+        if self.sched.backend != "cuda":
+            return None
+        if self._fence_event is None:
+            self._fence_event = torch.cuda.Event()
+            self._fence_event.record(torch.cuda.current_stream(self.device))
+        return self._fence_event
 
     def _submit(self, s: int, key: tuple[int, int], band: int) -> None:
         ticket = self._copy(s, key, band)

@@ -30,6 +30,14 @@
  *   close     waiters blocked in pf_wait (and a pf_reset draining) when pf_shutdown runs all
  *             return PF_CLOSED; shutdown from several threads at once is idempotent; every
  *             later call returns PF_ECLOSED; then pf_destroy.
+ *   faults    the memcpy backend's test aids: paced chunks (dst keeps changing until a chunk
+ *             lands, as an asynchronous copy) and injected failures (every Nth chunk fails
+ *             after writing half of it). Threads submit / cancel / re-submit / wait at random.
+ *             Every ticket ends DONE, CANCELLED or FAILED; a DONE ticket's dst equals src
+ *             (a failed task is never revived into a DONE with a hole); every byte written
+ *             equals its source byte; the failed counter equals the FAILED tickets; failed
+ *             tickets carry an error text. A waiter woken with PF_CLOSED may return while its
+ *             chunk is still being written, and pf_shutdown returns only after it landed.
  *
  * Exit 0 only if every check held; the last line is "stress: N passed, M failed". A run
  * that hangs is stopped after 300 s with exit code 3.
@@ -1053,6 +1061,173 @@ static void phase_close(void) {
     pf_destroy(s);
 }
 
+/* ---- phase: faults ------------------------------------------------------------ */
+enum { F_SLOTS = 48, F_TK = 512 };
+
+typedef struct fslot {
+    uint64_t key, nbytes;
+    uint8_t *src, *dst;
+    pthread_mutex_t mu;
+    int ntk;
+    uint64_t tk[F_TK];
+} fslot;
+
+typedef struct fctx {
+    pf_sched *s;
+    fslot *slots;
+    uint64_t seed;
+    double deadline;
+} fctx;
+
+static void *fault_thread(void *p) {
+    fctx *c = p;
+    rng g = {c->seed * 0x9e3779b97f4a7c15ull + 11};
+    while (now_s() < c->deadline) {
+        fslot *sl = &c->slots[rnd_below(&g, F_SLOTS)];
+        uint64_t x = rnd_below(&g, 10), t = 0;
+        if (x < 6) {
+            pthread_mutex_lock(&sl->mu);
+            if (sl->ntk < F_TK && pf_submit(c->s, sl->key, sl->src, sl->dst, sl->nbytes, (int)rnd_below(&g, 3), &t) == 0) {
+                int seen = 0;
+                for (int k = 0; k < sl->ntk; k++) seen |= sl->tk[k] == t;
+                if (!seen) sl->tk[sl->ntk++] = t;
+            }
+            pthread_mutex_unlock(&sl->mu);
+        } else if (x < 7) {
+            pf_cancel(c->s, sl->key);
+        } else {
+            pthread_mutex_lock(&sl->mu);
+            t = sl->ntk ? sl->tk[rnd_below(&g, (uint64_t)sl->ntk)] : 0;
+            pthread_mutex_unlock(&sl->mu);
+            if (t) pf_wait(c->s, t, 0.002);
+        }
+    }
+    return NULL;
+}
+
+static void phase_faults(double scale) {
+    pf_config cfg;
+    pf_config_default(&cfg);
+    cfg.workers = 3;
+    cfg.chunk_bytes = 4096;
+    cfg.link_gbps = 0.2; /* 4 KiB in ~20 us, written in 8 slices */
+    cfg.paced = 1;
+    cfg.fault_every = 7;
+    pf_sched *s = NULL;
+    char err[256] = "";
+    if (!check(pf_create(&cfg, &s, err, sizeof(err)) == 0, "faults: pf_create (%s)", err)) return;
+    fslot *slots = calloc(F_SLOTS, sizeof(fslot));
+    for (int i = 0; i < F_SLOTS; i++) {
+        fslot *sl = &slots[i];
+        sl->key = mk_key(7, (uint32_t)i);
+        sl->nbytes = 1 + (uint64_t)(i * 2749u) % (6 * 4096);
+        sl->src = malloc(sl->nbytes);
+        sl->dst = calloc(1, sl->nbytes);
+        for (uint64_t j = 0; j < sl->nbytes; j++) sl->src[j] = pattern(500 + (uint64_t)i, j);
+        pthread_mutex_init(&sl->mu, NULL);
+    }
+    enum { FT = 4 };
+    pthread_t th[FT];
+    fctx ctx[FT];
+    double deadline = now_s() + 1.5 * scale;
+    for (int i = 0; i < FT; i++) {
+        ctx[i] = (fctx){s, slots, 77 + (uint64_t)i, deadline};
+        pthread_create(&th[i], NULL, fault_thread, &ctx[i]);
+    }
+    for (int i = 0; i < FT; i++) pthread_join(th[i], NULL);
+    tally bad = {0, "faults"};
+    long nt = 0, nfailed = 0, ndone = 0, ncanc = 0;
+    char msg[256];
+    for (int i = 0; i < F_SLOTS; i++) {
+        fslot *sl = &slots[i];
+        int any_done = 0;
+        for (int k = 0; k < sl->ntk; k++) {
+            int st = pf_wait(s, sl->tk[k], 60.0);
+            nt++;
+            if (st == PF_DONE) {
+                ndone++;
+                any_done = 1;
+            } else if (st == PF_FAILED) {
+                nfailed++;
+                /* the error ring keeps the last 64 failures' texts: check the failure is named */
+                if (pf_ticket_error(s, sl->tk[k], msg, sizeof(msg)) == 0 && msg[0] && !strstr(msg, "injected"))
+                    tally_bad(&bad, "slot %d ticket %llu: error text '%s'", i, (unsigned long long)sl->tk[k], msg);
+            } else if (st == PF_CANCELLED) {
+                ncanc++;
+            } else {
+                tally_bad(&bad, "slot %d ticket %llu ended %d", i, (unsigned long long)sl->tk[k], st);
+            }
+        }
+        for (uint64_t j = 0; j < sl->nbytes; j++) {
+            if (sl->dst[j] != 0 && sl->dst[j] != sl->src[j]) {
+                tally_bad(&bad, "slot %d: foreign byte at %llu", i, (unsigned long long)j);
+                break;
+            }
+            if (any_done && sl->dst[j] != sl->src[j]) { /* a DONE task with a hole */
+                tally_bad(&bad, "slot %d: done but byte %llu missing", i, (unsigned long long)j);
+                break;
+            }
+        }
+    }
+    tally_close(&bad);
+    pf_stats st;
+    pf_level_stats tot;
+    check(pf_get_stats(s, &st) == 0, "faults: stats");
+    sum_levels(&st, &tot);
+    check(tot.failed == (uint64_t)nfailed && tot.completed == (uint64_t)ndone && tot.cancelled == (uint64_t)ncanc,
+          "faults: counters failed %llu completed %llu cancelled %llu == tickets %ld / %ld / %ld",
+          (unsigned long long)tot.failed, (unsigned long long)tot.completed, (unsigned long long)tot.cancelled,
+          nfailed, ndone, ncanc);
+    check(nfailed > 0 && ndone > 0, "faults: %ld tickets, %ld failed, %ld done, %ld cancelled", nt, nfailed, ndone,
+          ncanc);
+    check(tot.queue_depth == 0 && tot.in_flight == 0 && st.waiting == 0, "faults: drained");
+    printf("faults: %ld tickets (%ld done, %ld failed, %ld cancelled), paced chunks, every 7th chunk fails\n", nt,
+           ndone, nfailed, ncanc);
+    close_sched(s);
+    for (int i = 0; i < F_SLOTS; i++) {
+        pthread_mutex_destroy(&slots[i].mu);
+        free(slots[i].src);
+        free(slots[i].dst);
+    }
+    free(slots);
+
+    /* a waiter woken by shutdown returns while its paced chunk is still being written;
+     * pf_shutdown returns only once that chunk has landed whole */
+    enum { SZ = 4 * 65536, CH = 65536 };
+    pf_config_default(&cfg);
+    cfg.workers = 1;
+    cfg.chunk_bytes = CH;
+    cfg.link_gbps = 0.002; /* one 64 KiB chunk: ~33 ms */
+    cfg.paced = 1;
+    s = NULL;
+    if (!check(pf_create(&cfg, &s, err, sizeof(err)) == 0, "faults: pf_create paced (%s)", err)) return;
+    uint8_t *src = malloc(SZ), *dst = calloc(1, SZ);
+    memset(src, 9, SZ);
+    uint64_t t = 0;
+    check(pf_submit(s, 5, src, dst, SZ, PF_ON_DEMAND, &t) == 0, "faults: paced submit");
+    atomic_int ready = 0;
+    waiter_arg wa = {s, t, &ready, 0, -100};
+    pthread_t wt;
+    pthread_create(&wt, NULL, waiter_main, &wa);
+    for (;;) { /* until the first chunk is being written and the waiter is blocked inside pf_wait */
+        pf_stats ps;
+        pf_get_stats(s, &ps);
+        if (ps.waiting == 1 && ps.chunks >= 1) break;
+        sleep_s(0.0002);
+    }
+    check(pf_shutdown(s) == 0, "faults: shutdown with a paced chunk in flight");
+    pthread_join(wt, NULL);
+    check(wa.result == PF_CLOSED, "faults: the waiter woke with PF_CLOSED (%d)", wa.result);
+    size_t k = 0;
+    while (k < SZ && dst[k] == 9) k++;
+    int rest_zero = 1;
+    for (size_t j = k; j < SZ; j++) rest_zero &= dst[j] == 0;
+    check(k > 0 && k % CH == 0 && rest_zero, "faults: after shutdown whole chunks landed (%zu bytes) and nothing else", k);
+    pf_destroy(s);
+    free(src);
+    free(dst);
+}
+
 static void on_alarm(int sig) {
     static const char msg[] = "stress: timed out (a wait, reset or shutdown hung)\n";
     (void)sig;
@@ -1089,6 +1264,7 @@ int main(int argc, char **argv) {
     };
     for (size_t i = 0; i < sizeof(rounds) / sizeof(rounds[0]); i++) chaos_round(&rounds[i], seed + i, scale);
     phase_close();
+    phase_faults(scale);
     int pass = atomic_load(&g_pass), fail = atomic_load(&g_fail);
     printf("stress: %d passed, %d failed (%.1f s)\n", pass, fail, now_s() - t0);
     return fail ? 1 : 0;
