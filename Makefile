@@ -5,7 +5,7 @@ CC ?= cc
 SAN_FLAGS = -std=c11 -O1 -g -fno-omit-frame-pointer -pthread -Wall -Wextra -Wno-unused-parameter
 STRESS_SRC = native/stress/stress.c native/pf_sched.c
 
-.PHONY: install native test test-fast stress stress-asan stress-tsan bench demo clean
+.PHONY: install native test test-fast stress stress-asan stress-tsan bench demo gpu-check clean
 
 # Install pdflash (editable) with its test extras. PyTorch is taken as already
 # installed when importable, so a CPU or CUDA build you chose stays in place.
@@ -49,6 +49,11 @@ bench: install
 # half-size expert cache behind a simulated 2 GB/s link, with the live band table.
 demo: install
 	$(PYTHON) -m pdflash.cli.main generate "def fibonacci(n):" --max-new-tokens 64 --expert-cache-experts 64 --link-gbps 2
+
+# On a CUDA machine with pdflash installed: GPU-marked tests, 20 smoke runs with the cuda
+# backend, a short generate on a gpt-oss-20b-shaped checkpoint (tools/gpu_check.sh).
+gpu-check:
+	PYTHON=$(PYTHON) bash tools/gpu_check.sh
 
 clean:
 	rm -f native/_pf_sched*.so native/stress/stress_asan native/stress/stress_tsan

@@ -15,6 +15,16 @@ import torch
 from pdflash.cli.main import main
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped without it. ``pytest -m gpu`` selects them all."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """One intra-op thread: the suite shares two cores, and no result depends on the count."""

@@ -68,7 +68,7 @@ def test_key_length_buckets():
     assert [dec.bucket(n) for n in (1, 8, 9, 16, 17, 32, 33, 40)] == [8, 8, 16, 16, 32, 32, 40, 40]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("prepare", [True, False], ids=["prepared", "captured-on-first-decode"])
 @pytest.mark.parametrize("min_bucket", [8, None], ids=["buckets-16-32-40", "one-bucket"])
 def test_cuda_graphs_replay_what_the_segments_compute(ckpt, prepare, min_bucket):
@@ -103,7 +103,7 @@ def test_cli_graphs_default_off_where_they_do_not_apply(run, ckpt):
     assert json.loads(out)["cuda_graphs"] is False
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 def test_cli_graphs_on_by_default_on_cuda_with_the_same_tokens(run, ckpt):
     """`generate` on CUDA replays graphs unless told not to; greedy tokens equal the eager run."""
     import json

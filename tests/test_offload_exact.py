@@ -97,7 +97,7 @@ def test_logits_bit_identical_prefill(ckpts):
     assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_matches_transformers_on_cuda(ckpts):
     """On CUDA the kernels differ from the library's (cuBLAS shapes, the fused MXFP4 decode
     kernels), so bits may differ: prefill logits close to transformers', and greedy tokens the

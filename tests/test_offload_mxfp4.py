@@ -90,7 +90,7 @@ def test_rejects_bad_inputs():
         dequantize(blocks, scales[:, :1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_equals_cpu():
     blocks, scales = _random((3, 64, 4), seed=3)
     cpu = dequantize(blocks, scales, torch.bfloat16)

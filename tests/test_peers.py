@@ -27,7 +27,7 @@ from pdflash.offload.synthetic import write_checkpoint
 
 NEW_TOKENS = 8
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes by the low 3 bits; bit 3 is the sign
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 
+import pytest
 import torch
 
 from pdflash.native import Band, Scheduler, WaitStatus, make_key
@@ -111,8 +112,6 @@ def test_injected_failures_fail_their_tickets_with_the_reason_and_others_complet
 def test_nan_and_infinite_rates_are_refused():
     import math
 
-    import pytest
-
     from pdflash.native import SchedulerError
 
     for bad in (math.nan, math.inf, -1.0, 0.0):
@@ -126,3 +125,25 @@ def test_nan_and_infinite_rates_are_refused():
         with pytest.raises(SchedulerError):
             s.wait(t, timeout=math.nan)
         assert s.wait(t, timeout=30) is WaitStatus.DONE
+
+
+@pytest.mark.gpu
+def test_cuda_copies_wait_for_work_queued_on_their_destination():
+    """A copy into a CUDA tensor lands after the kernels queued on PyTorch's stream before the
+    submit (the scheduler copies on streams of its own), and DONE means the bytes are there."""
+    n = 64 << 20
+    src = torch.randint(1, 256, (n,), dtype=torch.uint8).pin_memory()
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    with Scheduler(backend="cuda", workers=2) as s:
+        for trial in range(4):
+            torch.cuda._sleep(50_000_000)  # tens of ms of GPU time queued first
+            dst.fill_(7)  # behind it on PyTorch's stream
+            t = s.submit(make_key(0, trial), src, dst, priority=Band.ON_DEMAND)
+            assert s.wait(t, timeout=60) is WaitStatus.DONE
+            assert torch.equal(dst.cpu(), src)  # the fill ran first, then the copy
+            dst.zero_()
+            ev = torch.cuda.Event()
+            ev.record()
+            t = s.submit(make_key(1, trial), src, dst, priority=Band.ON_DEMAND, after=ev)
+            assert s.wait(t, timeout=60) is WaitStatus.DONE
+            assert torch.equal(dst.cpu(), src)
