@@ -24,7 +24,6 @@ exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 fail=0
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('device:', torch.cuda.get_device_name(0), 'torch', torch.__version__)" || exit 1
-git log -1 --format='commit %H %s' 2>/dev/null || true
 
 echo "== GPU-marked tests"
 $PY -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
