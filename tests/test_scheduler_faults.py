@@ -31,33 +31,38 @@ def _until(cond, what: str, deadline_s: float = 20.0) -> None:
 
 
 def test_buffers_stay_referenced_after_a_closed_wait_until_close_has_joined():
-    # one 256 KiB chunk over a 1 MB/s link: it is still being written ~250 ms after submit
-    s = Scheduler(workers=1, chunk_bytes=256 * KiB, link_gbps=0.001, paced=True)
-    base = torch.zeros(512 * KiB, dtype=torch.uint8)  # owns the memory, so nothing is freed under the copy
-    src = torch.randint(1, 256, (256 * KiB,), dtype=torch.uint8)
-    dst = base[: 256 * KiB]  # the view the scheduler is given; only it holds this object
+    # one 1 MiB chunk over a 0.5 MB/s link: it is still being written ~2 s after submit,
+    # so close() (joining the worker) outlasts the waiter's look by a wide margin
+    n = 1 << 20
+    s = Scheduler(workers=1, chunk_bytes=n, link_gbps=0.0005, paced=True)
+    base = torch.zeros(2 * n, dtype=torch.uint8)  # owns the memory, so nothing is freed under the copy
+    src = torch.randint(1, 256, (n,), dtype=torch.uint8)
+    dst = base[:n]  # the view the scheduler is given; only it holds this object
     ref = weakref.ref(dst)
     t = s.submit(make_key(0, 1), src, dst, priority=Band.ON_DEMAND)
     del dst
     seen: dict = {}
+    closer = threading.Thread(target=s.close)
 
     def waiter():
         seen["status"] = s.wait(t)
-        gc.collect()
-        seen["alive"] = ref() is not None
-        seen["written_at_wake"] = int((base[: 256 * KiB] != 0).sum())
+        seen["alive"] = ref() is not None  # no cycles: a dropped reference frees it at once
+        seen["close_running"] = closer.is_alive()  # so the look above happened before close() returned
+        seen["written_at_wake"] = int((base[:n] != 0).sum())
 
     th = threading.Thread(target=waiter)
     th.start()
     _until(lambda: s.stats()["waiting"] == 1, "the waiter blocks")
     assert s.stats()["levels"][0]["in_flight"] == 1  # the chunk is being written as we close
-    s.close()
+    closer.start()
     th.join(timeout=30)
-    assert not th.is_alive()
+    closer.join(timeout=30)
+    assert not th.is_alive() and not closer.is_alive()
     assert seen["status"] is WaitStatus.CLOSED
+    assert seen["close_running"], "close() returned before the waiter looked: the check could not apply"
     assert seen["alive"], "the destination was released while its chunk was still landing"
     # the paced copy went on writing after the waiter woke; close() waited for it
-    assert int((base[: 256 * KiB] != 0).sum()) > seen["written_at_wake"]
+    assert int((base[:n] != 0).sum()) > seen["written_at_wake"]
     gc.collect()
     assert ref() is None  # close() released it
 
