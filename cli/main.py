@@ -79,7 +79,7 @@ def main() -> None:
     debug = os.environ.get("PDFLASH_DEBUG") == "1"
     try:
         _register()
-        rv = app(standalone_mode=False)
+        rv = app(standalone_mode=False, prog_name="pdflash")
     except _NO_ARGS as exc:  # `pdflash` alone: the overview, as bad usage
         _exit(2, exc.format_message())
     except _click.UsageError as exc:

@@ -49,7 +49,7 @@ def make_synthetic(
     checks.choice("--dtype", dtype, ("bfloat16", "float32", "float16"))
     checks.seed(seed)
     p = ModelPreset.from_name(preset)
-    need = checkpoint_bytes(p, mxfp4=mxfp4, dtype=dtype) + (1 << 20)  # + tokenizer and config files
+    need = checkpoint_bytes(p, mxfp4=mxfp4, dtype=dtype) + (256 << 10)  # + tokenizer and config files
     if draft_preset is not None:  # fail before writing the target when the draft cannot fit it
         shape = TargetShape.from_config(p.hf_config({tok: i for i, tok in enumerate(SPECIAL_TOKENS)}))
         dcfg = DFlashConfig.from_preset(draft_preset, shape)
