@@ -385,8 +385,11 @@ class PriorityBench:
         """Untimed per-prompt work: the greedy reference (oracle-acceptance mode) and the oracle
         arm's recorded verify experts."""
         from pdflash.draft.speculative import greedy_generate
+        from pdflash.offload.prefill import check_context
 
         rt, cfg = self.rt, self.cfg
+        for prompt in self.prompts:  # every prompt fits before any of them runs
+            check_context(rt.config, len(prompt), cfg.max_new_tokens)
         for pi, prompt in enumerate(self.prompts):
             ref = None
             if cfg.draft_acceptance is not None:
