@@ -385,7 +385,7 @@ class PriorityBench:
         """Untimed per-prompt work: the greedy reference (oracle-acceptance mode) and the oracle
         arm's recorded verify experts."""
         from pdflash.draft.speculative import greedy_generate
-        from pdflash.offload.prefill import check_context
+        from pdflash.offload.prompt import check_context
 
         rt, cfg = self.rt, self.cfg
         for prompt in self.prompts:  # every prompt fits before any of them runs

@@ -281,7 +281,7 @@ def generate(
     """
     from pdflash.cli.live import LiveBandTable, live_enabled
     from pdflash.draft import speculative_options
-    from pdflash.offload.prefill import check_context
+    from pdflash.offload.prompt import check_context
     from pdflash.offload.runtime import OffloadedModel
 
     _check_options(expert_cache_mib=expert_cache_mib, expert_cache_experts=expert_cache_experts, device=device,

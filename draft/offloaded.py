@@ -25,7 +25,7 @@ import torch
 from pdflash.draft.config import DFlashConfig
 from pdflash.draft.model import DFlashDraftModel
 from pdflash import PdflashError
-from pdflash.offload.prefill import check_context
+from pdflash.offload.prompt import check_context
 from pdflash.draft.route_ahead import RouteAhead, check_predictor_name, window_for_cache
 from pdflash.draft.speculative import SpeculativeResult, StepInfo, check_block_size, make_oracle, speculative_generate
 

@@ -41,7 +41,7 @@ from pdflash.draft.model import DFlashDraftModel
 from pdflash.draft.oracle import OracleProposer
 from pdflash.draft.route_ahead import RouteAhead
 from pdflash.draft.taps import FeatureTap
-from pdflash.offload.prefill import chunked_prefill
+from pdflash.offload.prompt import chunked_prefill
 
 
 # -- target calls -------------------------------------------------------------------------------

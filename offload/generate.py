@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from pdflash import GenerationInterrupted, PdflashError
-from pdflash.offload.prefill import check_context, chunked_prefill
+from pdflash.offload.prompt import check_context, chunked_prefill
 
 
 @dataclass
@@ -48,7 +48,7 @@ def _sync(device: torch.device) -> None:
 
 
 def prefill(rt, input_ids: torch.Tensor, kv, chunk: int | None = None) -> torch.Tensor:
-    """Run the prompt [1, T] in chunks through ``kv`` (offload/prefill.py); returns the last
+    """Run the prompt [1, T] in chunks through ``kv`` (offload/prompt.py); returns the last
     position's logits [1, V] (float32)."""
 
     def run_chunk(ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -85,7 +85,7 @@ def generate(
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([T] or [1, T]).
 
     The prompt and ``max_new_tokens`` must fit the model's context (PdflashError otherwise);
-    the prompt runs in chunks (offload/prefill.py). Ctrl-C raises
+    the prompt runs in chunks (offload/prompt.py). Ctrl-C raises
     :class:`pdflash.GenerationInterrupted` carrying the tokens generated so far.
 
     Stops early at any of ``eos_token_ids`` (default: the checkpoint's eos ids; pass []

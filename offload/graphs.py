@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from pdflash import PdflashError
-from pdflash.offload.prefill import chunked_prefill
+from pdflash.offload.prompt import chunked_prefill
 
 
 class StaticKV:

@@ -168,15 +168,19 @@ def _ordered(jobs: list, fn: Callable, workers: int) -> Iterator:
     with ThreadPoolExecutor(max_workers=workers) as pool:
         window: deque = deque()
         it = iter(jobs)
-        for j in it:
-            window.append(pool.submit(fn, j))
-            if len(window) >= 2 * workers:
-                break
-        while window:
-            yield window.popleft().result()
-            nxt = next(it, None)
-            if nxt is not None:
-                window.append(pool.submit(fn, nxt))
+        try:
+            for j in it:
+                window.append(pool.submit(fn, j))
+                if len(window) >= 2 * workers:
+                    break
+            while window:
+                yield window.popleft().result()
+                nxt = next(it, None)
+                if nxt is not None:
+                    window.append(pool.submit(fn, nxt))
+        finally:  # an error or Ctrl-C in the consumer: do not compute chunks nobody will write
+            for f in window:
+                f.cancel()
 
 
 def write_safetensors(

@@ -1,4 +1,4 @@
-"""offload/prefill.py: a prompt run in chunks through the KV cache gives the logits and tokens of one
+"""offload/prompt.py: a prompt run in chunks through the KV cache gives the logits and tokens of one
 whole forward, in every prefill path (plain, graphed decoder, speculative), and the context check."""
 
 import importlib
@@ -11,11 +11,11 @@ from pdflash.draft import load_draft, speculative_generate, write_synthetic_draf
 from pdflash.draft.speculative import greedy_generate
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.graphs import GraphedDecoder
-from pdflash.offload.prefill import check_context, chunked_prefill
+from pdflash.offload.prompt import check_context, chunked_prefill
 from pdflash.offload.runtime import OffloadedModel
 from pdflash.offload.synthetic import write_checkpoint
 
-prefill_mod = importlib.import_module("pdflash.offload.prefill")
+prefill_mod = importlib.import_module("pdflash.offload.prompt")
 gen_mod = importlib.import_module("pdflash.offload.generate")
 TINY = ModelPreset.from_name("tiny")
 # 29 tokens: several chunks of 5 (not a multiple), across the sliding window (8)
