@@ -831,6 +831,9 @@ def run_priority_bench(cfg: PriorityConfig, log: Callable[[str], None] = lambda 
             except Exception as exc:  # noqa: BLE001 - the figure loses its timeline, the measurements stand
                 timeline = {"available": False, "reason": f"tracing failed: {type(exc).__name__}: {exc}"}
                 log(f"Warning: timeline not recorded ({timeline['reason']})")
+            except KeyboardInterrupt:  # every repetition finished: keep them, without the timeline
+                interrupted = True
+                timeline = {"available": False, "reason": "interrupted"}
         switches = bench.switches
         rt_stats_final = bench.rt.stats()
         setup = {
@@ -857,6 +860,9 @@ def run_priority_bench(cfg: PriorityConfig, log: Callable[[str], None] = lambda 
         except PdflashError as exc:  # the pdflash arms are measured; keep them
             peers_out = {"error": str(exc)}
             log(f"Warning: peers not measured: {exc}")
+        except KeyboardInterrupt:
+            interrupted = True
+            peers_out = {"error": "interrupted"}
     checks = instrumentation_checks(samples)
     decision, inputs = make_decision(samples, cfg.arms, checks, cfg.seed)
     result = {

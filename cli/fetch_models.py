@@ -96,6 +96,10 @@ def fetch_models(
     from pdflash.cli.hub import fetch_repo
 
     checks.finite("--timeout", timeout, low=0, low_open=True)
+    if no_target and target not in ("", DEFAULT_TARGET):
+        raise checks.usage("--target and --no-target contradict each other; give one")
+    if no_draft and draft not in ("", DEFAULT_DRAFT):
+        raise checks.usage("--draft and --no-draft contradict each other; give one")
     jobs = []  # (role, repo id, revision)
     if target and not no_target:
         jobs.append(("target", target, revision))

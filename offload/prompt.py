@@ -4,7 +4,7 @@ A prompt of T tokens run in one forward makes eager attention hold a [heads, T, 
 matrix per layer, so memory grows with T squared. Run through the KV cache in chunks of C
 tokens, each chunk attends to the positions already cached plus its own: [heads, C, T] at
 most, memory linear in T, and the same keys, values and logits as one forward (every chunk
-sees exactly the positions it would have seen; tests/test_hostile.py checks it).
+sees exactly the positions it would have seen; tests/test_prompt.py checks it).
 
 Every prefill in pdflash goes through :func:`chunked_prefill`: plain decoding
 (offload/generate.py), the graphed decoder (offload/graphs.py) and speculative decoding

@@ -94,6 +94,7 @@ USAGE_CASES = [
     (("fetch-models", "--timeout", "0"), "--timeout must be above 0"),
     (("fetch-models", "--timeout", "nan"), "--timeout must be a finite number"),
     (("fetch-models", "--no-target", "--no-draft"), "nothing to fetch"),
+    (("fetch-models", "--draft", "acme/other-draft", "--no-draft"), "--draft and --no-draft contradict"),
 ]
 
 
