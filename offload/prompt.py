@@ -37,9 +37,13 @@ def check_context(config, prompt_tokens: int, max_new_tokens: int) -> None:
         return
     need = prompt_tokens + max_new_tokens
     if need > ctx:
-        room = ctx - prompt_tokens
-        fix = (f"lower --max-new-tokens to {room} or less, or shorten the prompt" if room >= 1
-               else f"shorten the prompt to fewer than {ctx} tokens")
+        room, prompt_room = ctx - prompt_tokens, ctx - max_new_tokens
+        if room >= 1:
+            fix = f"lower --max-new-tokens to {room} or less, or shorten the prompt"
+        elif prompt_room >= 1:
+            fix = f"shorten the prompt to {prompt_room} tokens or fewer"
+        else:
+            fix = f"lower --max-new-tokens below {ctx} and shorten the prompt"
         raise PdflashError(
             f"the prompt is {prompt_tokens} tokens and {max_new_tokens} more are to be generated, {need} positions, "
             f"but the model's context holds {ctx}: {fix}"

@@ -93,8 +93,10 @@ def test_context_check():
     check_context(cfg, 60, 4)  # exactly full
     with pytest.raises(PdflashError, match="lower --max-new-tokens to 4 or less"):
         check_context(cfg, 60, 5)
-    with pytest.raises(PdflashError, match="shorten the prompt to fewer than 64 tokens"):
+    with pytest.raises(PdflashError, match="shorten the prompt to 63 tokens or fewer"):
         check_context(cfg, 64, 1)
+    with pytest.raises(PdflashError, match="lower --max-new-tokens below 64 and shorten the prompt"):
+        check_context(cfg, 70, 64)
     check_context({}, 10**6, 10)  # no context in the config: nothing to check
 
 
