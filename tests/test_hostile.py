@@ -161,6 +161,40 @@ def test_a_hub_that_never_answers_is_given_up_after_the_timeout(run, tmp_path, m
     assert "did not answer within 0.5 s" in line and "--timeout" in line
 
 
+def test_a_download_that_stalls_is_given_up_after_the_timeout(run, tmp_path, monkeypatch):
+    import time
+
+    from huggingface_hub import constants, file_download
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hub_server import FakeRepo, HubServer
+
+    class NoPause:  # huggingface_hub pauses 1 s between its 5 resume attempts; the test need not wait
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def sleep(self, seconds):
+            pass
+
+    monkeypatch.setattr(file_download, "time", NoPause())
+
+    weights = os.urandom(256 << 10)
+    repo = FakeRepo("acme/stalls", {"config.json": b"{}", "model.safetensors": weights})
+    with HubServer() as hub:
+        hub.add(repo)
+        stall = hub.stall(weights, after=0, every=True)  # headers, then silence, every time
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # HF_ENDPOINT, as read when huggingface_hub loaded
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        code, _, err = run("fetch-models", "--target", repo.repo_id, "--no-draft", "--cache-dir", tmp_path / "c",
+                           "--timeout", "0.2", "--json")
+        assert stall.reached.is_set()
+        stall.release.set()
+    line = one_error_line(code, err, 1)
+    assert "stopped answering for 0.2 s while fetching acme/stalls/model.safetensors" in line
+
+
 # -- make-synthetic never destroys what it did not write ---------------------------------------------
 def _digest(folder: Path) -> dict[str, str]:
     return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
