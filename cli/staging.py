@@ -95,10 +95,14 @@ class Staged:
         while not p.exists():
             missing.append(p)
             p = p.parent
-        for d in reversed(missing):
-            d.mkdir()
-            self._created.append(d)
-        self.path.mkdir()
+        try:
+            for d in reversed(missing):
+                d.mkdir()
+                self._created.append(d)
+            self.path.mkdir()
+        except BaseException:  # __exit__ does not run when __enter__ fails
+            self._discard()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:

@@ -270,17 +270,19 @@ def test_a_draft_writer_failure_is_one_line_and_leaves_nothing(run, tmp_path, mo
     assert not out.exists()
 
 
-def test_read_only_filesystem(run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("first", [True, False], ids=["at-once", "after-creating-parents"])
+def test_read_only_filesystem(run, tmp_path, monkeypatch, first):
     real = Path.mkdir
 
     def read_only(self, *a, **k):
-        if str(self).startswith(str(tmp_path)):
+        if str(self).startswith(str(tmp_path)) and (first or self.name.startswith(".pdflash-partial-")):
             raise OSError(errno.EROFS, "Read-only file system", str(self))
         return real(self, *a, **k)
 
     monkeypatch.setattr(Path, "mkdir", read_only)
     line = one_error_line(*run("make-synthetic", tmp_path / "ro" / "ck", "--preset", "tiny")[::2], 1)
     assert "Read-only file system" in line and "writable directory" in line
+    assert not (tmp_path / "ro").exists()
 
 
 def test_force_replaces_the_checkpoint_and_files_are_0644(run, precious):
