@@ -24,3 +24,21 @@ class PdflashError(Exception):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+
+
+class Interrupted(PdflashError):
+    """The user interrupted the command (Ctrl-C) after it saved or printed what it could.
+
+    The command line prints ``Interrupted: <message>`` on stderr and exits with 130.
+    """
+
+    exit_code = 130
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during token generation. Still a KeyboardInterrupt; ``token_ids`` holds the tokens
+    generated (committed) before it, so a caller can show them."""
+
+    def __init__(self, token_ids: list[int]):
+        super().__init__(f"interrupted after {len(token_ids)} generated token(s)")
+        self.token_ids = list(token_ids)

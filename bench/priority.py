@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import platform
 import random
+import re
 import subprocess
 import sys
 import time
@@ -48,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from pdflash import PdflashError
+from pdflash import Interrupted, PdflashError
 from pdflash.bench import stats as bstats
 from pdflash.native import Band
 
@@ -138,48 +139,61 @@ class PriorityConfig:
     output: str | None = None
 
     def validate(self) -> None:
-        """Raise PdflashError on any bad setting, before anything is loaded."""
+        """Raise PdflashError on any bad setting, before anything is loaded: exit code 2 for a value
+        that is wrong by itself (bad usage), 1 for one that does not fit the machine or the files."""
+        import math
+
+        from pdflash.offload.runtime import LINK_GBPS_MAX, LINK_GBPS_MIN
+
+        def usage(msg: str) -> PdflashError:
+            return PdflashError(msg, exit_code=2)
+
         if not self.arms:
-            raise PdflashError(f"no arm selected: choose from {', '.join(ARMS)}")
+            raise usage(f"no arm selected: choose from {', '.join(ARMS)}")
         unknown = [a for a in self.arms if a not in ARM_SPECS]
         if unknown:
-            raise PdflashError(f"unknown arm {unknown[0]!r}: choose from {', '.join(ARMS)}")
+            raise usage(f"unknown arm {unknown[0]!r}: choose from {', '.join(ARMS)}")
         dup = sorted({a for a in self.arms if self.arms.count(a) > 1})
         if dup:
-            raise PdflashError(f"arm {dup[0]!r} is named twice in --arms")
+            raise usage(f"arm {dup[0]!r} is named twice in --arms")
         if self.repetitions < 1:
-            raise PdflashError(f"--repetitions must be at least 1, got {self.repetitions}")
+            raise usage(f"--repetitions must be at least 1, got {self.repetitions}")
         if self.warmup < 0:
-            raise PdflashError(f"--warmup must be 0 or more, got {self.warmup}")
+            raise usage(f"--warmup must be 0 or more, got {self.warmup}")
         if self.prompts is not None:
             if not self.prompts or any(not p.strip() for p in self.prompts):
-                raise PdflashError("--prompt texts must not be empty")
+                raise usage("--prompt texts must not be empty")
         elif not 1 <= self.n_prompts <= len(DEFAULT_PROMPTS):
-            raise PdflashError(f"--prompts must be between 1 and {len(DEFAULT_PROMPTS)} (the built-in prompts); "
-                               f"give your own with --prompt TEXT, got {self.n_prompts}")
+            raise usage(f"--prompts must be between 1 and {len(DEFAULT_PROMPTS)} (the built-in prompts); "
+                        f"give your own with --prompt TEXT, got {self.n_prompts}")
         if self.max_new_tokens < 2:
-            raise PdflashError(f"--max-new-tokens must be at least 2 (tokens/s needs a decode step), got {self.max_new_tokens}")
+            raise usage(f"--max-new-tokens must be at least 2 (tokens/s needs a decode step), got {self.max_new_tokens}")
         if self.draft_acceptance is not None and not 0.0 <= self.draft_acceptance <= 1.0:
-            raise PdflashError(f"--draft-acceptance must be between 0 and 1, got {self.draft_acceptance}")
+            raise usage(f"--draft-acceptance must be between 0 and 1, got {self.draft_acceptance}")
         if self.expert_cache_mib is not None:
-            if self.expert_cache_mib <= 0:
-                raise PdflashError(f"--expert-cache-mib must be positive, got {self.expert_cache_mib}")
+            if not (math.isfinite(self.expert_cache_mib) and self.expert_cache_mib > 0):
+                raise usage(f"--expert-cache-mib must be a positive finite number, got {self.expert_cache_mib}")
         elif self.expert_cache_fraction is None or not 0 < self.expert_cache_fraction <= 1:
-            raise PdflashError(f"--expert-cache-fraction must be in (0, 1], got {self.expert_cache_fraction}")
+            raise usage(f"--expert-cache-fraction must be in (0, 1], got {self.expert_cache_fraction}")
+        if self.device not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
+            raise usage(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.link_gbps is not None:
-            if self.link_gbps <= 0:
-                raise PdflashError(f"--link-gbps must be positive, got {self.link_gbps}")
+            if not (math.isfinite(self.link_gbps) and LINK_GBPS_MIN <= self.link_gbps <= LINK_GBPS_MAX):
+                raise usage(f"--link-gbps must be between {LINK_GBPS_MIN:g} and {LINK_GBPS_MAX:g} (GB/s), "
+                            f"got {self.link_gbps:g}")
             if self.device != "cpu":
-                raise PdflashError("--link-gbps simulates a link for --device cpu only; on CUDA the real link is used")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise PdflashError(f"--device must be cpu or cuda, got {self.device!r}")
+                raise usage("--link-gbps simulates a link for --device cpu only; on CUDA the real link is used")
+        if not 0 <= self.seed <= 2**63 - 1:
+            raise usage(f"--seed must be between 0 and 2**63-1, got {self.seed}")
+        if not (math.isfinite(self.peer_time_limit_s) and self.peer_time_limit_s > 0):
+            raise usage(f"--peer-time-limit must be a positive number of seconds, got {self.peer_time_limit_s}")
         if self.device.startswith("cuda"):
             import torch
 
             if not torch.cuda.is_available():
                 raise PdflashError("--device cuda was asked for but no CUDA device is available; use --device cpu")
         if self.block_size is not None and self.block_size < 1:
-            raise PdflashError(f"--block-size must be at least 1, got {self.block_size}")
+            raise usage(f"--block-size must be at least 1, got {self.block_size}")
         if self.dtype is not None:
             from pdflash.offload.runtime import resolve_dtype
 
@@ -188,11 +202,11 @@ class PriorityConfig:
 
         check_predictor_name(self.predictor)
         if self.predictor == "none":
-            raise PdflashError(f"--predictor none leaves flat and banded without route-ahead: choose from {', '.join(PREDICTORS)}")
+            raise usage(f"--predictor none leaves flat and banded without route-ahead: choose from {', '.join(PREDICTORS)}")
         if self.history_depth < 0:
-            raise PdflashError(f"--history-depth must be 0 or more, got {self.history_depth}")
+            raise usage(f"--history-depth must be 0 or more, got {self.history_depth}")
         if self.workers < 1:
-            raise PdflashError(f"--workers must be at least 1, got {self.workers}")
+            raise usage(f"--workers must be at least 1, got {self.workers}")
         for name, d in (("--model", self.model_dir), ("--draft", self.draft_dir)):
             p = Path(d)
             if not p.is_dir():
@@ -371,8 +385,11 @@ class PriorityBench:
         """Untimed per-prompt work: the greedy reference (oracle-acceptance mode) and the oracle
         arm's recorded verify experts."""
         from pdflash.draft.speculative import greedy_generate
+        from pdflash.offload.prompt import check_context
 
         rt, cfg = self.rt, self.cfg
+        for prompt in self.prompts:  # every prompt fits before any of them runs
+            check_context(rt.config, len(prompt), cfg.max_new_tokens)
         for pi, prompt in enumerate(self.prompts):
             ref = None
             if cfg.draft_acceptance is not None:
@@ -785,25 +802,38 @@ def run_priority_bench(cfg: PriorityConfig, log: Callable[[str], None] = lambda 
                 warm += 1
         if warm:
             log(f"warm-up: {warm} run(s) discarded")
-        total = cfg.repetitions * len(bench.prompts) * len(cfg.arms)
+        per_rep = len(bench.prompts) * len(cfg.arms)
+        total = cfg.repetitions * per_rep
         done = 0
-        for rep in range(cfg.repetitions):
-            order = list(cfg.arms)
-            random.Random(order_seed(cfg.seed, rep)).shuffle(order)
-            orders.append(order)
-            for pi in range(len(bench.prompts)):
-                for pos, arm in enumerate(order):
-                    s = bench.run_one(arm, pi)
-                    s.update(arm=arm, repetition=rep, prompt=pi, order_position=pos)
-                    samples.append(s)
-                    done += 1
-                    log(_progress_line(done, total, s))
-        if cfg.timeline:
+        interrupted = False
+        try:
+            for rep in range(cfg.repetitions):
+                order = list(cfg.arms)
+                random.Random(order_seed(cfg.seed, rep)).shuffle(order)
+                orders.append(order)
+                for pi in range(len(bench.prompts)):
+                    for pos, arm in enumerate(order):
+                        s = bench.run_one(arm, pi)
+                        s.update(arm=arm, repetition=rep, prompt=pi, order_position=pos)
+                        samples.append(s)
+                        done += 1
+                        log(_progress_line(done, total, s))
+        except KeyboardInterrupt:  # keep the repetitions that finished; the result is marked partial
+            interrupted = True
+            finished = len(samples) // per_rep
+            samples, orders = samples[: finished * per_rep], orders[:finished]
+            if not finished:
+                raise Interrupted("stopped by Ctrl-C before the first repetition finished; nothing was written") from None
+            log(f"interrupted: keeping the {finished} finished repetition(s) of {cfg.repetitions}")
+        if cfg.timeline and not interrupted:
             try:
                 timeline = trace_steps(bench, [a for a in ("flat", "banded") if a in cfg.arms], log)
             except Exception as exc:  # noqa: BLE001 - the figure loses its timeline, the measurements stand
                 timeline = {"available": False, "reason": f"tracing failed: {type(exc).__name__}: {exc}"}
                 log(f"Warning: timeline not recorded ({timeline['reason']})")
+            except KeyboardInterrupt:  # every repetition finished: keep them, without the timeline
+                interrupted = True
+                timeline = {"available": False, "reason": "interrupted"}
         switches = bench.switches
         rt_stats_final = bench.rt.stats()
         setup = {
@@ -823,19 +853,22 @@ def run_priority_bench(cfg: PriorityConfig, log: Callable[[str], None] = lambda 
         if bench.rt is not None:
             bench.rt.close()  # terminal, once, after the last arm
         bench.rt = bench.draft = None
-    if cfg.peers:
+    if cfg.peers and not interrupted:
         _free_memory()
         try:
             peers_out = run_peers_side_by_side(cfg, budget, prompts_ids, dtype_name, samples, log)
         except PdflashError as exc:  # the pdflash arms are measured; keep them
             peers_out = {"error": str(exc)}
             log(f"Warning: peers not measured: {exc}")
+        except KeyboardInterrupt:
+            interrupted = True
+            peers_out = {"error": "interrupted"}
     checks = instrumentation_checks(samples)
     decision, inputs = make_decision(samples, cfg.arms, checks, cfg.seed)
     result = {
         "schema": SCHEMA,
         "config": {**asdict(cfg), "prompt_texts": list(cfg.prompt_texts()), "arm_orders": orders,
-                   "order_seeds": [order_seed(cfg.seed, r) for r in range(cfg.repetitions)],
+                   "order_seeds": [order_seed(cfg.seed, r) for r in range(len(orders))],
                    "bootstrap_seed": cfg.seed, "bootstrap_resamples": 4000, "interval_level": 0.95,
                    "arm_specs": {a: asdict(ARM_SPECS[a]) for a in cfg.arms},
                    "oracle_acceptance_mode": cfg.draft_acceptance is not None,
@@ -852,6 +885,9 @@ def run_priority_bench(cfg: PriorityConfig, log: Callable[[str], None] = lambda 
         "peers": peers_out,
         "wall_s": time.perf_counter() - t_start,
     }
+    if interrupted:
+        result["partial"] = {"interrupted": True, "repetitions_finished": len(orders),
+                             "repetitions_asked": cfg.repetitions}
     return result
 
 

@@ -114,6 +114,12 @@ def print_report(result: dict, console) -> None:
         console.print("[bold yellow]checks that did not hold:[/] " + "; ".join(failed))
     dec = result["decision"]
     body = "\n".join(dec["reasons"]) or "(no reasons recorded)"
+    partial = result.get("partial")
+    if partial:  # interrupted: the figures cover the finished repetitions only
+        console.print(Panel(body, title=f"PARTIAL ({partial['repetitions_finished']} of {partial['repetitions_asked']} "
+                                        f"repetitions, interrupted): no verdict; the evidence so far points to "
+                                        f"{dec['verdict'].upper()}", title_align="left", border_style="bold yellow"))
+        return
     console.print(Panel(body, title=f"verdict: {dec['verdict'].upper()}", title_align="left",
                         border_style=VERDICT_STYLE.get(dec["verdict"], "bold")))
 

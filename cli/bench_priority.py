@@ -19,12 +19,13 @@ def _model_pair(model: Path | None, draft: Path | None) -> tuple[Path, Path]:
 
     if model is None:
         if draft is not None:
-            raise PdflashError("--draft needs --model: give the target the draft was fitted to")
+            raise PdflashError("--draft needs --model: give the target the draft was fitted to", exit_code=2)
         from pdflash.offload.embedded import embedded_draft, embedded_target
 
         return embedded_target(), embedded_draft()
     if draft is None:
-        raise PdflashError(f"give --draft DIR: the DFlash draft fitted to --model {model} (see pdflash make-synthetic --draft-preset)")
+        raise PdflashError(f"give --draft DIR: the DFlash draft fitted to --model {model} (see pdflash make-synthetic --draft-preset)",
+                           exit_code=2)
     return model, draft
 
 
@@ -99,5 +100,11 @@ def bench_priority(
     else:
         print_report(result, Console(width=None if sys.stdout.isatty() else 180))
     err.print(f"wrote {output}" + ("" if why else f" and {png}"), markup=False)
+    partial = result.get("partial")
+    if partial:
+        from pdflash import Interrupted
+
+        raise Interrupted(f"stopped by Ctrl-C after {partial['repetitions_finished']} of {partial['repetitions_asked']} "
+                          f"repetitions; {output} holds the finished ones, marked partial (no verdict)")
     verdict = result["decision"]["verdict"]
     err.print(f"VERDICT: {verdict.upper()}", style="bold", markup=False)

@@ -61,6 +61,14 @@ def fetch_models(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object instead of tables; no progress bars.")
     ] = False,
+    timeout: Annotated[
+        Optional[float],
+        typer.Option(
+            help="Seconds to wait for the Hub (to connect, to answer, for the next bytes of a file) before giving "
+            "up; default: HF_HUB_DOWNLOAD_TIMEOUT, else 10.",
+            metavar="SECONDS",
+        ),
+    ] = None,
 ) -> None:
     """Download only what pdflash loads: config, safetensors shards and index, tokenizer files.
 
@@ -72,6 +80,8 @@ def fetch_models(
 
     Running the command again finishes an interrupted download; offline it only checks local copies.
 
+    A Hub that stops answering is given up after --timeout seconds, with a message.
+
     Progress goes to stderr (off with --json or HF_HUB_DISABLE_PROGRESS_BARS=1).
 
     Examples:
@@ -82,8 +92,14 @@ def fetch_models(
     from huggingface_hub.utils import are_progress_bars_disabled
     from huggingface_hub.utils import logging as hf_logging
 
+    from pdflash.cli import checks
     from pdflash.cli.hub import fetch_repo
 
+    checks.finite("--timeout", timeout, low=0, low_open=True)
+    if no_target and target not in ("", DEFAULT_TARGET):
+        raise checks.usage("--target and --no-target contradict each other; give one")
+    if no_draft and draft not in ("", DEFAULT_DRAFT):
+        raise checks.usage("--draft and --no-draft contradict each other; give one")
     jobs = []  # (role, repo id, revision)
     if target and not no_target:
         jobs.append(("target", target, revision))
@@ -105,6 +121,7 @@ def fetch_models(
                 local_dir=local_dirs.get(repo),
                 token=token,
                 listener=listener,
+                timeout=timeout,
             )
     for result in results.values():
         if result.note:

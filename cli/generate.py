@@ -16,16 +16,54 @@ from typing import Annotated, Any
 
 import typer
 
-from pdflash import PdflashError
+from pdflash import GenerationInterrupted, Interrupted, PdflashError
 
 DEFAULT_DEVICE = "auto"
 
 
 def _read_prompt(prompt: str) -> str:
-    text = sys.stdin.read() if prompt == "-" else prompt
+    """The prompt text: the argument, or stdin for '-'; it must be UTF-8 and not blank."""
+    if prompt == "-":
+        raw = getattr(sys.stdin, "buffer", None)
+        if raw is not None:
+            data = raw.read()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PdflashError(f"the prompt on stdin is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                                   f"{exc.start}): convert it to UTF-8, e.g. with iconv") from None
+        else:
+            text = sys.stdin.read()
+    else:
+        text = prompt
+        try:  # bytes that are not UTF-8 reach Python as lone surrogates
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PdflashError(f"the prompt argument is not UTF-8 text (character {exc.start} is an undecodable "
+                               "byte): give UTF-8 text, or '-' to read UTF-8 from stdin") from None
     if not text.strip():
         raise PdflashError("the prompt is empty: give some text (or '-' to read it from stdin)")
     return text
+
+
+def _check_options(*, expert_cache_mib, expert_cache_experts, device, dtype, temperature, seed, link_gbps,
+                   eviction, block_size) -> None:
+    """Option values that are wrong by themselves: bad usage (exit 2), before anything is read."""
+    from pdflash.cli import checks
+    from pdflash.offload.cache import EVICTION_POLICIES
+    from pdflash.offload.runtime import DTYPES
+
+    checks.finite("--expert-cache-mib", expert_cache_mib, low=0)
+    checks.at_least("--expert-cache-experts", expert_cache_experts, 0)
+    if expert_cache_mib is not None and expert_cache_experts is not None:
+        raise checks.usage("give --expert-cache-mib or --expert-cache-experts, not both")
+    checks.device(device)
+    checks.choice("--dtype", dtype, ("auto", *DTYPES))
+    checks.finite("--temperature", temperature, low=0)
+    checks.seed(seed)
+    checks.link_gbps(link_gbps)
+    checks.choice("--eviction", eviction, EVICTION_POLICIES)
+    checks.at_least("--block-size", block_size, 1)
 
 
 def _resolve_device(device: str) -> str:
@@ -71,9 +109,9 @@ def _encode(rt, text: str, chat: bool) -> list[int]:
         if not getattr(tok, "chat_template", None):
             raise PdflashError(f"--chat: the tokenizer of {rt.path} has no chat template; run without --chat")
         text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        ids = tok(text, add_special_tokens=False).input_ids
+        ids = tok(text, add_special_tokens=False, verbose=False).input_ids
     else:
-        ids = tok(text).input_ids
+        ids = tok(text, verbose=False).input_ids  # a prompt too long for the context is reported below
     if not ids:
         raise PdflashError("the prompt encodes to no tokens")
     vocab = int(rt.config.vocab_size)
@@ -133,6 +171,28 @@ def _report(rt, res, text: str, extra: dict, load_s: float) -> dict:
         "per_layer": st["per_layer"],
         **extra,
     }
+
+
+def _report_interrupted(rt, token_ids: list[int], prompt_tokens: int, max_new_tokens: int, json_out: bool) -> None:
+    """Ctrl-C during generation: print the tokens generated so far (text, or one JSON object
+    marked interrupted), then raise Interrupted (exit 130, one line on stderr)."""
+    text = rt.tokenizer.decode(token_ids)
+    if json_out:
+        print(json.dumps({
+            "interrupted": True,
+            "token_ids": token_ids,
+            "text": text,
+            "prompt_tokens": prompt_tokens,
+            "generated_tokens": len(token_ids),
+            "max_new_tokens": max_new_tokens,
+            "stop_reason": "interrupted",
+            "model": str(rt.path),
+            "device": str(rt.device),
+        }))
+    else:
+        print(text, flush=True)
+    where = "in the JSON object on stdout" if json_out else "on stdout"
+    raise Interrupted(f"stopped by Ctrl-C after {len(token_ids)} of {max_new_tokens} tokens; the text so far is {where}")
 
 
 def _fmt(v, unit: str = "", digits: int = 2) -> str:
@@ -221,18 +281,20 @@ def generate(
     """
     from pdflash.cli.live import LiveBandTable, live_enabled
     from pdflash.draft import speculative_options
+    from pdflash.offload.prompt import check_context
     from pdflash.offload.runtime import OffloadedModel
 
+    _check_options(expert_cache_mib=expert_cache_mib, expert_cache_experts=expert_cache_experts, device=device,
+                   dtype=dtype, temperature=temperature, seed=seed, link_gbps=link_gbps, eviction=eviction,
+                   block_size=block_size)
+    if no_draft and draft is not None:
+        raise PdflashError("--draft and --no-draft contradict each other; give one", exit_code=2)
     if model is None:
         from pdflash.offload.embedded import embedded_draft, embedded_target
 
         model = embedded_target()
         if draft is None and not no_draft:
             draft = embedded_draft()
-    if no_draft and draft is not None and draft != model / "draft":
-        raise PdflashError("--draft and --no-draft contradict each other; give one", exit_code=2)
-    if no_draft:
-        draft = None
     if cuda_graphs and draft is not None:
         raise PdflashError("--cuda-graphs applies to plain decoding: add --no-draft (or drop --draft)", exit_code=2)
     if cuda_graphs and device not in ("cuda", "auto") and not str(device).startswith("cuda:"):
@@ -255,6 +317,7 @@ def generate(
     with OffloadedModel.load(model, **opts) as rt:
         load_s = time.perf_counter() - t0
         ids = _encode(rt, text, chat)
+        check_context(rt.config, len(ids), max_new_tokens)  # before any forward
         if cuda_graphs is None:  # default: wherever they apply (speculative decoding verifies blocks eagerly)
             cuda_graphs = rt.device.type == "cuda" and spec is None
         rate: dict[str, Any] = {"n": 0, "tps": None}
@@ -283,9 +346,12 @@ def generate(
                 fields.append(("ORACLE", f"P={spec['acceptance']}"))
             return fields
 
-        with LiveBandTable(rt.scheduler, status=status, enabled=draw):
-            res, extra = _run(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step,
-                              spec=spec, on_verify=on_verify, cuda_graphs=cuda_graphs)
+        try:
+            with LiveBandTable(rt.scheduler, status=status, enabled=draw):
+                res, extra = _run(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                  on_step=on_step, spec=spec, on_verify=on_verify, cuda_graphs=cuda_graphs)
+        except GenerationInterrupted as stop:
+            _report_interrupted(rt, stop.token_ids, len(ids), max_new_tokens, json_out)
         out_text = rt.tokenizer.decode(res.token_ids)
         report = _report(rt, res, out_text, extra, load_s)
     if json_out:

@@ -21,6 +21,7 @@ When the Hub cannot be reached (offline mode, no network, server error), a compl
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import json
@@ -73,6 +74,46 @@ def _request_errors() -> tuple[type[BaseException], ...]:
 _REQUEST_ERRORS = _request_errors()
 
 
+def _timeout_errors() -> tuple[type[BaseException], ...]:
+    found: list[type[BaseException]] = [TimeoutError]
+    for name in ("httpx2", "httpx"):
+        try:
+            found.append(importlib.import_module(name).TimeoutException)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+_TIMEOUT_ERRORS = _timeout_errors()
+
+
+def _is_timeout(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an exception it was raised from is a network timeout."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, _TIMEOUT_ERRORS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def default_timeout() -> float:
+    """Seconds to wait for the Hub when no timeout is given: HF_HUB_DOWNLOAD_TIMEOUT, else 10."""
+    return float(hf_constants.HF_HUB_DOWNLOAD_TIMEOUT)
+
+
+@contextlib.contextmanager
+def _hub_timeouts(seconds: float):
+    """huggingface_hub reads its download and metadata timeouts from module constants at call time."""
+    saved = hf_constants.HF_HUB_DOWNLOAD_TIMEOUT, hf_constants.HF_HUB_ETAG_TIMEOUT
+    hf_constants.HF_HUB_DOWNLOAD_TIMEOUT = hf_constants.HF_HUB_ETAG_TIMEOUT = seconds
+    try:
+        yield
+    finally:
+        hf_constants.HF_HUB_DOWNLOAD_TIMEOUT, hf_constants.HF_HUB_ETAG_TIMEOUT = saved
+
+
 class FetchListener:
     """Receives download progress; the default ignores it. Calls come from the calling thread."""
 
@@ -113,19 +154,27 @@ def fetch_repo(
     token: str | bool | None = None,
     endpoint: str | None = None,
     listener: FetchListener | None = None,
+    timeout: float | None = None,
 ) -> FetchResult:
     """Download (or find) the loadable files of ``repo_id`` at ``revision``.
 
     Without ``local_dir`` the files land in the Hugging Face cache (``cache_dir`` or the default
     from HF_HUB_CACHE / HF_HOME) and the returned path is the snapshot folder of the resolved
     commit. With ``local_dir`` they are plain files in that folder. ``endpoint`` defaults to
-    HF_ENDPOINT. Raises PdflashError for every expected failure.
+    HF_ENDPOINT. ``timeout`` (default :func:`default_timeout`) bounds every wait for the Hub: to
+    connect, for an answer, for the next bytes of a file. Raises PdflashError for every expected
+    failure.
     """
-    listener = listener or FetchListener()
+    seconds = default_timeout() if timeout is None else float(timeout)
+    with _hub_timeouts(seconds):
+        return _fetch_repo(repo_id, revision, cache_dir, local_dir, token, endpoint, listener or FetchListener(), seconds)
+
+
+def _fetch_repo(repo_id, revision, cache_dir, local_dir, token, endpoint, listener, timeout: float) -> FetchResult:
     api = HfApi(endpoint=endpoint, token=token)
-    ctx = _Context(repo_id, revision, api.endpoint, cache_dir, local_dir)
+    ctx = _Context(repo_id, revision, api.endpoint, cache_dir, local_dir, timeout)
     try:
-        info = api.model_info(repo_id, revision=revision, files_metadata=True)
+        info = api.model_info(repo_id, revision=revision, files_metadata=True, timeout=timeout)
     except Exception as exc:
         if _hub_unreachable(exc):
             return _from_local_copy(ctx, exc)
@@ -188,6 +237,7 @@ class _Context:
     hub: str  # endpoint URL
     cache_dir: str | os.PathLike | None
     local_dir: str | os.PathLike | None
+    timeout: float = 10.0  # seconds, for messages
 
     @property
     def destination(self) -> Path:
@@ -224,6 +274,7 @@ class _Downloader:
                 local_dir=ctx.local_dir,
                 token=self.token,
                 endpoint=self.endpoint,
+                etag_timeout=ctx.timeout,
                 tqdm_class=_bar_class(self.listener, ctx.repo_id, filename, counted),
             )
         except Exception as exc:
@@ -341,6 +392,12 @@ def _from_local_copy(ctx: _Context, cause: Exception) -> FetchResult:
             f"{ctx.repo_id} (revision {ctx.revision}) is not in {ctx.where} and HF_HUB_OFFLINE=1 forbids "
             "downloading it: unset HF_HUB_OFFLINE and run fetch-models once with network access"
         ) from cause
+    if base is None and _is_timeout(cause):
+        raise PdflashError(
+            f"the Hub at {ctx.hub} did not answer within {ctx.timeout:g} s and {ctx.repo_id} (revision "
+            f"{ctx.revision}) is not in {ctx.where}: check the network, proxy or HF_ENDPOINT, or allow more "
+            "time with --timeout SECONDS"
+        ) from cause
     if base is None:
         raise PdflashError(
             f"cannot reach the Hub at {ctx.hub} ({_short(cause)}) and {ctx.repo_id} (revision {ctx.revision}) "
@@ -433,6 +490,12 @@ def _explain(exc: BaseException, ctx: _Context, filename: str | None = None) -> 
         _REQUEST_ERRORS and isinstance(exc, _REQUEST_ERRORS)
     ):
         cause = exc.__cause__ or exc
+        if _is_timeout(exc):
+            return PdflashError(
+                f"the Hub at {hub} stopped answering for {ctx.timeout:g} s while fetching {what}: check the "
+                "network and run the same command again (files already complete are kept), or allow more time "
+                "with --timeout SECONDS"
+            )
         if isinstance(cause, OfflineModeIsEnabled) or isinstance(exc, OfflineModeIsEnabled):
             return PdflashError(
                 f"{what} is not in {ctx.where} and HF_HUB_OFFLINE=1 forbids downloading it: unset "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated
 
@@ -23,29 +26,52 @@ def make_synthetic(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object describing what was written.")] = False,
     draft_preset: Annotated[str | None, typer.Option(help="Also write a synthetic DFlash draft fitted to this target: tiny or gpt-oss-20b-DFlash.")] = None,
     draft_dir: Annotated[Path | None, typer.Option(help="Directory of the draft checkpoint; the default is OUT_DIR/draft.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Write into a non-empty directory, replacing the checkpoint files there (by default such a directory is refused).")] = False,
 ) -> None:
     """Write a complete synthetic checkpoint (config, safetensors, tokenizer) that pdflash and transformers load.
+
+    OUT_DIR must be new or empty unless --force is given. Free space is checked before anything
+    is written; files are staged in a hidden folder inside OUT_DIR and renamed into place at the
+    end, so an error, a full disk or Ctrl-C leaves OUT_DIR as it was.
 
     Examples:
       pdflash make-synthetic /tmp/tiny --preset tiny
       pdflash make-synthetic /data/oss20b --preset gpt-oss-20b --mxfp4
       pdflash make-synthetic /data/oss20b --preset gpt-oss-20b --mxfp4 --draft-preset gpt-oss-20b-DFlash
     """
-    from pdflash.draft import DFlashConfig, TargetShape, write_synthetic_draft
+    from pdflash.cli import checks
+    from pdflash.cli.staging import Staged, check_destination, check_space, human_bytes
+    from pdflash.draft import DFlashConfig, TargetShape, draft_tensor_shapes, write_synthetic_draft
     from pdflash.offload.config import SPECIAL_TOKENS, ModelPreset
-    from pdflash.offload.synthetic import write_checkpoint
+    from pdflash.offload.synthetic import checkpoint_bytes, write_checkpoint
 
-    if shard_mib < 1:
-        raise PdflashError(f"--shard-mib must be at least 1, got {shard_mib}")
+    checks.at_least("--shard-mib", shard_mib, 1)
+    checks.choice("--dtype", dtype, ("bfloat16", "float32", "float16"))
+    checks.seed(seed)
     p = ModelPreset.from_name(preset)
+    need = checkpoint_bytes(p, mxfp4=mxfp4, dtype=dtype) + (256 << 10)  # + tokenizer and config files
     if draft_preset is not None:  # fail before writing the target when the draft cannot fit it
         shape = TargetShape.from_config(p.hf_config({tok: i for i, tok in enumerate(SPECIAL_TOKENS)}))
-        DFlashConfig.from_preset(draft_preset, shape)
+        dcfg = DFlashConfig.from_preset(draft_preset, shape)
+        need += sum(math.prod(s) for s in draft_tensor_shapes(dcfg).values()) * _ITEMSIZE[dtype]
+    separate_draft = draft_preset is not None and draft_dir is not None
+    check_destination(out_dir, force)
+    if separate_draft:
+        check_destination(draft_dir, force, "--draft-dir")
+    check_space(out_dir, need)  # before anything is created
     t0 = time.perf_counter()
-    out = write_checkpoint(
-        out_dir, p, mxfp4=mxfp4, seed=seed, dtype=dtype, max_shard_bytes=shard_mib << 20,
-        progress=sys.stderr.isatty() and not json_out,
-    )
+    try:
+        with Staged(out_dir, force) as stage, (Staged(draft_dir, force) if separate_draft else nullcontext()) as dstage:
+            write_checkpoint(stage.path, p, mxfp4=mxfp4, seed=seed, dtype=dtype, max_shard_bytes=shard_mib << 20,
+                             progress=sys.stderr.isatty() and not json_out)
+            if draft_preset is not None:
+                dcfg = write_synthetic_draft(dstage.path if separate_draft else stage.path / "draft", draft_preset,
+                                             target_dir=stage.path, seed=seed, dtype=dtype)
+    except OSError as exc:
+        why = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+        raise PdflashError(f"cannot write the checkpoint to {out_dir} ({why}); nothing was kept: free some space "
+                           "or choose a writable directory") from None
+    out = out_dir
     files = sorted(f.name for f in out.iterdir() if f.is_file())
     size = sum((out / f).stat().st_size for f in files)
     info = {
@@ -59,16 +85,17 @@ def make_synthetic(
     }
     if draft_preset is not None:
         ddir = draft_dir if draft_dir is not None else out / "draft"
-        dcfg = write_synthetic_draft(ddir, draft_preset, target_dir=out, seed=seed, dtype=dtype)
         info["draft"] = {"path": str(ddir), "preset": draft_preset, "block_size": dcfg.block_size,
                          "bytes": sum(f.stat().st_size for f in ddir.iterdir() if f.is_file())}
     if json_out:
         print(json.dumps(info))
         return
-    shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
-    print(f"wrote {out}: preset {p.name}, experts {info['experts']}, {shown} in {len(files)} files ({info['seconds']} s)")
+    print(f"wrote {out}: preset {p.name}, experts {info['experts']}, {human_bytes(size)} in {len(files)} files ({info['seconds']} s)")
     if draft_preset is not None:
-        print(f"wrote draft {info['draft']['path']}: preset {draft_preset}, {info['draft']['bytes'] / 1e6:.2f} MB")
+        print(f"wrote draft {info['draft']['path']}: preset {draft_preset}, {human_bytes(info['draft']['bytes'])}")
         print(f"use it with: pdflash generate \"Hello\" --model {out} --draft {info['draft']['path']}")
     else:
         print(f"use it with: pdflash generate \"Hello\" --model {out}")
+
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -18,7 +18,7 @@ def smoke(
     cuda: Annotated[
         str, typer.Option(help="Also check the cuda backend: auto (when a GPU is visible), yes, or no.")
     ] = "auto",
-    device: Annotated[int, typer.Option(help="CUDA device index for the cuda backend.")] = 0,
+    device: Annotated[int, typer.Option(min=0, help="CUDA device index for the cuda backend.")] = 0,
 ) -> None:
     """Load the native scheduler and exercise all three bands: byte-exact data, on-demand
     overtaking queued background work, dedup, cancel, reset, close with waiters.

@@ -308,7 +308,7 @@ class DFlashConfig:
             if target is not None:
                 config.check_fits(target)
         else:
-            raise PdflashError(f"unknown draft preset {name!r}; choose one of {', '.join(PRESETS)}")
+            raise PdflashError(f"unknown draft preset {name!r}; choose one of {', '.join(PRESETS)}", exit_code=2)
         return config
 
 

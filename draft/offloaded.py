@@ -25,6 +25,7 @@ import torch
 from pdflash.draft.config import DFlashConfig
 from pdflash.draft.model import DFlashDraftModel
 from pdflash import PdflashError
+from pdflash.offload.prompt import check_context
 from pdflash.draft.route_ahead import RouteAhead, check_predictor_name, window_for_cache
 from pdflash.draft.speculative import SpeculativeResult, StepInfo, check_block_size, make_oracle, speculative_generate
 
@@ -56,8 +57,11 @@ def speculative_options(
                                       ("--route-ahead-predictor", predictor != default_predictor),
                                       ("--draft-acceptance", acceptance is not None)) if on]
         if used:
-            raise PdflashError(f"{', '.join(used)} only apply to speculative decoding: add --draft DIR", exit_code=2)
+            verb = "applies" if len(used) == 1 else "apply"
+            raise PdflashError(f"{', '.join(used)} only {verb} to speculative decoding: add --draft DIR", exit_code=2)
         return None
+    if block_size is not None and block_size < 1:
+        raise PdflashError(f"--block-size must be at least 1, got {block_size}", exit_code=2)
     check_predictor_name(predictor)
     if acceptance is not None:
         if not 0.0 <= acceptance <= 1.0:
@@ -90,6 +94,7 @@ def speculative_on_runtime(
     to the checkpoint's."""
     eos = list(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
     prompt = [int(t) for t in input_ids]
+    check_context(rt.config, len(prompt), max_new_tokens)
     block = check_block_size(block_size, draft.config.block_size)
     oracle = None
     if acceptance is not None:

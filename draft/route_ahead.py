@@ -200,7 +200,7 @@ def check_predictor_name(name: str) -> None:
         if part.strip() not in PREDICTORS:
             raise PdflashError(
                 f"unknown route-ahead predictor {part.strip()!r}; choose from {', '.join(PREDICTORS)} "
-                "(join with '+'), or none"
+                "(join with '+'), or none", exit_code=2
             )
 
 

@@ -36,11 +36,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from pdflash import PdflashError
+from pdflash import GenerationInterrupted, PdflashError
 from pdflash.draft.model import DFlashDraftModel
 from pdflash.draft.oracle import OracleProposer
 from pdflash.draft.route_ahead import RouteAhead
 from pdflash.draft.taps import FeatureTap
+from pdflash.offload.prompt import chunked_prefill
 
 
 # -- target calls -------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ def greedy_generate(
     device = _device_of(target)
     cache = new_target_cache()
     ids = torch.tensor([list(input_ids)], device=device)
-    logits = target_forward(target, ids, 0, cache, logits_to_keep=1)
+    logits = chunked_prefill(lambda chunk, at: target_forward(target, chunk, at, cache, logits_to_keep=1), ids)
     out: list[int] = []
     pos = len(input_ids)
     eos = set(eos_token_ids)
@@ -315,9 +316,15 @@ def speculative_generate(
     try:
         # Prefill: target over the prompt; logits of the last position only, features of all.
         t0 = time.perf_counter()
-        with taps.capture(), (route_ahead.prefill() if route_ahead else nullcontext()):
-            logits = target_forward(target, torch.tensor([tokens], device=device), 0, cache, logits_to_keep=1)
-        draft.append_context(taps.take())
+
+        def prefill_chunk(chunk: torch.Tensor, at: int) -> torch.Tensor:
+            with taps.capture():
+                out = target_forward(target, chunk, at, cache, logits_to_keep=1)
+            draft.append_context(taps.take())
+            return out
+
+        with route_ahead.prefill() if route_ahead else nullcontext():
+            logits = chunked_prefill(prefill_chunk, torch.tensor([tokens], device=device))
         if greedy:
             first = int(logits[0, -1].argmax())
         else:
@@ -399,6 +406,8 @@ def speculative_generate(
         _sync(device)
         stats.decode_seconds = time.perf_counter() - t_decode - (
             (oracle.refresh_seconds - refresh_at_start) if oracle else 0.0)
+    except KeyboardInterrupt:
+        raise GenerationInterrupted(generated) from None
     finally:
         taps.close()
     return SpeculativeResult(

@@ -7,6 +7,7 @@ bf16) and, when a target directory is given, is checked against it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -53,12 +54,32 @@ def write_synthetic_draft(
         dtype = _DTYPES[dtype]
     dtype = dtype or _DTYPES[config.dtype]
     config.dtype = next(k for k, v in _DTYPES.items() if v == dtype)
+    from safetensors import SafetensorError
+
     out = Path(out_dir)
+    weights = out / "model.safetensors"
+    partial = out / "model.safetensors.partial"
     try:
         out.mkdir(parents=True, exist_ok=True)
         tensors = synthetic_draft_tensors(config, seed, dtype)
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(partial), metadata={"format": "pt"})
+        os.chmod(partial, 0o666 & ~_umask())  # the writer's own mode may be 0600
+        os.replace(partial, weights)
         (out / "config.json").write_text(config.to_json())
-    except OSError as exc:
-        raise PdflashError(f"cannot write the draft checkpoint to {str(out)!r} ({exc})") from None
+    except (OSError, SafetensorError) as exc:
+        raise PdflashError(f"cannot write the draft checkpoint to {str(out)!r} ({_first_line(exc)}): free some space "
+                           "or choose a writable directory") from None
+    finally:
+        partial.unlink(missing_ok=True)
     return config
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

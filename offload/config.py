@@ -52,7 +52,7 @@ class ModelPreset:
         try:
             return PRESETS[name]
         except KeyError:
-            raise PdflashError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}") from None
+            raise PdflashError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}", exit_code=2) from None
 
     def hf_config(self, special_ids: dict[str, int], *, dtype: str = "bfloat16", mxfp4: bool = False) -> dict:
         """config.json of a GptOssForCausalLM checkpoint with this shape.

@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from pdflash import PdflashError
+from pdflash import GenerationInterrupted, PdflashError
+from pdflash.offload.prompt import check_context, chunked_prefill
 
 
 @dataclass
@@ -46,10 +47,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(rt, input_ids: torch.Tensor, kv) -> torch.Tensor:
-    """Run the prompt [1, T]; returns the last position's logits [1, V] (float32)."""
-    out = rt.forward(input_ids, cache=kv, logits_to_keep=1)
-    return out.logits[:, -1, :].float()
+def prefill(rt, input_ids: torch.Tensor, kv, chunk: int | None = None) -> torch.Tensor:
+    """Run the prompt [1, T] in chunks through ``kv`` (offload/prompt.py); returns the last
+    position's logits [1, V] (float32)."""
+
+    def run_chunk(ids: torch.Tensor, start: int) -> torch.Tensor:
+        return rt.forward(ids, cache=kv, logits_to_keep=1).logits[:, -1, :]
+
+    return chunked_prefill(run_chunk, input_ids, chunk).float()
 
 
 def decode_one_token(rt, token_id: int, kv) -> torch.Tensor:
@@ -79,6 +84,10 @@ def generate(
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([T] or [1, T]).
 
+    The prompt and ``max_new_tokens`` must fit the model's context (PdflashError otherwise);
+    the prompt runs in chunks (offload/prompt.py). Ctrl-C raises
+    :class:`pdflash.GenerationInterrupted` carrying the tokens generated so far.
+
     Stops early at any of ``eos_token_ids`` (default: the checkpoint's eos ids; pass []
     to never stop early). ``stats`` in the result is ``rt.stats()`` at the end
     (cumulative since load or the last reset_cache()).
@@ -97,6 +106,7 @@ def generate(
         raise PdflashError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if temperature < 0:
         raise PdflashError(f"temperature must be >= 0, got {temperature}")
+    check_context(rt.config, int(ids.shape[1]), max_new_tokens)
     eos = set(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
     gen = torch.Generator().manual_seed(seed)
     dev = rt.device
@@ -113,23 +123,27 @@ def generate(
         step_prefill = lambda p: prefill(rt, p, kv)  # noqa: E731
         step_decode = lambda t: decode_one_token(rt, t, kv)  # noqa: E731
 
-    t0 = time.perf_counter()
-    logits = step_prefill(ids)
-    tok = sample(logits, temperature, gen)  # .item() synchronises the device
-    t_first = time.perf_counter()
-    out = [tok]
-    stop = "eos" if tok in eos else "length"
-    if on_step:
-        on_step(StepInfo(0, tok, t_first - t0, None))
-    while stop == "length" and len(out) < max_new_tokens:
-        logits = step_decode(tok)
-        tok = sample(logits, temperature, gen)
+    out: list[int] = []
+    try:
+        t0 = time.perf_counter()
+        logits = step_prefill(ids)
+        tok = sample(logits, temperature, gen)  # .item() synchronises the device
+        t_first = time.perf_counter()
         out.append(tok)
-        if tok in eos:
-            stop = "eos"
+        stop = "eos" if tok in eos else "length"
         if on_step:
-            now = time.perf_counter()
-            on_step(StepInfo(len(out) - 1, tok, now - t0, (len(out) - 1) / (now - t_first)))
+            on_step(StepInfo(0, tok, t_first - t0, None))
+        while stop == "length" and len(out) < max_new_tokens:
+            logits = step_decode(tok)
+            tok = sample(logits, temperature, gen)
+            out.append(tok)
+            if tok in eos:
+                stop = "eos"
+            if on_step:
+                now = time.perf_counter()
+                on_step(StepInfo(len(out) - 1, tok, now - t0, (len(out) - 1) / (now - t_first)))
+    except KeyboardInterrupt:
+        raise GenerationInterrupted(out) from None
     _sync(dev)
     t_end = time.perf_counter()
     n_decode = len(out) - 1

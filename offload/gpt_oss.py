@@ -56,6 +56,11 @@ def mxfp4_expert_layout(hidden: int, inter: int, bias_dtype: torch.dtype = torch
     return ExpertLayout.build(spec, quantized=True)
 
 
+# config.json fields that must be positive integers when present
+_POSITIVE_FIELDS = ("num_hidden_layers", "num_local_experts", "num_experts_per_tok", "hidden_size", "intermediate_size",
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+
+
 class GptOssFamily(ModelFamily):
     name = "gpt_oss (GptOssForCausalLM)"
 
@@ -68,11 +73,17 @@ class GptOssFamily(ModelFamily):
         super().__init__(config)
         from transformers import GptOssConfig
 
+        for key in _POSITIVE_FIELDS:
+            v = config.get(key)
+            if key in config and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise PdflashError(f"config.json: {key} must be a positive integer, got {v!r}; the config is damaged: "
+                                   "restore it from the checkpoint's source")
         clean = {k: v for k, v in config.items() if k != "quantization_config"}
         try:
             self.hf_config = GptOssConfig.from_dict(clean)
         except Exception as exc:  # transformers validates field types and values
-            raise PdflashError(f"config.json is not a valid gpt_oss config: {str(exc).splitlines()[0]}") from None
+            why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+            raise PdflashError(f"config.json is not a valid gpt_oss config: {why}") from None
         c = self.hf_config
         quant = config.get("quantization_config") or {}
         method = quant.get("quant_method")

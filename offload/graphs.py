@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from pdflash import PdflashError
+from pdflash.offload.prompt import chunked_prefill
 
 
 class StaticKV:
@@ -272,7 +273,7 @@ class GraphedDecoder:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
         self.length = 0
         with torch.inference_mode():
-            return self._forward_eager(ids)
+            return chunked_prefill(lambda chunk, start: self._forward_eager(chunk), ids)
 
     def decode(self, token_id: int) -> torch.Tensor:
         """Feed one token; returns its next-token logits [1, V] (float32)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,6 +31,7 @@ from pdflash.offload.host_store import HostStore
 from pdflash.offload.prefetch import ExpertPrefetcher
 from pdflash.offload.stats import band_name
 
+LINK_GBPS_MIN, LINK_GBPS_MAX = 1e-3, 1e4  # a simulated link from 1 MB/s to 10 TB/s
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -38,7 +40,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise PdflashError(f"unknown device {device!r}: use cpu or cuda[:N]") from None
+        raise PdflashError(f"unknown device {device!r}: use cpu or cuda[:N]", exit_code=2) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise PdflashError("--device cuda was asked for but no CUDA device is available (CPU-only PyTorch?); use --device cpu")
@@ -47,7 +49,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if dev.index >= torch.cuda.device_count():
             raise PdflashError(f"{dev} does not exist: {torch.cuda.device_count()} CUDA device(s) visible")
     elif dev.type != "cpu":
-        raise PdflashError(f"device {dev.type!r} is not supported: use cpu or cuda")
+        raise PdflashError(f"device {dev.type!r} is not supported: use cpu or cuda", exit_code=2)
     return dev
 
 
@@ -59,7 +61,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torc
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise PdflashError(f"unknown dtype {dtype!r}: use auto, bfloat16, float16 or float32") from None
+        raise PdflashError(f"unknown dtype {dtype!r}: use auto, bfloat16, float16 or float32", exit_code=2) from None
 
 
 def min_cache_experts(num_experts: int, top_k: int, block_tokens: int) -> int:
@@ -133,9 +135,11 @@ class OffloadedModel:
         self.cache = None
         dev = resolve_device(device)
         if eviction not in EVICTION_POLICIES:
-            raise PdflashError(f"unknown eviction policy {eviction!r}: choose one of {', '.join(EVICTION_POLICIES)}")
-        if link_gbps is not None and link_gbps <= 0:
-            raise PdflashError(f"--link-gbps must be positive, got {link_gbps}")
+            raise PdflashError(f"unknown eviction policy {eviction!r}: choose one of {', '.join(EVICTION_POLICIES)}",
+                               exit_code=2)
+        if link_gbps is not None and not (math.isfinite(link_gbps) and LINK_GBPS_MIN <= link_gbps <= LINK_GBPS_MAX):
+            raise PdflashError(f"--link-gbps must be between {LINK_GBPS_MIN:g} and {LINK_GBPS_MAX:g} (GB/s), got {link_gbps:g}",
+                               exit_code=2)
         if link_gbps is not None and dev.type == "cuda":
             raise PdflashError("--link-gbps simulates a link for --device cpu only; on CUDA the real PCIe link is used")
         if block_tokens < 1:
@@ -450,14 +454,14 @@ def _size(nbytes: int) -> str:
 
 def _slot_count(cache_mib: float | None, cache_experts: int | None, expert_bytes: int, total: int) -> int:
     if cache_mib is not None and cache_experts is not None:
-        raise PdflashError("give the expert cache size in MiB or as a count of experts, not both")
+        raise PdflashError("give the expert cache size in MiB or as a count of experts, not both", exit_code=2)
     if cache_experts is not None:
         if cache_experts < 0:
-            raise PdflashError(f"the expert cache size must be positive, got {cache_experts} experts")
+            raise PdflashError(f"the expert cache size must be 0 or more, got {cache_experts} experts", exit_code=2)
         return min(int(cache_experts), total)
     if cache_mib is not None:
-        if cache_mib < 0:
-            raise PdflashError(f"--expert-cache-mib must be positive, got {cache_mib}")
+        if not math.isfinite(cache_mib) or cache_mib < 0:
+            raise PdflashError(f"--expert-cache-mib must be a finite number, 0 or more, got {cache_mib}", exit_code=2)
         return min(int(cache_mib * 2**20 // expert_bytes), total)
     return total
 

@@ -168,15 +168,19 @@ def _ordered(jobs: list, fn: Callable, workers: int) -> Iterator:
     with ThreadPoolExecutor(max_workers=workers) as pool:
         window: deque = deque()
         it = iter(jobs)
-        for j in it:
-            window.append(pool.submit(fn, j))
-            if len(window) >= 2 * workers:
-                break
-        while window:
-            yield window.popleft().result()
-            nxt = next(it, None)
-            if nxt is not None:
-                window.append(pool.submit(fn, nxt))
+        try:
+            for j in it:
+                window.append(pool.submit(fn, j))
+                if len(window) >= 2 * workers:
+                    break
+            while window:
+                yield window.popleft().result()
+                nxt = next(it, None)
+                if nxt is not None:
+                    window.append(pool.submit(fn, nxt))
+        finally:  # an error or Ctrl-C in the consumer: do not compute chunks nobody will write
+            for f in window:
+                f.cancel()
 
 
 def write_safetensors(
@@ -203,14 +207,18 @@ def write_safetensors(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
-        for t in _ordered(jobs, lambda j: chunk_fn(*j), workers):
-            data = t.contiguous().view(torch.uint8).numpy()
-            fh.write(memoryview(data))
-            on_bytes(data.nbytes)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(struct.pack("<Q", len(raw)))
+            fh.write(raw)
+            for t in _ordered(jobs, lambda j: chunk_fn(*j), workers):
+                data = t.contiguous().view(torch.uint8).numpy()
+                fh.write(memoryview(data))
+                on_bytes(data.nbytes)
+        os.replace(tmp, path)
+    except BaseException:  # an error, a full disk or Ctrl-C: no partial file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # -- checkpoint --------------------------------------------------------------------------------
@@ -237,6 +245,18 @@ def _tensor_dtypes(specs: dict[str, TensorSpec], dtype: torch.dtype) -> dict[str
     return {n: torch.uint8 if s.dtypes == ("U8",) else dtype for n, s in specs.items()}
 
 
+def checkpoint_bytes(preset: ModelPreset, *, mxfp4: bool = False, dtype: str = "bfloat16") -> int:
+    """Bytes of tensor data a checkpoint of ``preset`` holds (what write_checkpoint streams)."""
+    from pdflash.offload.gpt_oss import GptOssFamily
+
+    if dtype not in _DTYPES:
+        raise PdflashError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}", exit_code=2)
+    config = preset.hf_config({tok: i for i, tok in enumerate(SPECIAL_TOKENS)}, dtype=dtype, mxfp4=mxfp4)
+    specs = GptOssFamily(config).tensor_specs()
+    dtypes = _tensor_dtypes(specs, _DTYPES[dtype])
+    return sum(math.prod(s.shape) * torch.empty((), dtype=dtypes[n]).element_size() for n, s in specs.items())
+
+
 def write_checkpoint(
     out_dir: str | os.PathLike,
     preset: ModelPreset,
@@ -248,26 +268,27 @@ def write_checkpoint(
     progress: bool = False,
     workers: int | None = None,
 ) -> Path:
-    """Write a complete synthetic checkpoint into out_dir (created if needed); returns its path."""
+    """Write a complete synthetic checkpoint into out_dir (created if needed); returns its path.
+
+    The free space is checked before anything is written. Weight files of an older checkpoint
+    in out_dir are not removed: write into a new or empty directory (``pdflash make-synthetic``
+    stages its files and refuses a non-empty directory without --force).
+    """
     from pdflash.offload.gpt_oss import GptOssFamily
 
-    if dtype not in _DTYPES:
-        raise PdflashError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
+    total = checkpoint_bytes(preset, mxfp4=mxfp4, dtype=dtype)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise PdflashError(f"{out} exists and is not a directory")
+    free = _free_bytes(out)
+    if free is not None and free < total:
+        raise PdflashError(f"{out}: the checkpoint needs {total / 1e6:.3g} MB but only {free / 1e6:.3g} MB are free")
     out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        old.unlink()
     ids = write_tokenizer(out, preset)
     config = preset.hf_config(ids, dtype=dtype, mxfp4=mxfp4)
     fam = GptOssFamily(config)
     specs = fam.tensor_specs()
     dtypes = _tensor_dtypes(specs, _DTYPES[dtype])
-    total = sum(math.prod(s.shape) * torch.empty((), dtype=dtypes[n]).element_size() for n, s in specs.items())
-    free = _free_bytes(out)
-    if free is not None and free < total:
-        raise PdflashError(f"{out}: the checkpoint needs {total / 1e9:.2f} GB but only {free / 1e9:.2f} GB are free")
     shards = _shard_plan(specs, dtypes, max_shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
@@ -294,8 +315,12 @@ def write_checkpoint(
 
 
 def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem of ``path`` or of its nearest existing parent."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
     try:
-        st = os.statvfs(path)
+        st = os.statvfs(p)
     except OSError:
         return None
     return st.f_bavail * st.f_frsize

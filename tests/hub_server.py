@@ -76,6 +76,7 @@ class _Fault:
     reached: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     used: bool = False
+    repeat: bool = False  # fault every GET, not only the first
 
 
 class HubServer:
@@ -115,9 +116,10 @@ class HubServer:
         """The first GET of blob ``data`` sends ``after`` bytes, then the connection is closed."""
         self._faults[hashlib.sha256(data).hexdigest()] = _Fault(after, "drop")
 
-    def stall(self, data: bytes, after: int) -> _Fault:
-        """The first GET of blob ``data`` sends ``after`` bytes, sets ``reached``, waits for ``release``."""
-        fault = self._faults[hashlib.sha256(data).hexdigest()] = _Fault(after, "stall")
+    def stall(self, data: bytes, after: int, every: bool = False) -> _Fault:
+        """The first GET of blob ``data`` (``every``: each GET) sends ``after`` bytes, sets ``reached``,
+        waits for ``release``."""
+        fault = self._faults[hashlib.sha256(data).hexdigest()] = _Fault(after, "stall", repeat=every)
         return fault
 
     def requests(self, method: str | None = None, contains: str = "") -> list[Logged]:
@@ -255,7 +257,7 @@ def _make_handler(server: HubServer) -> type[BaseHTTPRequestHandler]:
                 return self._error(404, None, "Not Found", head)
             fault = server._faults.get(sha256)
             if not head and fault is not None and not fault.used:
-                fault.used = True
+                fault.used = not fault.repeat
                 return self._send_range(data, {"Accept-Ranges": "bytes"}, head, fault)
             self._send_range(data, {"Accept-Ranges": "bytes", "ETag": f'"{sha256}"'}, head)
 

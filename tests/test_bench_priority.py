@@ -174,31 +174,31 @@ def run_main(monkeypatch, capsys, *args) -> tuple[int, str]:
     return exc.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, message", [
-    (("--arms", "flat,turbo"), "unknown arm 'turbo'"),
-    (("--dtype", "float8"), "unknown dtype 'float8'"),
-    (("--repetitions", "0"), "--repetitions must be at least 1"),
-    (("--output", "/nonexistent-dir/bm3.json"), "cannot be written"),
-    (("--predictor", "psychic"), "unknown route-ahead predictor"),
-    (("--draft-acceptance", "1.5"), "--draft-acceptance must be between 0 and 1"),
+@pytest.mark.parametrize("extra, want, message", [  # 2: bad usage; 1: does not fit the files / machine
+    (("--arms", "flat,turbo"), 2, "unknown arm 'turbo'"),
+    (("--dtype", "float8"), 2, "unknown dtype 'float8'"),
+    (("--repetitions", "0"), 2, "--repetitions must be at least 1"),
+    (("--output", "/nonexistent-dir/bm3.json"), 1, "cannot be written"),
+    (("--predictor", "psychic"), 2, "unknown route-ahead predictor"),
+    (("--draft-acceptance", "1.5"), 2, "--draft-acceptance must be between 0 and 1"),
 ])
-def test_bad_input_is_one_error_line_before_any_work(pair, tmp_path, monkeypatch, capsys, extra, message):
+def test_bad_input_is_one_error_line_before_any_work(pair, tmp_path, monkeypatch, capsys, extra, want, message):
     out = tmp_path / "bm3.json"
     args = ["bench-priority", "--model", pair / "target", "--draft", pair / "draft", "--device", "cpu", "--output", out]
     code, err = run_main(monkeypatch, capsys, *args, *extra)
     lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 1 and len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], err
+    assert code == want and len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], err
     assert not out.exists()
 
 
 def test_model_needs_its_draft_and_the_embedded_pair_is_the_default(pair, tmp_path, monkeypatch, capsys):
     code, err = run_main(monkeypatch, capsys, "bench-priority", "--model", pair / "target", "--output", tmp_path / "x.json")
-    assert code == 1 and err.startswith("Error: give --draft DIR")
+    assert code == 2 and err.startswith("Error: give --draft DIR")
     code, err = run_main(monkeypatch, capsys, "bench-priority", "--draft", pair / "draft", "--output", tmp_path / "x.json")
-    assert code == 1 and err.startswith("Error: --draft needs --model")
+    assert code == 2 and err.startswith("Error: --draft needs --model")
     # without either: the embedded pair, checked and sized before anything is loaded
     code, err = run_main(monkeypatch, capsys, "bench-priority", "--arms", "flat,nope", "--output", tmp_path / "x.json")
-    assert code == 1 and "unknown arm 'nope'" in err
+    assert code == 2 and "unknown arm 'nope'" in err
     from pdflash.offload.embedded import embedded_draft, embedded_target
 
     b = priority.plan_budget(PriorityConfig(model_dir=str(embedded_target()), draft_dir=str(embedded_draft())))
@@ -246,7 +246,7 @@ def test_decision_refuses_an_uninstrumented_zero():
 def test_validate_rejects_before_loading(pair):
     for kw, message in [(dict(arms=()), "no arm"), (dict(arms=("flat", "flat")), "named twice"),
                         (dict(max_new_tokens=1), "at least 2"), (dict(n_prompts=99), "--prompts must be"),
-                        (dict(link_gbps=-1.0), "positive"), (dict(expert_cache_fraction=0.0), "(0, 1]")]:
+                        (dict(link_gbps=-1.0), "--link-gbps must be between"), (dict(expert_cache_fraction=0.0), "(0, 1]")]:
         with pytest.raises(PdflashError, match=message.replace("(", r"\(").replace("]", r"\]")):
             config(pair, **kw).validate()
     with pytest.raises(PdflashError, match="a verify block of 4 tokens needs at least 8"):

@@ -17,8 +17,8 @@ def pdflash(*args, cwd=None):
                           capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
-def assert_clean_error(proc, message):
-    assert proc.returncode == 1, proc.stderr
+def assert_clean_error(proc, message, code=1):
+    assert proc.returncode == code, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], proc.stderr
@@ -48,7 +48,7 @@ def test_make_synthetic_writes_a_fitted_draft_that_decodes_losslessly(written):
 
 
 def test_bad_draft_preset_is_one_line(tmp_path):
-    assert_clean_error(pdflash("make-synthetic", tmp_path / "x", "--draft-preset", "bogus"), "unknown draft preset")
+    assert_clean_error(pdflash("make-synthetic", tmp_path / "x", "--draft-preset", "bogus"), "unknown draft preset", 2)
     proc = pdflash("make-synthetic", tmp_path / "y", "--preset", "tiny", "--draft-preset", "gpt-oss-20b-DFlash")
     assert_clean_error(proc, "hidden size 2880 does not match the target's 64")
     assert not (tmp_path / "y").exists()  # refused before writing anything
@@ -105,9 +105,9 @@ def test_oracle_acceptance_mode_is_labelled_everywhere(run, mx_pair):
 
 
 @pytest.mark.parametrize("args, code, message", [
-    (("--block-size", 0), 1, "between 1 and the draft's trained block size 4"),
+    (("--block-size", 0), 2, "--block-size must be at least 1"),
     (("--block-size", 5), 1, "between 1 and the draft's trained block size 4"),
-    (("--route-ahead-predictor", "psychic"), 1, "unknown route-ahead predictor"),
+    (("--route-ahead-predictor", "psychic"), 2, "unknown route-ahead predictor"),
     (("--draft-acceptance", 1.5), 2, "between 0 and 1"),
     (("--draft-acceptance", 0.5, "--temperature", 0.7), 2, "needs greedy decoding"),
 ])
@@ -119,7 +119,7 @@ def test_bad_draft_options(run, mx_pair, args, code, message):
 
 def test_draft_options_without_a_draft_and_bad_drafts(run, mx_pair, tmp_path):
     got, _, err = _gen(run, mx_pair, "--block-size", 2)
-    assert got == 2 and "--block-size only apply to speculative decoding" in err
+    assert got == 2 and "--block-size only applies to speculative decoding" in err
     got, _, err = _gen(run, mx_pair, "--draft", tmp_path / "missing")
     assert got == 1 and "does not exist" in err and "Traceback" not in err
     wrong = tmp_path / "wide"
