@@ -652,11 +652,12 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     pthread_cond_init(&c->work_cv, NULL);
     pthread_cond_init(&c->done_cv, NULL);
     for (int i = 1; i < threads; i++) {
-        struct worker_arg *a = malloc(sizeof *a); /* freed by the worker */
-        int rc = a ? pthread_create(&c->tids[i - 1], NULL, worker_main, a) : ENOMEM;
+        struct worker_arg *a = malloc(sizeof *a); /* owned by the worker once it has started */
+        int rc = ENOMEM;
         if (a) {
             a->c = c;
             a->idx = i;
+            rc = pthread_create(&c->tids[i - 1], NULL, worker_main, a);
         }
         if (rc != 0) {
             free(a);
