@@ -96,6 +96,7 @@ class ExpertWeights:
     MXFP4: blocks [out, in/32, 16] uint8 and scales [out, in/32] uint8 for gate_up (out = 2I,
     in = H) and down (out = H, in = I). Dense: gate_up [H, 2I] and down [I, H] in bfloat16 or
     float32 (transformers' layout). Biases [2I] and [H] (float32 or bfloat16, same dtype) or None.
+    ``round_bf16``: round the intermediate results as a bfloat16 model does (see pf_cpu.h).
     """
 
     format: int
@@ -104,11 +105,12 @@ class ExpertWeights:
     tensors: dict = field(repr=False)
     alpha: float = 1.702
     limit: float = 7.0
+    round_bf16: bool = False
     _struct: object = field(default=None, repr=False, compare=False)
 
     @classmethod
     def mxfp4(cls, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
-              alpha: float = 1.702, limit: float = 7.0) -> "ExpertWeights":
+              alpha: float = 1.702, limit: float = 7.0, round_bf16: bool = False) -> "ExpertWeights":
         if gate_up_blocks.dim() != 3 or down_blocks.dim() != 3:
             raise CpuExpertError("MXFP4 blocks must be [out, in/32, 16]")
         two_i, g_h, _ = gate_up_blocks.shape
@@ -125,12 +127,13 @@ class ExpertWeights:
         _check_tensor(down_scales, "down_scales", (hidden, inter // 32), u8)
         t = dict(gate_up=gate_up_blocks, gate_up_scales=gate_up_scales, gate_up_bias=gate_up_bias,
                  down=down_blocks, down_scales=down_scales, down_bias=down_bias)
-        w = cls(_MXFP4, int(hidden), int(inter), t, float(alpha), float(limit))
+        w = cls(_MXFP4, int(hidden), int(inter), t, float(alpha), float(limit), bool(round_bf16))
         w._check_bias()
         return w
 
     @classmethod
-    def dense(cls, gate_up, gate_up_bias, down, down_bias, alpha: float = 1.702, limit: float = 7.0) -> "ExpertWeights":
+    def dense(cls, gate_up, gate_up_bias, down, down_bias, alpha: float = 1.702, limit: float = 7.0,
+              round_bf16: bool = False) -> "ExpertWeights":
         if gate_up.dim() != 2 or down.dim() != 2:
             raise CpuExpertError("dense weights must be gate_up [H, 2I] and down [I, H]")
         hidden, two_i = gate_up.shape
@@ -143,7 +146,7 @@ class ExpertWeights:
         _check_tensor(down, "down", (inter, hidden), (gate_up.dtype,))
         t = dict(gate_up=gate_up, gate_up_scales=None, gate_up_bias=gate_up_bias, down=down, down_scales=None,
                  down_bias=down_bias)
-        w = cls(_FORMAT[gate_up.dtype], int(hidden), int(inter), t, float(alpha), float(limit))
+        w = cls(_FORMAT[gate_up.dtype], int(hidden), int(inter), t, float(alpha), float(limit), bool(round_bf16))
         w._check_bias()
         return w
 
@@ -186,6 +189,7 @@ class ExpertWeights:
             s.down_bias = ptr("down_bias")
             s.alpha = self.alpha
             s.limit = self.limit
+            s.round_bf16 = int(self.round_bf16)
             self._struct = s
         return self._struct
 

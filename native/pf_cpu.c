@@ -521,6 +521,26 @@ static void split(int n_items, int unit, int nthreads, int idx, int *lo, int *hi
     *hi = b * unit < n_items ? b * unit : n_items;
 }
 
+/* float32 -> the nearest bfloat16 (ties to even), returned as float32; NaN stays NaN */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* the SwiGLU of a bfloat16 model: every operation's result rounded to bfloat16 */
+static inline float swiglu_bf16(float gate, float up, float alpha, float limit) {
+    gate = gate > limit ? limit : gate;
+    up = up > limit ? limit : (up < -limit ? -limit : up);
+    float ga = round_bf16(gate * alpha);
+    float sg = round_bf16(1.0f / (1.0f + expf(-ga)));
+    float glu = round_bf16(gate * sg);
+    return round_bf16(round_bf16(up + 1.0f) * glu);
+}
+
 static inline float swiglu(float gate, float up, float alpha, float limit) {
     gate = gate > limit ? limit : gate;                            /* NaN stays NaN, as torch.clamp */
     up = up > limit ? limit : (up < -limit ? -limit : up);
@@ -547,12 +567,23 @@ static void run_part(pf_cpu *c, int idx) {
             const float *g = c->gu + (size_t)t * 2 * I;
             float *ht = c->h + (size_t)t * I;
             for (int k = lo / 2; k < hi / 2; k++) {
-                float gate = g[2 * k], up = g[2 * k + 1];
-                if (w->gate_up_bias) {
-                    gate += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k);
-                    up += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k + 1);
+                float gate = g[2 * k], up = g[2 * k + 1], hv;
+                if (w->round_bf16) {
+                    gate = round_bf16(gate);
+                    up = round_bf16(up);
+                    if (w->gate_up_bias) {
+                        gate = round_bf16(gate + round_bf16(load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k)));
+                        up = round_bf16(up + round_bf16(load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k + 1)));
+                    }
+                    hv = swiglu_bf16(gate, up, w->alpha, w->limit);
+                } else {
+                    if (w->gate_up_bias) {
+                        gate += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k);
+                        up += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k + 1);
+                    }
+                    hv = swiglu(gate, up, w->alpha, w->limit);
                 }
-                ht[mx ? mx_pos((size_t)k) : (size_t)k] = swiglu(gate, up, w->alpha, w->limit);
+                ht[mx ? mx_pos((size_t)k) : (size_t)k] = hv;
             }
         }
     } else {
@@ -562,9 +593,18 @@ static void run_part(pf_cpu *c, int idx) {
             c->mx_rows((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->h, T, j->out, H);
         else
             c->dense_cols(w->down, w->format, I, H, lo, hi, c->h, T, j->out, H);
-        if (w->down_bias)
-            for (int t = 0; t < T; t++)
-                for (int o = lo; o < hi; o++) j->out[(size_t)t * H + o] += load_elem(w->down_bias, w->bias_format, (size_t)o);
+        for (int t = 0; t < T; t++) {
+            float *ot = j->out + (size_t)t * H;
+            if (w->round_bf16) {
+                for (int o = lo; o < hi; o++) {
+                    float v = round_bf16(ot[o]);
+                    if (w->down_bias) v = round_bf16(v + round_bf16(load_elem(w->down_bias, w->bias_format, (size_t)o)));
+                    ot[o] = v;
+                }
+            } else if (w->down_bias) {
+                for (int o = lo; o < hi; o++) ot[o] += load_elem(w->down_bias, w->bias_format, (size_t)o);
+            }
+        }
     }
 }
 
@@ -704,6 +744,7 @@ static int check_weights(const pf_cpu_weights *w) {
     if (!w || w->hidden < 1 || w->inter < 1 || !w->gate_up || !w->down) return 0;
     if (w->hidden > (1 << 24) || w->inter > (1 << 24)) return 0;
     if (w->bias_format != PF_CPU_F32 && w->bias_format != PF_CPU_BF16) return 0;
+    if (w->round_bf16 != 0 && w->round_bf16 != 1) return 0;
     if (w->format == PF_CPU_MXFP4)
         return w->hidden % 32 == 0 && w->inter % 32 == 0 && w->gate_up_scales && w->down_scales;
     return w->format == PF_CPU_F32 || w->format == PF_CPU_BF16;

@@ -10,6 +10,9 @@
  * and E8M0 scales are decoded in registers, never into a dequantized copy; bf16 and
  * float32 dense weights are widened in registers. Everything accumulates in float32.
  * The routing weight of each token is not applied here (the caller scales the rows).
+ * With round_bf16 the intermediate results are rounded to bfloat16 where a bfloat16 model
+ * (transformers' GptOssExperts in bf16) rounds them: each projection's float32 sum, the bias
+ * additions and every SwiGLU step; the output rows are then bf16 values held in float32.
  *
  * Work split: the output features of gate_up, then those of down, are divided into
  * contiguous ranges, one per thread; each thread reads only its slice of the weights and
@@ -88,6 +91,7 @@ typedef struct pf_cpu_weights {
     const void *down_bias;
     float alpha;                   /* gpt-oss: 1.702 */
     float limit;                   /* gpt-oss: 7.0 */
+    int round_bf16;                /* 1: round like a bfloat16 model (below); 0: float32 throughout */
 } pf_cpu_weights;
 
 /* Best level this CPU (and OS) runs. */
