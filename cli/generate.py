@@ -47,10 +47,21 @@ def _load_options(
     lookahead_depth: int,
     history_depth: int,
     show_progress: bool,
+    cpu_experts: str = "auto",
+    cpu_threads: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of OffloadedModel.load for these command-line options."""
+    """Keyword arguments of OffloadedModel.load for these command-line options.
+
+    ``--cpu-experts auto`` on the CPU device computes every expert natively from host memory,
+    unless the run is an offload experiment (a cache size or a simulated link is given): then
+    the experts go through the cache as on a GPU."""
+    dev = _resolve_device(device)
+    if cpu_experts == "auto" and dev == "cpu" and (
+        link_gbps is not None or expert_cache_mib is not None or expert_cache_experts is not None
+    ):
+        cpu_experts = "off"
     opts = dict(
-        device=_resolve_device(device),
+        device=dev,
         dtype=None if dtype == "auto" else dtype,
         expert_cache_mib=expert_cache_mib,
         expert_cache_experts=expert_cache_experts,
@@ -59,6 +70,8 @@ def _load_options(
         lookahead_depth=lookahead_depth,
         history_depth=history_depth,
         progress=show_progress,
+        cpu_experts=cpu_experts,
+        cpu_threads=cpu_threads,
     )
     # every expert fits: copy them in while loading, so generation starts warm
     opts["preload"] = expert_cache_mib is None and expert_cache_experts is None
@@ -121,6 +134,8 @@ def _report(rt, res, text: str, extra: dict, load_s: float) -> dict:
         "bytes_moved": st["bytes_moved"],
         "bytes_per_token": st["bytes_per_token"],
         "link_busy_seconds": st["link_busy_seconds"],
+        "cpu_experts": st["cpu_experts"],
+        "experts_per_token": st["experts_per_token"],
         "bands": [
             {k: b[k] for k in ("band", "name", "submitted", "completed", "cancelled", "promoted", "stall_seconds",
                                "queue_wait_seconds", "bytes")}
@@ -164,6 +179,16 @@ def _print_summary(report: dict) -> None:
         ("bytes moved", f"{report['bytes_moved'] / 1e6:.2f} MB"),
         ("link busy", _fmt(report["link_busy_seconds"], " s", 4)),
     ]
+    ce, ept = report["cpu_experts"], report["experts_per_token"]
+    if ce["mode"] != "off":
+        per = lambda k: _fmt(ept[k])  # noqa: E731
+        rows += [
+            ("experts/token: cache, fetched, cpu", f"{per('cache')}, {per('fetched')}, {per('cpu')}"),
+            ("cpu experts", f"{ce['mode']}: {ce['computed']} computed in {_fmt(ce['seconds'], ' s', 3)} "
+                            f"({ce.get('threads')} threads, {ce.get('level')})"),
+        ]
+    elif ce.get("reason_off"):
+        rows.append(("cpu experts", f"off: {ce['reason_off']}"))
     if "acceptance_length" in report:
         rows += _speculative_rows(report)
     for k, v in rows:
@@ -209,6 +234,8 @@ def generate(
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "previous",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
+    cpu_experts: Annotated[str, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: each missing expert fetched or computed on the CPU, whichever is sooner; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all.")] = "auto",
+    cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use).")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph (plain decoding on CUDA; default: on there, off elsewhere).", show_default=False)] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
@@ -244,7 +271,7 @@ def generate(
     opts = _load_options(
         device=device, dtype=dtype, expert_cache_mib=expert_cache_mib, expert_cache_experts=expert_cache_experts,
         link_gbps=link_gbps, eviction=eviction, lookahead_depth=lookahead_depth, history_depth=history_depth,
-        show_progress=draw,
+        show_progress=draw, cpu_experts=cpu_experts, cpu_threads=cpu_threads,
     )
     if spec is not None:
         opts["block_tokens"] = spec["block_size"]  # the cache minimum covers one verify block
@@ -276,6 +303,12 @@ def generate(
                 ("hit rate", "n/a" if hr is None else f"{hr:.1%}"),
                 ("exposed fetch", f"{rt.cache.stats.exposed_s:.3f} s"),
             ]
+            if rt.cpu_mode != "off":
+                fs = rt.cache.stats
+                per = (lambda n: f"{n / fs.tokens:.2f}") if fs.tokens else (lambda n: "n/a")  # noqa: E731
+                fields += [("experts/token cache|fetched|cpu", f"{per(fs.hits)}|{per(fs.misses)}|{per(fs.cpu)}"),
+                           ("cpu time", f"{fs.cpu_seconds:.3f} s"),
+                           ("link busy", f"{rt.scheduler.stats()['link_busy_s']:.3f} s")]
             if rate.get("verifies"):
                 fields += [("accept len", f"{rate['committed'] / rate['verifies']:.2f}"),
                            ("route-ahead this step", str(rate["prefetched"]))]

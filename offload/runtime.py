@@ -189,6 +189,8 @@ class OffloadedModel:
         reason = unsupported_reason(layout, self.dtype)
         if cpu_mode == "auto":
             cpu_mode = "all" if dev.type == "cpu" else "auto"
+            if reason is None and cpu_mode == "auto" and not _placement_available():
+                reason = "the placement cost model (offload/cost.py) is not part of this build"
             if reason is not None:
                 cpu_mode = "off"
         elif cpu_mode == "all" and reason is not None:
@@ -516,6 +518,14 @@ class OffloadedModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _placement_available() -> bool:
+    try:
+        from pdflash.offload.cost import CpuPlacement  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _size(nbytes: int) -> str:
