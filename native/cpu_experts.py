@@ -259,6 +259,22 @@ class CpuExperts:
             self._leave()
         return out
 
+    def stream_read(self, buf: torch.Tensor) -> int:
+        """Read a host tensor once with this pool's threads; returns the sum of its 64-bit words
+        (little-endian, modulo 2**64; a trailing partial word zero-padded). For bandwidth measurements."""
+        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
+            raise CpuExpertError("stream_read needs a contiguous host tensor")
+        ffi, lib = self._ffi, self._lib
+        out = ffi.new("uint64_t *")
+        c = self._enter()
+        try:
+            rc = lib.pf_cpu_stream_read(c, ffi.cast("void *", buf.data_ptr()), buf.numel() * buf.element_size(), out)
+        finally:
+            self._leave()
+        if rc != 0:
+            raise CpuExpertError(f"stream_read: {self._strerror(rc)}")
+        return int(out[0])
+
     def _enter(self):
         with self._lock:
             if self._closed:

@@ -126,6 +126,27 @@ static void dense_cols_scalar(const void *w, int fmt, int in, int ncols, int c0,
     }
 }
 
+/* sum of the 64-bit words of [p, p + n) (n a multiple of 8) */
+typedef uint64_t (*read_fn)(const uint8_t *p, size_t n);
+
+static uint64_t read_scalar(const uint8_t *p, size_t n) {
+    uint64_t a = 0, b = 0;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        uint64_t x, y;
+        memcpy(&x, p + i, 8);
+        memcpy(&y, p + i + 8, 8);
+        a += x;
+        b += y;
+    }
+    for (; i + 8 <= n; i += 8) {
+        uint64_t x;
+        memcpy(&x, p + i, 8);
+        a += x;
+    }
+    return a + b;
+}
+
 #if PF_X86
 /* ---- AVX2 + FMA ---------------------------------------------------------------------- */
 #define T_AVX2 __attribute__((target("avx2,fma")))
@@ -253,6 +274,21 @@ T_AVX2 static void dense_cols_avx2(const void *w, int fmt, int in, int ncols, in
         }
     }
     if (c < c1) dense_cols_scalar(w, fmt, in, ncols, c, c1, x, T, y, ys);
+}
+
+T_AVX2 static uint64_t read_avx2(const uint8_t *p, size_t n) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    __m256i a = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, a);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3] + read_scalar(p + i, n - i);
 }
 
 /* ---- AVX-512 ------------------------------------------------------------------------- */
@@ -436,6 +472,18 @@ T_512 static void dense_cols_512(const void *w, int fmt, int in, int ncols, int 
         }
     }
 }
+T_512 static uint64_t read_512(const uint8_t *p, size_t n) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        a0 = _mm512_add_epi64(a0, _mm512_loadu_si512((const void *)(p + i)));
+        a1 = _mm512_add_epi64(a1, _mm512_loadu_si512((const void *)(p + i + 64)));
+        a2 = _mm512_add_epi64(a2, _mm512_loadu_si512((const void *)(p + i + 128)));
+        a3 = _mm512_add_epi64(a3, _mm512_loadu_si512((const void *)(p + i + 192)));
+    }
+    __m512i a = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));
+    return (uint64_t)_mm512_reduce_add_epi64(a) + read_scalar(p + i, n - i);
+}
 #endif /* PF_X86 */
 
 /* ---- dispatch ------------------------------------------------------------------------ */
@@ -477,7 +525,9 @@ const char *pf_cpu_strerror(int code) {
 typedef struct job {
     const pf_cpu_weights *w;
     int T;
-    int phase;          /* 1: gate_up + SwiGLU, 2: down */
+    const uint8_t *rbuf; /* phase 3: the buffer, its size (a multiple of 8), per-thread sums */
+    size_t rbytes;
+    uint64_t *rsum;
     int bf16_x;         /* phase 1 uses the bf16 MXFP4 kernel (xb) */
     float *out;
 } job;
@@ -488,14 +538,18 @@ struct pf_cpu {
     mx_rows_fn mx_rows;
     mx_rows_bf16_fn mx_rows_bf16; /* NULL below PF_CPU_LEVEL_AVX512_BF16 */
     dense_cols_fn dense_cols;
+    read_fn read;
 
     pthread_mutex_t call_mu;      /* serializes pf_cpu_expert; guards the scratch buffers */
 
-    pthread_mutex_t mu;           /* guards gen, pending, stop and the job (written before gen++) */
+    pthread_mutex_t mu;           /* guards gen, phase, left, done, stop and the job (written before gen++) */
     pthread_cond_t work_cv;       /* workers: a new generation or stop */
-    pthread_cond_t done_cv;       /* caller: pending reached 0 */
-    uint64_t gen;
-    int pending;
+    pthread_cond_t done_cv;       /* caller: the job's last phase has ended */
+    uint64_t gen;                 /* incremented each time a phase starts */
+    int phase;                    /* the phase running now */
+    int last_phase;               /* the job ends after this phase */
+    int left;                     /* threads still running the current phase */
+    int done;                     /* the job has ended */
     int stop;
     job cur;
 
@@ -548,13 +602,18 @@ static inline float swiglu(float gate, float up, float alpha, float limit) {
     return (up + 1.0f) * glu;
 }
 
-static void run_part(pf_cpu *c, int idx) {
+static void run_part(pf_cpu *c, int idx, int phase) {
     const job *j = &c->cur;
+    if (phase == 3) {
+        size_t words = j->rbytes / 8, a = words * idx / c->threads, b = words * (idx + 1) / c->threads;
+        j->rsum[idx] = c->read(j->rbuf + a * 8, (b - a) * 8);
+        return;
+    }
     const pf_cpu_weights *w = j->w;
     const int H = w->hidden, I = w->inter, T = j->T, n = c->threads;
     const int mx = w->format == PF_CPU_MXFP4;
     int lo, hi;
-    if (j->phase == 1) {
+    if (phase == 1) {
         split(2 * I, mx ? MX_UNIT : DN_UNIT, n, idx, &lo, &hi);
         if (lo >= hi) return;
         if (mx && j->bf16_x)
@@ -608,40 +667,70 @@ static void run_part(pf_cpu *c, int idx) {
     }
 }
 
+/* A thread (under c->mu) has finished its part of the current phase. The last one to finish
+ * starts the next phase at once (a new generation; it carries on without sleeping) or ends
+ * the job; returns 1 if it started a new phase. */
+static int finish_part(pf_cpu *c) {
+    if (--c->left > 0) return 0;
+    if (c->phase < c->last_phase) {
+        c->phase++;
+        c->left = c->threads;
+        c->gen++;
+        pthread_cond_broadcast(&c->work_cv);
+        return 1;
+    }
+    c->done = 1;
+    pthread_cond_signal(&c->done_cv);
+    return 0;
+}
+
 static void *worker_main(void *p) {
     struct worker_arg a = *(struct worker_arg *)p;
     free(p);
     pf_cpu *c = a.c;
     pthread_mutex_lock(&c->mu);
-    uint64_t seen = 0; /* workers start before the first dispatch: generation 0 is "no job" */
+    uint64_t seen = 0; /* workers start before the first job: generation 0 is "no job" */
     for (;;) {
         while (!c->stop && c->gen == seen) pthread_cond_wait(&c->work_cv, &c->mu);
         if (c->stop) break;
         seen = c->gen;
+        int phase = c->phase;
         pthread_mutex_unlock(&c->mu);
-        run_part(c, a.idx);
+        run_part(c, a.idx, phase);
         pthread_mutex_lock(&c->mu);
-        if (--c->pending == 0) pthread_cond_signal(&c->done_cv);
+        if (finish_part(c)) seen = c->gen - 1; /* it started the next phase: run it too */
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
 }
 
-/* Run c->cur on every thread (the caller is thread 0) and return when all have finished. */
-static void dispatch(pf_cpu *c) {
-    if (c->threads > 1) {
-        pthread_mutex_lock(&c->mu);
-        c->pending = c->threads - 1;
-        c->gen++;
-        pthread_cond_broadcast(&c->work_cv);
+/* Run phases first..last of c->cur on every thread (the caller is thread 0); return when the
+ * last phase has ended everywhere. Between phases no thread returns to the caller: the last
+ * thread to finish a phase starts the next. */
+static void run_job(pf_cpu *c, int first, int last) {
+    pthread_mutex_lock(&c->mu);
+    c->phase = first;
+    c->last_phase = last;
+    c->left = c->threads;
+    c->done = 0;
+    c->gen++;
+    if (c->threads > 1) pthread_cond_broadcast(&c->work_cv);
+    uint64_t seen = c->gen - 1;
+    for (;;) {
+        while (!c->done && c->gen == seen) pthread_cond_wait(&c->work_cv, &c->mu);
+        if (c->done) break;
+        seen = c->gen;
+        int phase = c->phase;
         pthread_mutex_unlock(&c->mu);
-    }
-    run_part(c, 0);
-    if (c->threads > 1) {
+        run_part(c, 0, phase);
         pthread_mutex_lock(&c->mu);
-        while (c->pending) pthread_cond_wait(&c->done_cv, &c->mu);
-        pthread_mutex_unlock(&c->mu);
+        if (finish_part(c)) seen = c->gen - 1;
+        else if (c->phase == c->last_phase) { /* its share of the last phase is done: wait for the rest */
+            while (!c->done) pthread_cond_wait(&c->done_cv, &c->mu);
+            break;
+        }
     }
+    pthread_mutex_unlock(&c->mu);
 }
 
 static void stop_workers(pf_cpu *c) {
@@ -669,14 +758,17 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     c->threads = threads;
     c->mx_rows = mx_rows_scalar;
     c->dense_cols = dense_cols_scalar;
+    c->read = read_scalar;
 #if PF_X86
     if (level >= PF_CPU_LEVEL_AVX2) {
         c->mx_rows = mx_rows_avx2;
         c->dense_cols = dense_cols_avx2;
+        c->read = read_avx2;
     }
     if (level >= PF_CPU_LEVEL_AVX512) {
         c->mx_rows = mx_rows_512;
         c->dense_cols = dense_cols_512;
+        c->read = read_512;
     }
     if (level >= PF_CPU_LEVEL_AVX512_BF16) c->mx_rows_bf16 = mx_rows_bf16;
 #endif
@@ -781,11 +873,31 @@ int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_forma
             dt[mx ? mx_pos((size_t)k) : (size_t)k] = v;
         }
     }
-    c->cur = (job){.w = w, .T = T, .phase = 1, .bf16_x = bf16_x, .out = out};
-    dispatch(c);
-    c->cur.phase = 2;
-    dispatch(c);
+    c->cur = (job){.w = w, .T = T, .bf16_x = bf16_x, .out = out};
+    run_job(c, 1, 2);
     c->cur = (job){0};
     pthread_mutex_unlock(&c->call_mu);
+    return PF_CPU_OK;
+}
+
+int pf_cpu_stream_read(pf_cpu *c, const void *buf, size_t nbytes, uint64_t *sum) {
+    if (!c || !buf || !sum) return PF_CPU_EINVAL;
+    uint64_t *parts = calloc((size_t)c->threads, sizeof *parts); /* owned here, one slot per thread */
+    if (!parts) return PF_CPU_ENOMEM;
+    pthread_mutex_lock(&c->call_mu);
+    size_t whole = nbytes / 8 * 8;
+    c->cur = (job){.rbuf = (const uint8_t *)buf, .rbytes = whole, .rsum = parts};
+    run_job(c, 3, 3);
+    c->cur = (job){0};
+    pthread_mutex_unlock(&c->call_mu);
+    uint64_t total = 0;
+    for (int i = 0; i < c->threads; i++) total += parts[i];
+    if (whole < nbytes) { /* the last few bytes, as one zero-padded word */
+        uint64_t tail = 0;
+        memcpy(&tail, (const uint8_t *)buf + whole, nbytes - whole);
+        total += tail;
+    }
+    free(parts);
+    *sum = total;
     return PF_CPU_OK;
 }

@@ -114,6 +114,12 @@ int pf_cpu_threads(const pf_cpu *c);
 int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_format, int tokens,
                   int x_stride, float *out);
 
+/* Read nbytes at buf once with the pool's threads (each thread one contiguous slice, the
+ * widest loads of the context's level) and store a checksum of the bytes in *sum: the
+ * streaming read bandwidth of the same threads, for comparing the kernel against. Serialized
+ * with pf_cpu_expert. */
+int pf_cpu_stream_read(pf_cpu *c, const void *buf, size_t nbytes, uint64_t *sum);
+
 const char *pf_cpu_strerror(int code);
 const char *pf_cpu_level_name(int level);
 

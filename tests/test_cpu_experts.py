@@ -323,3 +323,16 @@ def test_c_stress_quick(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("cpu_stress: ") and last.endswith(" 0 failed") and not last.startswith("cpu_stress: 0 passed")
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_stream_read_checksum(level):
+    """The bandwidth probe really reads every byte: its checksum is the sum of the 64-bit words."""
+    g = torch.Generator().manual_seed(21)
+    for n in (8, 1000, 4096 + 13, 1 << 20):
+        buf = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        padded = torch.cat([buf, torch.zeros(-n % 8, dtype=torch.uint8)])
+        want = sum(int.from_bytes(padded[i : i + 8].numpy().tobytes(), "little") for i in range(0, len(padded), 8)) % 2**64
+        for threads in (1, 3):
+            with CpuExperts(threads=threads, level=level) as k:
+                assert k.stream_read(buf) == want
