@@ -171,16 +171,36 @@ def _print_summary(report: dict) -> None:
     out.print(t)
 
 
+def _planner_rows(planner: dict | None) -> list[tuple[str, str]]:
+    if not planner or planner["predicted_step_ms"] is None:
+        return []
+    return [("step time predicted / measured",
+             f"{planner['predicted_step_ms']:.1f} / {planner['measured_step_ms']:.1f} ms "
+             f"(mean abs error {planner['step_time_abs_error_ms']:.1f} ms, {planner['predicted_steps']} steps)")]
+
+
+def _moved(rt) -> float:
+    return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
+
+
+def _histogram_text(hist: dict) -> str:
+    return " ".join(f"{b}:{n}" for b, n in sorted(hist.items(), key=lambda kv: int(kv[0])))
+
+
 def _speculative_rows(report: dict) -> list[tuple[str, str]]:
     ra = report["route_ahead"]
     rows = []
     if "oracle_acceptance" in report:
         rows.append(("ORACLE ACCEPTANCE", f"P = {report['oracle_acceptance']}: draft proposals replaced by the target's greedy tokens"))
+    bpt = report.get("bytes_per_committed_token")
     rows += [
-        ("block size", str(report["block_size"])),
+        ("block size", f"{report['block_size']} (up to {report['max_block_size']})"),
+        ("blocks (B:steps)", _histogram_text(report["block_histogram"])),
+        ("bytes / committed token", "n/a" if bpt is None else f"{bpt / 1e6:.2f} MB"),
         ("acceptance length", f"{report['acceptance_length']:.2f} tokens per verify ({report['verify_steps']} verify passes)"),
         ("acceptance per position", " ".join(f"{a:.0%}" for a in report["acceptance_per_position"]) or "n/a"),
         ("draft / verify", f"{report['draft_ms']:.1f} ms / {report['verify_ms']:.1f} ms"),
+        *_planner_rows(report.get("planner")),
         ("route-ahead", "off" if ra is None else
          f"{ra['predictor']}: recall {ra['recall']:.1%}, precision {ra['precision']:.1%}, wasted {ra['wasted_bytes'] / 1e6:.2f} MB"),
     ]
@@ -205,7 +225,7 @@ def generate(
     lookahead_depth: Annotated[int, typer.Option(min=0, help="Prefetch by applying the routers of the next N layers to the current hidden state (0: off).")] = 0,
     history_depth: Annotated[int, typer.Option(min=0, help="Prefetch the most used experts of the next N layers in the background band (0: off).")] = 0,
     draft: Annotated[Path | None, typer.Option(help="DFlash draft checkpoint directory: decode speculatively (greedy output stays identical).")] = None,
-    block_size: Annotated[int | None, typer.Option(help="With --draft: tokens per verify pass, from 1 up to the draft's trained block size (its default).")] = None,
+    block_size: Annotated[str | None, typer.Option(help="With --draft: tokens per verify pass, auto (default: chosen each step by the block planner, 1 = plain decoding) or a fixed N from 1 up to the draft's trained block size.")] = None,
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "previous",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
@@ -267,6 +287,13 @@ def generate(
             rate["verifies"] = rate.get("verifies", 0) + 1
             rate["committed"] = rate.get("committed", 0) + len(step.committed)
             rate["prefetched"] = step.route_ahead_submitted
+            hist = rate.setdefault("blocks", {})
+            hist[step.block_size] = hist.get(step.block_size, 0) + 1
+            if step.predicted_seconds is not None:
+                rate["predicted_s"] = rate.get("predicted_s", 0.0) + step.predicted_seconds
+                rate["measured_s"] = rate.get("measured_s", 0.0) + step.draft_seconds + step.verify_seconds
+            if "bytes0" not in rate:  # from the end of the first verify pass (prefill excluded)
+                rate["bytes0"], rate["committed0"] = _moved(rt), rate["committed"]
 
         def status() -> list[tuple[str, str]]:
             hr = rt.cache.stats.hit_rate()
@@ -278,7 +305,13 @@ def generate(
             ]
             if rate.get("verifies"):
                 fields += [("accept len", f"{rate['committed'] / rate['verifies']:.2f}"),
-                           ("route-ahead this step", str(rate["prefetched"]))]
+                           ("route-ahead this step", str(rate["prefetched"])),
+                           ("blocks (B:steps)", _histogram_text(rate["blocks"])),
+                           ("MB / committed tok", "n/a" if rate["committed"] == rate["committed0"] else
+                            f"{(_moved(rt) - rate['bytes0']) / (rate['committed'] - rate['committed0']) / 1e6:.2f}")]
+                if rate.get("measured_s"):
+                    fields.append(("step ms predicted / measured",
+                                   f"{1e3 * rate['predicted_s'] / rate['verifies']:.1f} / {1e3 * rate['measured_s'] / rate['verifies']:.1f}"))
             if spec is not None and spec["acceptance"] is not None:
                 fields.append(("ORACLE", f"P={spec['acceptance']}"))
             return fields

@@ -12,8 +12,8 @@ read the same measured rates:
   there is one, else :data:`LINK_PRIOR_BYTES_PER_S` for the device type.
 - device compute per expert (seconds per expert for a forward of T tokens): fed by
   :meth:`observe_expert_compute`; no prior (None until measured).
-- forward time per block length B, for each kind of forward ("verify", "draft", "plain"): EWMA of
-  the measured step time with the step's own link time removed (:meth:`observe_forward`), so a
+- forward time per block length B, for each kind of forward ("verify", "draft", "plain"): median
+  of the last 8 measured step times with each step's own link time removed (:meth:`observe_forward`), so a
   prediction for a different set of missing experts adds their link time back. Before B is
   measured, the nearest measured B stands in (batch-1 and small-batch forwards are bound by the
   same weight reads); before anything is measured the prediction is None.
@@ -37,6 +37,30 @@ from typing import Callable, Iterable
 LINK_PRIOR_BYTES_PER_S = {"cuda": 25e9, "cpu": 10e9}  # PCIe Gen4-5 x16 effective; host memcpy
 EWMA_ALPHA = 0.2
 FORWARD_KINDS = ("verify", "draft", "plain")
+
+
+class RecentMedian:
+    """Median of the last ``window`` samples: a step time that one slow step (a first call's
+    allocations, another process on the machine) does not drag for many steps."""
+
+    def __init__(self, window: int = 8):
+        self.window = window
+        self.samples: list[float] = []
+        self.count = 0
+
+    def add(self, x: float) -> float:
+        self.samples.append(float(x))
+        del self.samples[: -self.window]
+        self.count += 1
+        return self.value
+
+    @property
+    def value(self) -> float | None:
+        if not self.samples:
+            return None
+        s = sorted(self.samples)
+        n = len(s)
+        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 class Ewma:
@@ -89,7 +113,7 @@ class CostModel:
         self.link_prior = link_gbps * 1e9 if link_gbps else LINK_PRIOR_BYTES_PER_S.get(device_type, 10e9)
         self._link = Ewma(alpha)
         self._last_link: tuple[float, float] | None = None  # cumulative (bytes, busy seconds)
-        self._forward: dict[str, dict[int, Ewma]] = {k: {} for k in FORWARD_KINDS}
+        self._forward: dict[str, dict[int, RecentMedian]] = {k: {} for k in FORWARD_KINDS}
         self._expert_compute: dict[int, Ewma] = {}  # tokens -> device seconds per expert
         self.cpu_expert_seconds: Callable[[int], float] | None = None  # hybrid execution's hook
 
@@ -125,7 +149,7 @@ class CostModel:
         if kind not in FORWARD_KINDS:
             raise ValueError(f"unknown forward kind {kind!r}; one of {FORWARD_KINDS}")
         base = max(0.0, seconds - fetched_experts * self.seconds_per_expert_fetch())
-        self._forward[kind].setdefault(int(tokens), Ewma(self.alpha)).add(base)
+        self._forward[kind].setdefault(int(tokens), RecentMedian()).add(base)
 
     def observe_expert_compute(self, tokens: int, experts: int, seconds: float) -> None:
         """Device compute of ``experts`` experts over ``tokens`` tokens took ``seconds``."""
@@ -152,17 +176,16 @@ class CostModel:
 
     def device_expert_seconds(self, tokens: int) -> float | None:
         """Device seconds per expert for ``tokens`` tokens (nearest measured token count), or None."""
-        e = _nearest(self._expert_compute, tokens)
-        return None if e is None else e.value
+        return _estimate(self._expert_compute, tokens)
 
     def forward_seconds(self, kind: str, tokens: int) -> float | None:
         """Predicted time of a ``kind`` forward of ``tokens`` tokens with nothing to fetch: its
-        EWMA, the nearest measured token count's before it is measured, None before any."""
-        e = _nearest(self._forward[kind], tokens)
-        return None if e is None else e.value
+        recent median; before it is measured, interpolated between measured token counts (or the nearest),
+        None before any."""
+        return _estimate(self._forward[kind], tokens)
 
     def measured_forward(self, kind: str) -> dict[int, float]:
-        """Token count -> current EWMA of each measured ``kind`` forward."""
+        """Token count -> current estimate of each measured ``kind`` forward."""
         return {t: e.value for t, e in sorted(self._forward[kind].items()) if e.value is not None}
 
     # -- predictions -------------------------------------------------------------------
@@ -220,9 +243,17 @@ class CostModel:
         }
 
 
-def _nearest(table: dict[int, Ewma], tokens: int) -> Ewma | None:
-    if not table:
+def _estimate(table: dict, tokens: int) -> float | None:
+    """The estimate at ``tokens``; unmeasured: linear between the measured neighbours on both sides,
+    else the nearest measured one; None when nothing is measured."""
+    known = {t: e.value for t, e in table.items() if e.value is not None}
+    if not known:
         return None
-    if tokens in table:
-        return table[tokens]
-    return table[min(table, key=lambda t: (abs(t - tokens), t))]
+    if tokens in known:
+        return known[tokens]
+    lower = [t for t in known if t < tokens]
+    upper = [t for t in known if t > tokens]
+    if lower and upper:
+        lo, hi = max(lower), min(upper)
+        return known[lo] + (known[hi] - known[lo]) * (tokens - lo) / (hi - lo)
+    return known[max(lower) if lower else min(upper)]

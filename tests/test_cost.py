@@ -41,7 +41,8 @@ def test_forward_time_removes_own_link_time_and_uses_nearest():
     assert m.forward_seconds("verify", 3) == pytest.approx(0.005)  # nearest measured
     assert m.step_seconds("verify", 4, 2) == pytest.approx(0.007)
     m.observe_forward("verify", 1, 0.002)
-    assert m.forward_seconds("verify", 2) == pytest.approx(0.002)  # ties go to the smaller
+    assert m.forward_seconds("verify", 2) == pytest.approx(0.003)  # between 1 and 4: interpolated
+    assert m.forward_seconds("verify", 8) == pytest.approx(0.005)
     with pytest.raises(ValueError):
         m.observe_forward("bogus", 1, 0.1)
 
@@ -64,6 +65,16 @@ def test_host_hook_takes_misses_only_when_sooner():
     assert (plan.host, plan.to_fetch) == (0, 2) and plan.seconds == pytest.approx(2e-3)
     m.set_cpu_expert_rate(None)
     assert m.serve([(0, 1)], cache).host == 0
+
+
+def test_forward_time_is_robust_to_one_slow_step():
+    m = CostModel(1000, link_gbps=1)
+    for t in (0.5, 0.010, 0.011, 0.012):  # a first call's warm-up, then steady steps
+        m.observe_forward("plain", 1, t)
+    assert m.forward_seconds("plain", 1) == pytest.approx(0.0115)
+    for _ in range(8):
+        m.observe_forward("plain", 1, 0.020)
+    assert m.forward_seconds("plain", 1) == pytest.approx(0.020)  # the window moved on
 
 
 def test_expert_compute_rate():
