@@ -94,8 +94,9 @@ def _run(rt, ids: list[int], *, max_new_tokens: int, temperature: float, seed: i
     if spec is not None:
         from pdflash.draft import generate_with_draft
 
-        return generate_with_draft(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                   on_step=on_step, on_verify=on_verify, **spec)
+        res, extra = generate_with_draft(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                         on_step=on_step, on_verify=on_verify, graphs=cuda_graphs, **spec)
+        return res, {"cuda_graphs": cuda_graphs, **extra}
 
     res = run_generate(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step,
                        cuda_graphs=cuda_graphs)
@@ -229,7 +230,7 @@ def generate(
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "previous",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
-    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph (plain decoding on CUDA; default: on there, off elsewhere).", show_default=False)] = None,
+    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length (default: on CUDA, off elsewhere).", show_default=False)] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
 
@@ -253,8 +254,6 @@ def generate(
         raise PdflashError("--draft and --no-draft contradict each other; give one", exit_code=2)
     if no_draft:
         draft = None
-    if cuda_graphs and draft is not None:
-        raise PdflashError("--cuda-graphs applies to plain decoding: add --no-draft (or drop --draft)", exit_code=2)
     if cuda_graphs and device not in ("cuda", "auto") and not str(device).startswith("cuda:"):
         raise PdflashError("--cuda-graphs needs --device cuda", exit_code=2)
     spec = speculative_options(draft, block_size=block_size, predictor=route_ahead_predictor,
@@ -275,8 +274,8 @@ def generate(
     with OffloadedModel.load(model, **opts) as rt:
         load_s = time.perf_counter() - t0
         ids = _encode(rt, text, chat)
-        if cuda_graphs is None:  # default: wherever they apply (speculative decoding verifies blocks eagerly)
-            cuda_graphs = rt.device.type == "cuda" and spec is None
+        if cuda_graphs is None:  # default: on CUDA (plain steps and every verify block length)
+            cuda_graphs = rt.device.type == "cuda"
         rate: dict[str, Any] = {"n": 0, "tps": None}
 
         def on_step(step) -> None:

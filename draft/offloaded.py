@@ -120,8 +120,11 @@ def speculative_on_runtime(
     seed: int = 0,
     eos_token_ids: Sequence[int] | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
+    graphs: bool | None = None,
 ) -> SpeculativeResult:
-    """Speculative generation on ``rt``; ``predictor`` None or "none" switches route-ahead off,
+    """Speculative generation on ``rt``; ``graphs`` (default: on CUDA) runs the prefill and every
+    verify block through a ``GraphedDecoder`` whose graphs for block lengths 1 .. B are captured
+    before the prompt runs (outside the timings); ``predictor`` None or "none" switches route-ahead off,
     ``acceptance`` switches oracle-acceptance mode on (``reference``: the target's greedy
     continuation when already known, which skips the reference run). ``eos_token_ids`` defaults
     to the checkpoint's. ``block_size`` "auto" lets the block planner pick each step's block
@@ -150,6 +153,14 @@ def speculative_on_runtime(
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=rt.device).manual_seed(seed)
+    if graphs is None:
+        graphs = rt.device.type == "cuda"
+    decoder = None
+    if graphs:
+        from pdflash.offload.graphs import GraphedDecoder
+
+        decoder = GraphedDecoder(rt, max_len=len(prompt) + max_new_tokens, graphs=True)
+        decoder.prepare(len(prompt), tokens=range(1, block + 1) if auto else sorted({1, block}))
     planner = make_planner(rt, block, use_confidence=oracle is None) if auto else None
 
     def moved_bytes() -> float:
@@ -159,7 +170,7 @@ def speculative_on_runtime(
         return speculative_generate(
             rt.model, draft, prompt, max_new_tokens, block_size=block, temperature=temperature,
             generator=generator, eos_token_ids=eos, route_ahead=route_ahead, oracle=oracle, on_step=on_step,
-            planner=planner, moved_bytes=moved_bytes,
+            planner=planner, moved_bytes=moved_bytes, decoder=decoder,
         )
     finally:
         if route_ahead is not None:
@@ -182,6 +193,7 @@ def generate_with_draft(
     seed: int = 0,
     on_step: Callable | None = None,
     on_verify: Callable[[StepInfo], None] | None = None,
+    graphs: bool | None = None,
 ) -> tuple[object, dict]:
     """``pdflash generate --draft``: returns (a GenerationResult as plain decoding returns it,
     extra report fields).
@@ -212,7 +224,7 @@ def generate_with_draft(
     res = speculative_on_runtime(rt, draft, input_ids, max_new_tokens, block_size=AUTO if auto else block_size,
                                  predictor=predictor,
                                  acceptance=acceptance, temperature=temperature, seed=seed, eos_token_ids=eos,
-                                 on_step=step_hook)
+                                 on_step=step_hook, graphs=graphs)
     n = len(res.token_ids)
     st = res.stats
     gen = GenerationResult(

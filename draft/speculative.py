@@ -81,6 +81,58 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra)
 
 
+class _ModuleTarget:
+    """The target module itself: a DynamicCache, forward hooks for the draft's features."""
+
+    def __init__(self, target: nn.Module, layer_ids: Sequence[int]):
+        self.target = target
+        self.cache = new_target_cache()
+        self.taps = FeatureTap(target, layer_ids)
+
+    def prefill(self, ids: list[int], route_ahead: RouteAhead | None):
+        device = _device_of(self.target)
+        with self.taps.capture(), (route_ahead.prefill() if route_ahead else nullcontext()):
+            logits = target_forward(self.target, torch.tensor([ids], device=device), 0, self.cache, logits_to_keep=1)
+        return logits[0, -1], self.taps.take()
+
+    def verify(self, block: torch.Tensor, start: int, route_ahead: RouteAhead | None):
+        with self.taps.capture(), (route_ahead.verify() if route_ahead else nullcontext()):
+            vlogits = target_forward(self.target, block, start, self.cache)[0]  # [b, V]
+        return vlogits, self.taps.take()
+
+    def commit(self, length: int) -> None:
+        crop_cache(self.cache, length)
+
+    def close(self) -> None:
+        self.taps.close()
+
+
+class _DecoderTarget:
+    """A ``pdflash.offload.graphs.GraphedDecoder``: static KV cache, every block length replayed
+    as CUDA graphs (or the same segments run eagerly)."""
+
+    def __init__(self, decoder, layer_ids: Sequence[int]):
+        self.decoder = decoder
+        decoder.tap_layers = list(layer_ids)
+
+    def prefill(self, ids: list[int], route_ahead: RouteAhead | None):
+        with (route_ahead.prefill_on(self.decoder) if route_ahead else nullcontext()):
+            logits, features = self.decoder.prefill_with_features(ids)
+        return logits[0], features
+
+    def verify(self, block: torch.Tensor, start: int, route_ahead: RouteAhead | None):
+        if start != self.decoder.length:
+            raise RuntimeError(f"verify block at {start} but the decoder holds {self.decoder.length} positions")
+        with (route_ahead.verify_on(self.decoder) if route_ahead else nullcontext()):
+            return self.decoder.forward(block[0].tolist())
+
+    def commit(self, length: int) -> None:
+        self.decoder.truncate(length)
+
+    def close(self) -> None:
+        self.decoder.tap_layers = []
+
+
 def _device_of(target: nn.Module) -> torch.device:
     return target.model.embed_tokens.weight.device
 
@@ -308,6 +360,7 @@ def speculative_generate(
     on_step: Callable[[StepInfo], None] | None = None,
     planner: BlockPlanner | None = None,
     moved_bytes: Callable[[], float] | None = None,
+    decoder=None,
 ) -> SpeculativeResult:
     """Generate up to ``max_new_tokens`` after ``input_ids`` with draft-then-verify steps.
 
@@ -318,6 +371,8 @@ def speculative_generate(
     ``planner`` (a :class:`~pdflash.draft.planner.BlockPlanner`, ``--block-size auto``) picks each
     step's block length in 1 .. its ``max_block``; ``block_size`` is then ignored.
     ``moved_bytes`` (cumulative link bytes) measures the decode phase's bytes per committed token.
+    ``decoder`` (a ``GraphedDecoder`` over ``target``'s runtime, holding prompt + max_new_tokens
+    positions) runs the prefill and every verify block instead of ``target``'s own forward.
     """
     if not input_ids:
         raise PdflashError("the prompt is empty; give at least one token")
@@ -334,22 +389,21 @@ def speculative_generate(
     greedy = temperature == 0
     device = _device_of(target)
     stats = SpeculativeStats(block_size=b_max)
-    cache = new_target_cache()
     draft.reset_context()
     eos = set(eos_token_ids)
     tokens = list(input_ids)
     generated: list[int] = []
-    taps = FeatureTap(target, draft.config.target_layer_ids)
+    layer_ids = draft.config.target_layer_ids
+    tgt = _ModuleTarget(target, layer_ids) if decoder is None else _DecoderTarget(decoder, layer_ids)
     try:
         # Prefill: target over the prompt; logits of the last position only, features of all.
         t0 = time.perf_counter()
-        with taps.capture(), (route_ahead.prefill() if route_ahead else nullcontext()):
-            logits = target_forward(target, torch.tensor([tokens], device=device), 0, cache, logits_to_keep=1)
-        pending = [taps.take()]  # target features not yet in the draft's context (appended before a draft)
+        last_logits, features = tgt.prefill(tokens, route_ahead)
+        pending = [features]  # target features not yet in the draft's context (appended before a draft)
         if greedy:
-            first = int(logits[0, -1].argmax())
+            first = int(last_logits.argmax())
         else:
-            first = int(torch.multinomial(_probs(logits[0, -1], temperature), 1, generator=generator))
+            first = int(torch.multinomial(_probs(last_logits, temperature), 1, generator=generator))
         tokens.append(first)
         generated.append(first)
         _sync(device)
@@ -410,13 +464,7 @@ def speculative_generate(
             # 2. verify
             t_verify = time.perf_counter()
             block = torch.cat((torch.tensor([tokens[-1]], device=device), proposals))[None]  # [1, b]
-            if route_ahead is None or plain_step:
-                ra = nullcontext()
-            else:
-                ra = route_ahead.verify()
-            with taps.capture(), ra:
-                vlogits = target_forward(target, block, start, cache)[0]  # [b, V]
-            features = taps.take()  # [1, b, K*H]
+            vlogits, features = tgt.verify(block, start, None if plain_step else route_ahead)  # [b, V], [1, b, K*H]
 
             # 3. accept
             if greedy:
@@ -427,7 +475,7 @@ def speculative_generate(
                 n_acc, nxt = accept_sampling(proposals, draft_probs, _probs(vlogits, temperature), generator)
 
             # 4. commit
-            crop_cache(cache, start + n_acc + 1)
+            tgt.commit(start + n_acc + 1)
             pending.append(features[:, : n_acc + 1])
             new = proposals[:n_acc].tolist() + [nxt]
             _sync(device)
@@ -464,7 +512,7 @@ def speculative_generate(
         if pending:  # after the timings: the draft's context ends holding every committed token but the last
             draft.append_context(torch.cat(pending, dim=1))
     finally:
-        taps.close()
+        tgt.close()
     return SpeculativeResult(
         token_ids=generated,
         stats=stats,
