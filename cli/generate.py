@@ -107,8 +107,9 @@ def _run(rt, ids: list[int], *, max_new_tokens: int, temperature: float, seed: i
     if spec is not None:
         from pdflash.draft import generate_with_draft
 
-        return generate_with_draft(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                   on_step=on_step, on_verify=on_verify, **spec)
+        res, extra = generate_with_draft(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                         on_step=on_step, on_verify=on_verify, graphs=cuda_graphs, **spec)
+        return res, {"cuda_graphs": cuda_graphs, **extra}
 
     res = run_generate(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step,
                        cuda_graphs=cuda_graphs)
@@ -196,16 +197,36 @@ def _print_summary(report: dict) -> None:
     out.print(t)
 
 
+def _planner_rows(planner: dict | None) -> list[tuple[str, str]]:
+    if not planner or planner["predicted_step_ms"] is None:
+        return []
+    return [("step time predicted / measured",
+             f"{planner['predicted_step_ms']:.1f} / {planner['measured_step_ms']:.1f} ms "
+             f"(mean abs error {planner['step_time_abs_error_ms']:.1f} ms, {planner['predicted_steps']} steps)")]
+
+
+def _moved(rt) -> float:
+    return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
+
+
+def _histogram_text(hist: dict) -> str:
+    return " ".join(f"{b}:{n}" for b, n in sorted(hist.items(), key=lambda kv: int(kv[0])))
+
+
 def _speculative_rows(report: dict) -> list[tuple[str, str]]:
     ra = report["route_ahead"]
     rows = []
     if "oracle_acceptance" in report:
         rows.append(("ORACLE ACCEPTANCE", f"P = {report['oracle_acceptance']}: draft proposals replaced by the target's greedy tokens"))
+    bpt = report.get("bytes_per_committed_token")
     rows += [
-        ("block size", str(report["block_size"])),
+        ("block size", f"{report['block_size']} (up to {report['max_block_size']})"),
+        ("blocks (B:steps)", _histogram_text(report["block_histogram"])),
+        ("bytes / committed token", "n/a" if bpt is None else f"{bpt / 1e6:.2f} MB"),
         ("acceptance length", f"{report['acceptance_length']:.2f} tokens per verify ({report['verify_steps']} verify passes)"),
         ("acceptance per position", " ".join(f"{a:.0%}" for a in report["acceptance_per_position"]) or "n/a"),
         ("draft / verify", f"{report['draft_ms']:.1f} ms / {report['verify_ms']:.1f} ms"),
+        *_planner_rows(report.get("planner")),
         ("route-ahead", "off" if ra is None else
          f"{ra['predictor']}: recall {ra['recall']:.1%}, precision {ra['precision']:.1%}, wasted {ra['wasted_bytes'] / 1e6:.2f} MB"),
     ]
@@ -230,13 +251,13 @@ def generate(
     lookahead_depth: Annotated[int, typer.Option(min=0, help="Prefetch by applying the routers of the next N layers to the current hidden state (0: off).")] = 0,
     history_depth: Annotated[int, typer.Option(min=0, help="Prefetch the most used experts of the next N layers in the background band (0: off).")] = 0,
     draft: Annotated[Path | None, typer.Option(help="DFlash draft checkpoint directory: decode speculatively (greedy output stays identical).")] = None,
-    block_size: Annotated[int | None, typer.Option(help="With --draft: tokens per verify pass, from 1 up to the draft's trained block size (its default).")] = None,
+    block_size: Annotated[str | None, typer.Option(help="With --draft: tokens per verify pass, auto (default: chosen each step by the block planner, 1 = plain decoding) or a fixed N from 1 up to the draft's trained block size.")] = None,
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "previous",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
     cpu_experts: Annotated[str, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: each missing expert fetched or computed on the CPU, whichever is sooner; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all.")] = "auto",
     cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use).")] = None,
-    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph (plain decoding on CUDA; default: on there, off elsewhere).", show_default=False)] = None,
+    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length (default: on CUDA, off elsewhere).", show_default=False)] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
 
@@ -260,8 +281,6 @@ def generate(
         raise PdflashError("--draft and --no-draft contradict each other; give one", exit_code=2)
     if no_draft:
         draft = None
-    if cuda_graphs and draft is not None:
-        raise PdflashError("--cuda-graphs applies to plain decoding: add --no-draft (or drop --draft)", exit_code=2)
     if cuda_graphs and device not in ("cuda", "auto") and not str(device).startswith("cuda:"):
         raise PdflashError("--cuda-graphs needs --device cuda", exit_code=2)
     spec = speculative_options(draft, block_size=block_size, predictor=route_ahead_predictor,
@@ -282,8 +301,8 @@ def generate(
     with OffloadedModel.load(model, **opts) as rt:
         load_s = time.perf_counter() - t0
         ids = _encode(rt, text, chat)
-        if cuda_graphs is None:  # default: wherever they apply (speculative decoding verifies blocks eagerly)
-            cuda_graphs = rt.device.type == "cuda" and spec is None
+        if cuda_graphs is None:  # default: on CUDA (plain steps and every verify block length)
+            cuda_graphs = rt.device.type == "cuda"
         rate: dict[str, Any] = {"n": 0, "tps": None}
 
         def on_step(step) -> None:
@@ -294,6 +313,13 @@ def generate(
             rate["verifies"] = rate.get("verifies", 0) + 1
             rate["committed"] = rate.get("committed", 0) + len(step.committed)
             rate["prefetched"] = step.route_ahead_submitted
+            hist = rate.setdefault("blocks", {})
+            hist[step.block_size] = hist.get(step.block_size, 0) + 1
+            if step.predicted_seconds is not None:
+                rate["predicted_s"] = rate.get("predicted_s", 0.0) + step.predicted_seconds
+                rate["measured_s"] = rate.get("measured_s", 0.0) + step.draft_seconds + step.verify_seconds
+            if "bytes0" not in rate:  # from the end of the first verify pass (prefill excluded)
+                rate["bytes0"], rate["committed0"] = _moved(rt), rate["committed"]
 
         def status() -> list[tuple[str, str]]:
             hr = rt.cache.stats.hit_rate()
@@ -311,7 +337,13 @@ def generate(
                            ("link busy", f"{rt.scheduler.stats()['link_busy_s']:.3f} s")]
             if rate.get("verifies"):
                 fields += [("accept len", f"{rate['committed'] / rate['verifies']:.2f}"),
-                           ("route-ahead this step", str(rate["prefetched"]))]
+                           ("route-ahead this step", str(rate["prefetched"])),
+                           ("blocks (B:steps)", _histogram_text(rate["blocks"])),
+                           ("MB / committed tok", "n/a" if rate["committed"] == rate["committed0"] else
+                            f"{(_moved(rt) - rate['bytes0']) / (rate['committed'] - rate['committed0']) / 1e6:.2f}")]
+                if rate.get("measured_s"):
+                    fields.append(("step ms predicted / measured",
+                                   f"{1e3 * rate['predicted_s'] / rate['verifies']:.1f} / {1e3 * rate['measured_s'] / rate['verifies']:.1f}"))
             if spec is not None and spec["acceptance"] is not None:
                 fields.append(("ORACLE", f"P={spec['acceptance']}"))
             return fields

@@ -369,6 +369,17 @@ class OffloadedModel:
         return self._tokenizer
 
     @property
+    def cost(self):
+        """The runtime's one cost model (offload/cost.py), made on first use: speculation's block
+        planner and hybrid execution read and feed the same measured rates. It outlives
+        reset_cache(): the rates describe the machine, not a run."""
+        if getattr(self, "_cost", None) is None:
+            from pdflash.offload.cost import CostModel
+
+            self._cost = CostModel.for_runtime(self)
+        return self._cost
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
 
