@@ -25,6 +25,7 @@ from pdflash import PdflashError
 from pdflash.native import Band, Scheduler, SchedulerError
 from pdflash.offload.cache import EVICTION_POLICIES, ExpertCache
 from pdflash.offload.checkpoint import Checkpoint
+from pdflash.offload.cpu_compute import CpuExpertRunner, resolve_mode, unsupported_reason
 from pdflash.offload.experts import OffloadedExperts
 from pdflash.offload.host_store import HostStore
 from pdflash.offload.prefetch import ExpertPrefetcher
@@ -117,6 +118,8 @@ class OffloadedModel:
         preload: bool = False,
         progress: bool = False,
         trace: int = 0,
+        cpu_experts: str = "off",
+        cpu_threads: int | None = None,
     ) -> "OffloadedModel":
         """Validate and load a checkpoint; experts go to (pinned) host memory, the rest to ``device``.
 
@@ -125,12 +128,23 @@ class OffloadedModel:
         ``link_gbps`` simulates a host->device link of that speed on the CPU (memcpy backend).
         ``preload`` copies every expert that fits before returning (statistics start at zero).
         ``trace`` > 0 keeps that many ended transfers for ``rt.scheduler.drain_trace()``.
+
+        ``cpu_experts``: "off" (every expert through the cache), "all" (every routed expert
+        computed on the CPU by the native kernel from host memory; nothing is fetched, the
+        cache keeps its minimum size and ``preload`` copies nothing) or "auto" ("all" on the
+        CPU device; on CUDA the per-layer placement decision of offload/cost.py: each
+        non-resident expert fetched or computed on the CPU, whichever ends the layer
+        sooner). "auto" falls back to "off" where the kernel cannot read the experts (the
+        reason is in ``stats()["cpu_experts"]``); "all" is an error there.
+        ``cpu_threads``: the kernel's threads (default: the cores this process may use).
         """
         self = object.__new__(cls)
         self._closed = True
         self.scheduler = None
         self.host = None
         self.cache = None
+        self.cpu = None
+        self._cpu_pool = None
         dev = resolve_device(device)
         if eviction not in EVICTION_POLICIES:
             raise PdflashError(f"unknown eviction policy {eviction!r}: choose one of {', '.join(EVICTION_POLICIES)}")
@@ -144,7 +158,7 @@ class OffloadedModel:
         try:
             self._load(ckpt, dev, dtype, expert_cache_mib, expert_cache_experts, block_tokens, eviction, link_gbps,
                        workers, chunk_mib, lookahead_depth, history_depth, route_ahead_priority, background_priority, progress,
-                       trace)
+                       trace, resolve_mode(cpu_experts), cpu_threads)
         except BaseException:
             self._release()
             raise
@@ -155,7 +169,8 @@ class OffloadedModel:
         return self
 
     def _load(self, ckpt, dev, dtype, cache_mib, cache_experts, block_tokens, eviction, link_gbps, workers, chunk_mib,
-              lookahead_depth, history_depth, route_ahead_priority, background_priority, progress, trace=0) -> None:
+              lookahead_depth, history_depth, route_ahead_priority, background_priority, progress, trace=0,
+              cpu_mode="off", cpu_threads=None) -> None:
         fam = ckpt.family
         self.path = ckpt.path
         self.family = fam
@@ -171,8 +186,24 @@ class OffloadedModel:
                     raise PdflashError(f"{ckpt.path}: {name} is {ckpt.dtype(name)} but layer 0 stores {piece} as {stored[piece]}")
         layout = fam.expert_layout(stored)
 
+        reason = unsupported_reason(layout, self.dtype)
+        if cpu_mode == "auto":
+            cpu_mode = "all" if dev.type == "cpu" else "auto"
+            if reason is None and cpu_mode == "auto" and not _placement_available():
+                reason = "the placement cost model (offload/cost.py) is not part of this build"
+            if reason is not None:
+                cpu_mode = "off"
+        elif cpu_mode == "all" and reason is not None:
+            raise PdflashError(f"--cpu-experts all: {reason}")
+        if cpu_mode == "all" and (lookahead_depth or history_depth):
+            raise PdflashError("--cpu-experts all fetches nothing: drop --lookahead-depth / --history-depth")
+        self.cpu_mode = cpu_mode
+        self.cpu_reason = reason if cpu_mode == "off" else None
+
         n_slots = _slot_count(cache_mib, cache_experts, layout.expert_bytes, L * E)
         need = min_cache_experts(E, K, block_tokens)
+        if cpu_mode == "all":
+            n_slots = need  # never used: every expert is computed from host memory
         if n_slots < need:
             asked = f"{cache_mib:g} MiB" if cache_experts is None else f"{cache_experts} experts"
             raise PdflashError(
@@ -194,6 +225,7 @@ class OffloadedModel:
         except SchedulerError as exc:
             raise PdflashError(f"could not start the fetch scheduler: {exc}") from None
         self.cache = ExpertCache(self.host, self.scheduler, dev, n_slots, policy=eviction)
+        self.placer = None
         self.link_gbps = link_gbps
         self.block_tokens = block_tokens
         self._observers: list[Callable[[int, list[int]], None]] = []
@@ -205,8 +237,12 @@ class OffloadedModel:
         def make_experts(i: int, old) -> OffloadedExperts:
             nonlocal kernel
             if kernel is None:
-                kernel = fam.expert_kernel(layout, self.dtype, float(getattr(old, "alpha", 1.702)), float(getattr(old, "limit", 7.0)))
-            return OffloadedExperts(i, E, self.cache, kernel, self._on_routed)
+                alpha, limit = float(getattr(old, "alpha", 1.702)), float(getattr(old, "limit", 7.0))
+                kernel = fam.expert_kernel(layout, self.dtype, alpha, limit)
+                if cpu_mode != "off":
+                    self._start_cpu(cpu_mode, alpha, limit, cpu_threads)
+            return OffloadedExperts(i, E, self.cache, kernel, self._on_routed, cpu=self.cpu, cpu_mode=self.cpu_mode,
+                                    placer=self.placer, cpu_pool=self._cpu_pool)
 
         self.model = fam.build(dev, self.dtype, ckpt.get, make_experts)
         self._cache_kwarg = fam.cache_kwarg(self.model)
@@ -221,6 +257,24 @@ class OffloadedModel:
         self._eos = _eos_ids(ckpt.path, ckpt.config)
         self._tokenizer = None
         self._closed = False
+
+    def _start_cpu(self, cpu_mode: str, alpha: float, limit: float, cpu_threads: int | None) -> None:
+        """The native CPU kernel over the host store (and, for "auto", the placement decision)."""
+        from pdflash.native import NativeLibraryMissing
+        from pdflash.native.cpu_experts import CpuExpertError
+
+        try:
+            self.cpu = CpuExpertRunner(self.host, alpha, limit, threads=cpu_threads, dtype=self.dtype)
+        except (CpuExpertError, NativeLibraryMissing) as exc:
+            raise PdflashError(f"--cpu-experts {cpu_mode}: {exc}") from None
+        if cpu_mode == "auto":
+            from concurrent.futures import ThreadPoolExecutor
+
+            from pdflash.offload.cost import CpuPlacement
+
+            self.cpu.calibrate()
+            self._cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="pdflash-cpu-experts")
+            self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu)
 
     # -- hooks -----------------------------------------------------------------------
     def _on_forward_start(self, module, args, kwargs):
@@ -298,6 +352,8 @@ class OffloadedModel:
         With ``zero_stats`` the scheduler's and the cache's statistics start from zero afterwards.
         """
         self._check_open()
+        if self.cpu_mode == "all":  # nothing is ever read from the cache
+            return 0
         keys = [(layer, e) for layer in range(self.family.num_layers) for e in range(self.family.num_experts)]
         n = self.cache.fill(keys[: self.cache.capacity])
         if zero_stats:
@@ -311,6 +367,17 @@ class OffloadedModel:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
+
+    @property
+    def cost(self):
+        """The runtime's one cost model (offload/cost.py), made on first use: speculation's block
+        planner and hybrid execution read and feed the same measured rates. It outlives
+        reset_cache(): the rates describe the machine, not a run."""
+        if getattr(self, "_cost", None) is None:
+            from pdflash.offload.cost import CostModel
+
+            self._cost = CostModel.for_runtime(self)
+        return self._cost
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -377,6 +444,18 @@ class OffloadedModel:
                 **self.prefetcher.settings(),
             },
             "demand_fetches": fs.demand_fetches,
+            "cpu_experts": {
+                "mode": self.cpu_mode,
+                "reason_off": self.cpu_reason,
+                "computed": fs.cpu,
+                "seconds": fs.cpu_seconds if ran else None,
+                **(self.cpu.stats() if self.cpu is not None else {}),
+            },
+            "experts_per_token": {
+                "cache": hits / fs.tokens if fs.tokens else None,
+                "fetched": misses / fs.tokens if fs.tokens else None,
+                "cpu": fs.cpu / fs.tokens if fs.tokens else None,
+            },
             "bytes_moved": bytes_moved,
             "bytes_per_token": bytes_moved / fs.tokens if fs.tokens else None,
             "link_busy_seconds": st["link_busy_s"],
@@ -384,7 +463,7 @@ class OffloadedModel:
             "link_gbps": self.link_gbps,
             "bands": bands,
             "per_layer": [
-                {"layer": i, "hits": lc.hits, "misses": lc.misses, "promoted": lc.promoted,
+                {"layer": i, "hits": lc.hits, "misses": lc.misses, "promoted": lc.promoted, "cpu": lc.cpu,
                  "exposed_fetch_seconds": lc.exposed_s if ran else None, "waits": lc.waits}
                 for i, lc in enumerate(fs.layers)
             ],
@@ -414,12 +493,14 @@ class OffloadedModel:
                 raise PdflashError(f"capacity_experts must be between {need} (one layer of a {self.block_tokens}-token "
                                    f"block) and the {self.cache.n_slots} slots allocated at load, got {capacity_experts}")
         self.cache.reset(capacity_experts)
+        if self.cpu is not None:
+            self.cpu.reset_stats()
         self.prefetcher.reset()
         self.last_routing = {}
 
     def close(self) -> None:
         """Terminal and idempotent: stop the scheduler, release pinned host and device memory."""
-        if getattr(self, "_closed", True) and self.scheduler is None:
+        if getattr(self, "_closed", True) and self.scheduler is None and self.cpu is None:
             return
         self._release()
 
@@ -428,6 +509,12 @@ class OffloadedModel:
         if self.scheduler is not None:
             self.scheduler.close()  # joins workers; no copy touches the buffers after this
             self.scheduler = None
+        if self._cpu_pool is not None:
+            self._cpu_pool.shutdown(wait=True)  # no CPU expert reads the host store after this
+            self._cpu_pool = None
+        if self.cpu is not None:
+            self.cpu.close()
+            self.cpu = None
         if self.cache is not None:
             self.cache.close()
         if self.host is not None:
@@ -442,6 +529,14 @@ class OffloadedModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _placement_available() -> bool:
+    try:
+        from pdflash.offload.cost import CpuPlacement  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _size(nbytes: int) -> str:

@@ -97,6 +97,40 @@ def test_logits_bit_identical_prefill(ckpts):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("level", ["auto", "scalar"])
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_cpu_experts_all_matches_transformers(ckpts, reference, name, level, monkeypatch):
+    """Every expert computed by the native CPU kernel from host memory (nothing fetched): the
+    greedy tokens are transformers' own, at the best dispatch level and the portable one."""
+    if level != "auto":
+        monkeypatch.setenv("PDFLASH_CPU_LEVEL", level)
+    path = ckpts[name.replace("-as-f32", "")]
+    dtype = CHECKPOINTS[name][1]
+    with OffloadedModel.load(path, dtype=dtype, cpu_experts="all", cpu_threads=2) as rt:
+        res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
+        assert res.token_ids == reference[name]
+        st = rt.stats()
+        assert st["cpu_experts"]["mode"] == "all" and st["cpu_experts"]["level"] != "unknown"
+        assert st["cache"]["hits"] == st["cache"]["misses"] == 0 and st["bytes_moved"] == 0
+        routed = st["cpu_experts"]["computed"]
+        assert NEW * L <= routed <= st["tokens"] * L * K  # at least one expert per layer and forward
+        assert st["experts_per_token"]["cpu"] == routed / st["tokens"]
+
+
+def test_cpu_experts_prefill_logits_bit_identical_bf16(ckpts):
+    """A bf16 model's rounding is reproduced step by step: prefill logits equal transformers'."""
+    from transformers import GptOssForCausalLM
+
+    for name in ("dense-bf16", "mxfp4-bf16"):
+        ref = GptOssForCausalLM.from_pretrained(ckpts[name], dtype=torch.bfloat16)
+        ids = torch.tensor([PROMPT])
+        with torch.no_grad():
+            want = ref(ids).logits
+        with OffloadedModel.load(ckpts[name], cpu_experts="all") as rt:
+            got = rt.forward(ids).logits
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.gpu
 def test_cuda_matches_transformers_on_cuda(ckpts):
     """On CUDA the kernels differ from the library's (cuBLAS shapes, the fused MXFP4 decode

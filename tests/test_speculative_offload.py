@@ -69,6 +69,24 @@ def test_lossless_on_the_offloaded_runtime(checkpoint, slots):
         assert not stats["errors"]
 
 
+@pytest.mark.parametrize("slots", cache_sizes())
+def test_auto_block_size_is_lossless(checkpoint, slots):
+    with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=slots, block_tokens=BLOCK) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+        draft = load_draft(checkpoint / "draft", rt.model)
+        for predictor, acceptance in (("previous", None), ("none", 0.9), ("draft-router", 0.5)):
+            rt.reset_cache()
+            res = speculative_on_runtime(rt, draft, PROMPT, NEW, block_size="auto", predictor=predictor,
+                                         acceptance=acceptance, reference=want, eos_token_ids=[])
+            assert res.token_ids == want, (slots, predictor)
+            rep = res.to_dict()
+            hist = rep["planner"]["block_histogram"]
+            assert rep["block_histogram"] == hist and sum(hist.values()) == res.stats.verify_steps
+            assert all(1 <= int(b) <= BLOCK for b in hist)
+            assert rep["bytes_per_committed_token"] is not None and rep["planner"]["predicted_steps"] > 0
+            assert not rt.stats()["errors"]
+
+
 def test_runtime_helper_oracle_mode_reports_only_the_speculative_run(checkpoint):
     block = draft_block_size(checkpoint / "draft", None)
     with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=12, block_tokens=block) as rt:
