@@ -4,7 +4,8 @@
         out = rt.forward(input_ids, cache=rt.new_kv_cache())
         print(rt.stats()["exposed_fetch_seconds"])
 
-``rt.model`` is the library's own model (transformers GptOssForCausalLM) with each
+``rt.model`` is the library's own model (transformers GptOssForCausalLM or Qwen3MoeForCausalLM, as
+the checkpoint's family adapter ``rt.family`` builds it) with each
 layer's experts swapped for :class:`OffloadedExperts`; it is used like the
 library model, with its own KV cache (DynamicCache, cropping included).
 ``rt.scheduler`` is the one native Scheduler that moves every expert byte,
@@ -25,7 +26,7 @@ from pdflash import PdflashError
 from pdflash.native import Band, Scheduler, SchedulerError
 from pdflash.offload.cache import EVICTION_POLICIES, ExpertCache
 from pdflash.offload.checkpoint import Checkpoint
-from pdflash.offload.cpu_compute import CpuExpertRunner, resolve_mode, unsupported_reason
+from pdflash.offload.cpu_compute import resolve_mode
 from pdflash.offload.experts import OffloadedExperts
 from pdflash.offload.host_store import HostStore
 from pdflash.offload.prefetch import ExpertPrefetcher
@@ -178,15 +179,16 @@ class OffloadedModel:
         self.dtype = resolve_dtype(dtype, ckpt.stored_dtype)
         L, E, K = fam.num_layers, fam.num_experts, fam.top_k
 
-        # expert layout from the stored dtypes (every layer must agree)
-        stored = {piece: ckpt.dtype(name) for piece, name in fam.expert_sources(0).items()}
-        for layer in range(1, L):
-            for piece, name in fam.expert_sources(layer).items():
-                if ckpt.dtype(name) != stored[piece]:
-                    raise PdflashError(f"{ckpt.path}: {name} is {ckpt.dtype(name)} but layer 0 stores {piece} as {stored[piece]}")
+        # expert layout from the stored dtypes (every layer and expert must agree)
+        stored = {piece: ckpt.dtype(src.first_name()) for piece, src in fam.expert_sources(0).items()}
+        for layer in range(L):
+            for piece, src in fam.expert_sources(layer).items():
+                for name in src.names():
+                    if ckpt.dtype(name) != stored[piece]:
+                        raise PdflashError(f"{ckpt.path}: {name} is {ckpt.dtype(name)} but layer 0 stores {piece} as {stored[piece]}")
         layout = fam.expert_layout(stored)
 
-        reason = unsupported_reason(layout, self.dtype)
+        reason = fam.cpu_unsupported_reason(layout, self.dtype)
         if cpu_mode == "auto":
             cpu_mode = "all" if dev.type == "cpu" else "auto"
             if reason is None and cpu_mode == "auto" and not _placement_available():
@@ -237,10 +239,9 @@ class OffloadedModel:
         def make_experts(i: int, old) -> OffloadedExperts:
             nonlocal kernel
             if kernel is None:
-                alpha, limit = float(getattr(old, "alpha", 1.702)), float(getattr(old, "limit", 7.0))
-                kernel = fam.expert_kernel(layout, self.dtype, alpha, limit)
+                kernel = fam.expert_kernel(layout, self.dtype, old)
                 if cpu_mode != "off":
-                    self._start_cpu(cpu_mode, alpha, limit, cpu_threads)
+                    self._start_cpu(cpu_mode, old, cpu_threads)
             return OffloadedExperts(i, E, self.cache, kernel, self._on_routed, cpu=self.cpu, cpu_mode=self.cpu_mode,
                                     placer=self.placer, cpu_pool=self._cpu_pool)
 
@@ -258,13 +259,13 @@ class OffloadedModel:
         self._tokenizer = None
         self._closed = False
 
-    def _start_cpu(self, cpu_mode: str, alpha: float, limit: float, cpu_threads: int | None) -> None:
+    def _start_cpu(self, cpu_mode: str, original, cpu_threads: int | None) -> None:
         """The native CPU kernel over the host store (and, for "auto", the placement decision)."""
         from pdflash.native import NativeLibraryMissing
         from pdflash.native.cpu_experts import CpuExpertError
 
         try:
-            self.cpu = CpuExpertRunner(self.host, alpha, limit, threads=cpu_threads, dtype=self.dtype)
+            self.cpu = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
         except (CpuExpertError, NativeLibraryMissing) as exc:
             raise PdflashError(f"--cpu-experts {cpu_mode}: {exc}") from None
         if cpu_mode == "auto":
@@ -415,7 +416,8 @@ class OffloadedModel:
         return {
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
-            "expert_format": "mxfp4" if self.host.layout.quantized else "dense",
+            "family": self.family.model_type,
+            "expert_format": self.family.expert_format,
             "expert_bytes": self.host.layout.expert_bytes,
             "forwards": fs.forwards,
             "tokens": fs.tokens,
@@ -570,7 +572,14 @@ def _fill_host(host: HostStore, ckpt: Checkpoint, fam, progress: bool) -> None:
         task = bar.add_task("layers", total=fam.num_layers)
     try:
         for layer in layers:
-            host.fill_layer(layer, {piece: ckpt.get(name) for piece, name in fam.expert_sources(layer).items()})
+            sources = fam.expert_sources(layer)
+            stacked = {piece: ckpt.get(src.stacked) for piece, src in sources.items() if src.stacked is not None}
+            if stacked:
+                host.fill_layer(layer, stacked)
+            for piece, src in sources.items():
+                for e, names in enumerate(src.per_expert):
+                    parts = [ckpt.get(n) for n in names]
+                    host.fill_piece(layer, e, piece, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
             if bar is not None:
                 bar.advance(task)
     finally:

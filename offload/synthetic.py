@@ -1,11 +1,13 @@
-"""Synthetic gpt-oss checkpoints: real file format, seeded random weights.
+"""Synthetic checkpoints of any supported family: real file format, seeded random weights.
 
-``write_checkpoint(out_dir, preset, mxfp4=..., seed=..., dtype=...)`` writes
+``write_checkpoint(out_dir, preset, mxfp4=... | quant=..., seed=..., dtype=...)`` writes
 
-- config.json            a GptOssForCausalLM config (with quantization_config when MXFP4),
+- config.json            the preset family's config (GptOssForCausalLM, Qwen3MoeForCausalLM),
+                         with quantization_config when MXFP4 / FP8,
 - generation_config.json bos / eos / pad ids,
 - model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json,
-  with the tensor names, shapes and dtypes of the real checkpoints (see gpt_oss.py),
+  with the tensor names, shapes and dtypes of the real checkpoints (the family adapter's
+  ``tensor_specs``; each tensor's random values follow its ``init_rule``),
 - tokenizer.json         a byte-level BPE trained in-process on a fixed text,
 - tokenizer_config.json  special tokens and a chat template.
 
@@ -35,9 +37,8 @@ from pdflash.offload.config import SPECIAL_TOKENS, ModelPreset
 from pdflash.offload.family import TensorSpec
 
 CHUNK_ELEMS = 1 << 24  # elements generated per job
-FP4_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # RMS of a uniform random E2M1 code
 
-_ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
+_ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 CHAT_TEMPLATE = (
@@ -71,7 +72,6 @@ Questions and answers: what is the capital of France? Paris. How many legs has a
 The weather today is sunny with a light breeze from the west, and tomorrow may bring rain.
 """
 
-
 # -- tokenizer -----------------------------------------------------------------------------
 def build_tokenizer(vocab_size: int):
     """A byte-level BPE (tokenizers.Tokenizer) trained on _TEXT, with SPECIAL_TOKENS appended."""
@@ -88,7 +88,6 @@ def build_tokenizer(vocab_size: int):
     tok.train_from_iterator(_TEXT.splitlines(keepends=True), trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok
-
 
 def write_tokenizer(out: Path, preset: ModelPreset) -> dict[str, int]:
     """tokenizer.json + tokenizer_config.json; returns {special token: id}."""
@@ -109,36 +108,9 @@ def write_tokenizer(out: Path, preset: ModelPreset) -> dict[str, int]:
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return ids
 
-
 # -- random values ---------------------------------------------------------------------------
 def _seed(seed: int, name: str, chunk: int) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode()) * 65_537 + chunk) % (2**63)
-
-
-def _init_rule(name: str, preset: ModelPreset) -> tuple[str, float, float]:
-    """(kind, mean, std) of a tensor by name; kind is 'normal', 'bytes' or 'scales'."""
-    H, I = preset.hidden_size, preset.intermediate_size
-    if name.endswith("_blocks"):
-        return "bytes", 0.0, 0.0
-    if name.endswith("_scales"):  # power-of-two scale so the weight std is about 1/sqrt(fan_in)
-        fan_in = H if "gate_up" in name else I
-        return "scales", 127 + round(math.log2(1.0 / (math.sqrt(fan_in) * FP4_RMS))), 0.0
-    if "layernorm" in name or name == "model.norm.weight":
-        return "normal", 1.0, 0.1
-    if name == "model.embed_tokens.weight" or name.endswith("sinks"):
-        return "normal", 0.0, 1.0
-    if name.endswith("router.weight"):
-        return "normal", 0.0, preset.router_logit_std / math.sqrt(H)
-    if name.endswith("router.bias"):
-        return "normal", 0.0, 0.1
-    if name.endswith("bias"):
-        return "normal", 0.0, 0.02
-    if name.endswith("experts.down_proj"):
-        return "normal", 0.0, 1.0 / math.sqrt(I)
-    if name.endswith("o_proj.weight"):
-        return "normal", 0.0, 1.0 / math.sqrt(preset.num_attention_heads * preset.head_dim)
-    return "normal", 0.0, 1.0 / math.sqrt(H)  # q/k/v, router-free projections from H, lm_head, gate_up
-
 
 def _make_chunk(name: str, rule: tuple[str, float, float], dtype: torch.dtype, seed: int, chunk: int, n: int) -> torch.Tensor:
     kind, mean, std = rule
@@ -150,13 +122,16 @@ def _make_chunk(name: str, rule: tuple[str, float, float], dtype: torch.dtype, s
         vals = np.random.Generator(np.random.SFC64(s)).integers(int(mean) - 1, int(mean) + 1, size=n, dtype=np.uint8, endpoint=True)
         return torch.from_numpy(vals)
     g = torch.Generator().manual_seed(s)
+    if kind == "uniform":  # mean +- std
+        return ((torch.rand(n, generator=g) * 2 - 1) * std + mean).to(dtype)
     x = torch.randn(n, generator=g)
+    if kind == "fp8":  # normal values in FP8's range, stored as float8_e4m3fn
+        return x.mul_(std).clamp_(-448.0, 448.0).to(dtype)
     if std != 1.0:
         x.mul_(std)
     if mean:
         x.add_(mean)
     return x.to(dtype)
-
 
 # -- safetensors streaming --------------------------------------------------------------------
 def _ordered(jobs: list, fn: Callable, workers: int) -> Iterator:
@@ -177,7 +152,6 @@ def _ordered(jobs: list, fn: Callable, workers: int) -> Iterator:
             nxt = next(it, None)
             if nxt is not None:
                 window.append(pool.submit(fn, nxt))
-
 
 def write_safetensors(
     path: Path,
@@ -212,7 +186,6 @@ def write_safetensors(
             on_bytes(data.nbytes)
     os.replace(tmp, path)
 
-
 # -- checkpoint --------------------------------------------------------------------------------
 def _shard_plan(specs: dict[str, TensorSpec], dtypes: dict[str, torch.dtype], max_shard_bytes: int) -> list[list[str]]:
     """Group tensor names into shards in a stable order: embeddings, then layers, then head."""
@@ -232,24 +205,36 @@ def _shard_plan(specs: dict[str, TensorSpec], dtypes: dict[str, torch.dtype], ma
         shards.append(cur)
     return shards
 
-
 def _tensor_dtypes(specs: dict[str, TensorSpec], dtype: torch.dtype) -> dict[str, torch.dtype]:
-    return {n: torch.uint8 if s.dtypes == ("U8",) else dtype for n, s in specs.items()}
+    """Stored dtype of each tensor: bytes and FP8 as the spec says, FP8 scales float32, the rest ``dtype``."""
+    def pick(name: str, spec: TensorSpec) -> torch.dtype:
+        if spec.dtypes == ("U8",):
+            return torch.uint8
+        if spec.dtypes == ("F8_E4M3",):
+            return torch.float8_e4m3fn
+        if name.endswith("weight_scale_inv"):
+            return torch.float32
+        return dtype
 
+    return {n: pick(n, s) for n, s in specs.items()}
 
 def write_checkpoint(
     out_dir: str | os.PathLike,
     preset: ModelPreset,
     *,
     mxfp4: bool = False,
+    quant: str | None = None,
     seed: int = 0,
     dtype: str = "bfloat16",
     max_shard_bytes: int = 4 << 30,
     progress: bool = False,
     workers: int | None = None,
 ) -> Path:
-    """Write a complete synthetic checkpoint into out_dir (created if needed); returns its path."""
-    from pdflash.offload.gpt_oss import GptOssFamily
+    """Write a complete synthetic checkpoint into out_dir (created if needed); returns its path.
+
+    The preset's family decides the config and the tensors; ``quant`` (or ``mxfp4=True``) picks
+    its quantized expert format: "mxfp4" for gpt_oss, "fp8" for qwen3_moe."""
+    from pdflash.offload.family import find_family
 
     if dtype not in _DTYPES:
         raise PdflashError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
@@ -260,8 +245,8 @@ def write_checkpoint(
     for old in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
         old.unlink()
     ids = write_tokenizer(out, preset)
-    config = preset.hf_config(ids, dtype=dtype, mxfp4=mxfp4)
-    fam = GptOssFamily(config)
+    config = preset.hf_config(ids, dtype=dtype, mxfp4=mxfp4, quant=quant)
+    fam = find_family(config, f"preset {preset.name}")
     specs = fam.tensor_specs()
     dtypes = _tensor_dtypes(specs, _DTYPES[dtype])
     total = sum(math.prod(s.shape) * torch.empty((), dtype=dtypes[n]).element_size() for n, s in specs.items())
@@ -272,7 +257,7 @@ def write_checkpoint(
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
-    rules = {n: _init_rule(n, preset) for n in specs}
+    rules = {n: fam.init_rule(n, preset) for n in specs}
     workers = workers or max(1, min(8, (os.cpu_count() or 1)))
 
     def chunk(name: str, c: int, n: int) -> torch.Tensor:
@@ -292,14 +277,12 @@ def write_checkpoint(
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out
 
-
 def _free_bytes(path: Path) -> int | None:
     try:
         st = os.statvfs(path)
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
-
 
 class _progress:
     """Context manager yielding advance(nbytes); a Rich bar on stderr when enabled."""
@@ -325,7 +308,6 @@ class _progress:
         if self.enabled:
             self.bar.stop()
         return False
-
 
 def random_mxfp4_slots(layout, n: int, seed: int = 0, scales: tuple[int, int] = (118, 124), bias_std: float = 0.1) -> torch.Tensor:
     """[n, expert_bytes] uint8 slots of random MXFP4 experts in ``layout``: random code bytes,
