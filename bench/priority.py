@@ -253,7 +253,7 @@ def plan_budget(cfg: PriorityConfig) -> Budget:
     block = draft_block_size(cfg.draft_dir, cfg.block_size)
     with Checkpoint(cfg.model_dir) as ckpt:
         fam = ckpt.family
-        stored = {piece: ckpt.dtype(name) for piece, name in fam.expert_sources(0).items()}
+        stored = {piece: ckpt.dtype(src.first_name()) for piece, src in fam.expert_sources(0).items()}
         expert_bytes = fam.expert_layout(stored).expert_bytes
         L, E, K = fam.num_layers, fam.num_experts, fam.top_k
     total = L * E

@@ -59,13 +59,17 @@ class _RouterBank:
     """All target routers stacked, to route one batch of hidden states through every layer at once."""
 
     def __init__(self, target: nn.Module):
+        from pdflash.offload.family import family_of
+
         layers = decoder_layers(target)
-        self.top_k = int(target.config.num_experts_per_tok)
-        routers = [layer.mlp.router for layer in layers]
+        self.family = family_of(target)
+        self.top_k = self.family.top_k
+        linears = [self.family.router_linear(layer) for layer in layers]
         norms = [layer.post_attention_layernorm for layer in layers]
         with torch.no_grad():
-            self.weight = torch.stack([r.weight.detach().float() for r in routers])  # [L, E, H]
-            self.bias = torch.stack([r.bias.detach().float() for r in routers])  # [L, E]
+            self.weight = torch.stack([w.detach().float() for w, _ in linears])  # [L, E, H]
+            self.bias = torch.stack([b.detach().float() if b is not None else torch.zeros(w.shape[0], device=w.device)
+                                     for w, b in linears])  # [L, E] (zeros: a router without bias)
             self.norm_w = torch.stack([n.weight.detach().float() for n in norms])  # [L, H]
         self.eps = float(getattr(norms[0], "variance_epsilon", getattr(norms[0], "eps", 1e-5)))
 
@@ -77,7 +81,7 @@ class _RouterBank:
         sel = torch.tensor(layers, device=self.weight.device)
         x = x.to(self.weight.device)[None] * self.norm_w[sel][:, None, :]  # [l, T, H]
         logits = torch.einsum("lth,leh->lte", x, self.weight[sel]) + self.bias[sel][:, None, :]
-        return torch.topk(logits, self.top_k, dim=-1).indices
+        return self.family.select(logits)
 
 
 def window_for_cache(cache_slots: int, num_experts: int, top_k: int, block_size: int) -> int:

@@ -14,9 +14,11 @@ outputs (sync, fetch, compute). On CUDA each segment is captured once as a CUDA 
 every step; elsewhere (and for prefill, T > 1) the same segment functions run eagerly, which is
 how the CPU tests check this file against the ordinary forward.
 
-The modules are transformers' own (GptOssRMSNorm, GptOssAttention with its eager attention and
-sinks, GptOssTopKRouter); this file only orders their calls as GptOssModel.forward and
-GptOssDecoderLayer.forward do, with a static KV cache: every layer keeps all positions up to
+The modules are transformers' own (for gpt-oss: GptOssRMSNorm, GptOssAttention with its eager
+attention and sinks, GptOssTopKRouter; for Qwen3-MoE: qk-normed SDPA attention and
+Qwen3MoeTopKRouter); the family adapter's ``pre_experts`` is a layer up to its experts and its
+``layer_types`` / ``sliding_window`` the attention kinds, and this file orders the calls as the
+library's Model.forward and DecoderLayer.forward do, with a static KV cache: every layer keeps all positions up to
 ``max_len`` and an additive mask hides future positions (and, on sliding layers, those outside
 the window). A graphed step attends to the first B positions, B the smallest of min_bucket,
 2 min_bucket, 4 min_bucket, ... (capped at ``max_len``) that holds the step's position: shapes are
@@ -73,7 +75,7 @@ def _cache_kw(attn: nn.Module) -> str:
     for name in ("cache", "past_key_values", "past_key_value"):
         if name in params:
             return name
-    raise PdflashError("this transformers version's GptOssAttention takes no KV cache argument pdflash knows")
+    raise PdflashError(f"this transformers version's {type(attn).__name__} takes no KV cache argument pdflash knows")
 
 
 class GraphedDecoder:
@@ -91,9 +93,10 @@ class GraphedDecoder:
         cfg = model.config
         self.rt = rt
         self.model = model
-        self.layers = list(model.model.layers)
-        self.layer_types = list(cfg.layer_types)
-        self.window = int(cfg.sliding_window or 0)
+        self.family = rt.family
+        self.layers = self.family.decoder_layers(model)
+        self.layer_types = self.family.layer_types(cfg)
+        self.window = self.family.sliding_window(cfg)
         self.device = rt.device
         self.dtype = rt.dtype
         self.max_len = int(max_len)
@@ -150,17 +153,9 @@ class GraphedDecoder:
         return x, pe, self._masks(pos, n_keys)
 
     def _pre_experts(self, i: int, x: torch.Tensor, pe, masks):
-        """Layer i up to its router: returns (residual after attention, normed MLP input [T, H],
-        router scores, router indices)."""
-        layer = self.layers[i]
-        a = layer.input_layernorm(x)
-        a, _ = layer.self_attn(hidden_states=a, position_embeddings=pe, attention_mask=masks[self.layer_types[i]],
-                               **{self.cache_kw: self.kv})
-        x = x + a
-        m = layer.post_attention_layernorm(x)
-        flat = m.reshape(-1, m.shape[-1])
-        routed = layer.mlp.router(flat)
-        return x, flat, routed[-2], routed[-1]
+        """Layer i up to its experts (the family's segment): returns (residual after attention,
+        normed MLP input [T, H], routing weights, router indices)."""
+        return self.family.pre_experts(self.layers[i], x, pe, masks[self.layer_types[i]], self.kv, self.cache_kw)
 
     def _experts(self, i: int, x, flat, scores, indices) -> torch.Tensor:
         """Layer i's experts, eagerly. The runtime's layer-start hook runs first, explicitly; its

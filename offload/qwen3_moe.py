@@ -37,6 +37,7 @@ from pdflash.offload.host_store import ExpertLayout
 _EXPERT = "model.layers.{}.mlp.experts.{}."
 _FP8 = ("F8_E4M3",)
 _SCALE_DTYPES = ("F32", "BF16")
+ATTN_IMPLEMENTATION = "eager"  # see build()
 FP8_STD = 16.0  # std of the stored FP8 values of synthetic checkpoints (e4m3 reaches 448)
 
 
@@ -266,7 +267,10 @@ class Qwen3MoeFamily(ModelFamily):
         from pdflash.offload.gpt_oss import finish_loaded_model
 
         cfg = copy.deepcopy(self.hf_config)
-        cfg._attn_implementation = "sdpa"  # what from_pretrained picks; graphs.py passes explicit masks
+        # transformers' eager attention: its result for a position does not depend on how many
+        # query tokens the forward has (SDPA's bf16 result does), so a speculative verify block
+        # computes what single-token steps compute. The exactness references use the same.
+        cfg._attn_implementation = ATTN_IMPLEMENTATION
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(cfg)
         for i, layer in enumerate(model.model.layers):

@@ -16,9 +16,11 @@ TINY = ModelPreset.from_name("tiny")
 PROMPT = [5, 77, 200, 31, 9, 100, 250, 17, 3, 44, 81, 90]  # longer than the sliding window (8)
 
 
-@pytest.fixture(scope="module", params=[dict(seed=12, dtype="float32"), dict(seed=13, mxfp4=True)], ids=["f32", "mxfp4"])
+@pytest.fixture(scope="module", params=[("tiny", dict(seed=12, dtype="float32")), ("tiny", dict(seed=13, mxfp4=True)),
+                                        ("qwen3-tiny", dict(seed=14, dtype="float32"))], ids=["f32", "mxfp4", "qwen3-f32"])
 def ckpt(request, tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("graphs") / "m", TINY, **request.param)
+    preset, kw = request.param
+    return write_checkpoint(tmp_path_factory.mktemp("graphs") / "m", ModelPreset.from_name(preset), **kw)
 
 
 @pytest.mark.parametrize("slots,prefetch", [(TINY.num_experts_per_tok, {"lookahead_depth": 1}), (None, {})])

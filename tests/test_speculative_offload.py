@@ -1,4 +1,5 @@
-"""Speculative decoding on the offloaded runtime: lossless greedy for bf16 and MXFP4 targets at
+"""Speculative decoding on the offloaded runtime: lossless greedy for bf16 and MXFP4 gpt-oss targets
+and an FP8 Qwen3-MoE target at
 several block sizes and expert-cache sizes (the minimum included), with route-ahead prefetches
 going through the runtime's prefetcher."""
 
@@ -27,10 +28,13 @@ BLOCK = 4  # the tiny draft's trained block size
 
 
 
-@pytest.fixture(scope="module", params=["bf16", "mxfp4"])
+@pytest.fixture(scope="module", params=["bf16", "mxfp4", "qwen3-fp8"])
 def checkpoint(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(out / "target", ModelPreset.from_name("tiny"), mxfp4=request.param == "mxfp4", dtype="bfloat16")
+    if request.param == "qwen3-fp8":  # same expert counts as "tiny": the cache sizes below apply
+        write_checkpoint(out / "target", ModelPreset.from_name("qwen3-tiny"), quant="fp8", dtype="bfloat16")
+    else:
+        write_checkpoint(out / "target", ModelPreset.from_name("tiny"), mxfp4=request.param == "mxfp4", dtype="bfloat16")
     write_synthetic_draft(out / "draft", "tiny", target_dir=out / "target", seed=2)
     return out
 
