@@ -150,3 +150,89 @@ def test_cuda_matches_transformers_on_cuda(ckpts):
             assert torch.allclose(got_logits, want_logits, atol=0.1, rtol=0.05)
             tokens[slots] = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
     assert tokens[K] == tokens[K + 3] == tokens[None]
+
+
+# -- Qwen3-MoE ---------------------------------------------------------------------------------
+# The reference is transformers' Qwen3MoeForCausalLM with eager attention (pdflash's choice for
+# this family: see offload/qwen3_moe.py) and its default experts implementation; FP8 checkpoints
+# are dequantized by transformers' own FP8 loader on the CPU.
+QWEN = ModelPreset.from_name("qwen3-tiny")
+QE, QK, QL = QWEN.num_local_experts, QWEN.num_experts_per_tok, QWEN.num_hidden_layers
+QWEN_CHECKPOINTS = {  # name -> (write_checkpoint kwargs, compute dtype)
+    "qwen3-bf16": (dict(seed=21), torch.bfloat16),
+    "qwen3-f32": (dict(seed=22, dtype="float32"), torch.float32),
+    "qwen3-fp8": (dict(seed=23, quant="fp8"), torch.bfloat16),
+}
+QWEN_RUNS = [
+    (QK, {}, None),  # the minimum
+    (QK, {"lookahead_depth": 1}, 0.05),
+    (12, {"history_depth": 1, "lookahead_depth": 2}, None),
+    (QL * QE, {}, None),  # all resident
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exact-qwen3")
+    return {name: write_checkpoint(root / name, QWEN, **kw) for name, (kw, _) in QWEN_CHECKPOINTS.items()}
+
+
+def _qwen_reference(path, dtype):
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def qwen_reference(qwen_ckpts):
+    out = {}
+    for name, (_, dtype) in QWEN_CHECKPOINTS.items():
+        model = _qwen_reference(qwen_ckpts[name], dtype)
+        gen = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        out[name] = gen[0, len(PROMPT):].tolist()
+    return out
+
+
+@pytest.mark.parametrize("name", list(QWEN_CHECKPOINTS))
+@pytest.mark.parametrize("slots,prefetch,link", QWEN_RUNS)
+def test_qwen3_greedy_matches_transformers(qwen_ckpts, qwen_reference, name, slots, prefetch, link):
+    dtype = QWEN_CHECKPOINTS[name][1]
+    with OffloadedModel.load(qwen_ckpts[name], dtype=dtype, expert_cache_experts=slots, link_gbps=link, **prefetch) as rt:
+        res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
+        assert res.token_ids == qwen_reference[name]
+        st = rt.stats()
+        assert st["family"] == "qwen3_moe" and st["expert_format"] == ("fp8" if "fp8" in name else "dense")
+        assert st["forwards"] == NEW and st["tokens"] == len(PROMPT) + NEW - 1
+        if slots < QL * QE:
+            assert st["cache"]["evictions"] > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3-bf16", "qwen3-fp8"])
+def test_qwen3_prefill_logits_bit_identical(qwen_ckpts, name):
+    ref = _qwen_reference(qwen_ckpts[name], torch.bfloat16)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = ref(ids).logits
+    with OffloadedModel.load(qwen_ckpts[name], expert_cache_experts=QK) as rt:
+        got = rt.forward(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_qwen3_fp8_expert_is_half_a_bf16_one(qwen_ckpts):
+    """An FP8 expert row carries half the weight bytes of a bf16 one (plus its scale grid)."""
+    with OffloadedModel.load(qwen_ckpts["qwen3-fp8"]) as fp8, OffloadedModel.load(qwen_ckpts["qwen3-bf16"]) as bf16:
+        weights = lambda rt: sum(p.nbytes for p in rt.host.layout.pieces if not p.name.endswith("scale_inv"))  # noqa: E731
+        assert 2 * weights(fp8) == weights(bf16) == 3 * QWEN.hidden_size * QWEN.intermediate_size * 2
+        assert fp8.host.layout.payload_bytes < 0.6 * bf16.host.layout.payload_bytes
+
+
+def test_qwen3_cpu_experts_fall_back_with_a_reason(qwen_ckpts):
+    """The native CPU kernel computes gpt-oss experts only: "auto" keeps every expert on the
+    device path and says why; "all" is an error naming the family."""
+    with OffloadedModel.load(qwen_ckpts["qwen3-bf16"], cpu_experts="auto") as rt:
+        st = rt.stats()["cpu_experts"]
+        assert st["mode"] == "off" and "qwen3_moe" in st["reason_off"]
+    from pdflash import PdflashError
+
+    with pytest.raises(PdflashError, match="qwen3_moe"):
+        OffloadedModel.load(qwen_ckpts["qwen3-bf16"], cpu_experts="all")
