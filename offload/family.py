@@ -170,6 +170,29 @@ class ModelFamily:
     ) -> nn.Module:
         raise NotImplementedError
 
+    attn_implementation = "eager"  # transformers attention path of the model build() makes
+    reference_attn_implementation = "eager"  # what transformers' from_pretrained picks (speed references)
+
+    def library_class(self) -> type[nn.Module]:
+        """transformers' causal-LM class of this family."""
+        raise NotImplementedError
+
+    def reference_load_kwargs(self) -> dict:
+        """Extra from_pretrained arguments of the all-resident transformers reference: quantized
+        experts dequantized by transformers itself (its own converter)."""
+        return {}
+
+    def dense_tensor(self, load: Callable[[str], torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """A non-expert checkpoint tensor as the library's parameter in ``dtype`` (quantized ones
+        dequantized), or None for a tensor that is not a parameter (a quantization scale)."""
+        return load(name).to(dtype)
+
+    def library_expert_state(self, load: Callable[[str], torch.Tensor], layer: int, device: torch.device,
+                             dtype: torch.dtype, dequant_device: torch.device) -> dict[str, torch.Tensor]:
+        """One layer's parameters of the library's own experts module, {state-dict name: tensor on
+        ``device``} (the all-resident transformers reference of the benchmarks)."""
+        raise NotImplementedError
+
     def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
         return list(model.model.layers)
 

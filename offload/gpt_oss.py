@@ -245,6 +245,38 @@ class GptOssFamily(ModelFamily):
         alpha, limit = _swiglu_constants(original)
         return CpuExpertRunner(host, alpha, limit, threads=threads, dtype=dtype)
 
+    def library_class(self) -> type[nn.Module]:
+        from transformers import GptOssForCausalLM
+
+        return GptOssForCausalLM
+
+    def reference_load_kwargs(self) -> dict:
+        if not self.quantized:
+            return {}
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+    def library_expert_state(self, load: Callable[[str], torch.Tensor], layer: int, device: torch.device,
+                             dtype: torch.dtype, dequant_device: torch.device) -> dict[str, torch.Tensor]:
+        """The four GptOssExperts parameters of one layer, in transformers' layout, on ``device``:
+        gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H].
+        MXFP4 blocks [E, out, in/32, 16] + scales [E, out, in/32] are dequantized on ``dequant_device``."""
+        src = {piece: s.stacked for piece, s in self.expert_sources(layer).items()}
+        prefix = _EXPERT_PREFIX.format(layer)
+        out = {}
+        for proj in ("gate_up_proj", "down_proj"):
+            if self.quantized:
+                blocks = load(src[f"{proj}_blocks"]).to(dequant_device)
+                scales = load(src[f"{proj}_scales"]).to(dequant_device)
+                w = dequantize(blocks, scales, dtype)  # [E, in, out]
+                del blocks, scales
+            else:
+                w = load(src[proj]).to(dequant_device, dtype)
+            out[prefix + proj] = w.to(device)
+            out[prefix + proj + "_bias"] = load(src[f"{proj}_bias"]).to(device, dtype)
+        return out
+
     def router(self, layer: nn.Module) -> nn.Module:
         return layer.mlp.router
 

@@ -37,7 +37,6 @@ from pdflash.offload.host_store import ExpertLayout
 _EXPERT = "model.layers.{}.mlp.experts.{}."
 _FP8 = ("F8_E4M3",)
 _SCALE_DTYPES = ("F32", "BF16")
-ATTN_IMPLEMENTATION = "eager"  # see build()
 FP8_STD = 16.0  # std of the stored FP8 values of synthetic checkpoints (e4m3 reaches 448)
 
 
@@ -60,6 +59,8 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype)
 class Qwen3MoeFamily(ModelFamily):
     name = "qwen3_moe (Qwen3MoeForCausalLM)"
     model_type = "qwen3_moe"
+    attn_implementation = "eager"  # see build()
+    reference_attn_implementation = "sdpa"
 
     @classmethod
     def matches(cls, config: dict) -> bool:
@@ -270,7 +271,7 @@ class Qwen3MoeFamily(ModelFamily):
         # transformers' eager attention: its result for a position does not depend on how many
         # query tokens the forward has (SDPA's bf16 result does), so a speculative verify block
         # computes what single-token steps compute. The exactness references use the same.
-        cfg._attn_implementation = ATTN_IMPLEMENTATION
+        cfg._attn_implementation = self.attn_implementation
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(cfg)
         for i, layer in enumerate(model.model.layers):
@@ -278,18 +279,53 @@ class Qwen3MoeFamily(ModelFamily):
 
         state = {}
         for name, spec in self.tensor_specs().items():
-            if spec.expert or name.endswith(".weight_scale_inv"):
-                continue
-            t = load(name)
-            if t.dtype == torch.float8_e4m3fn:
-                t = dequantize_fp8(t, load(name + "_scale_inv"), dtype)
-            state[name] = t.to(device=device, dtype=dtype)
+            t = None if spec.expert else self.dense_tensor(load, name, dtype)
+            if t is not None:
+                state[name] = t.to(device=device)
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise PdflashError(f"internal: weights did not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
         return finish_loaded_model(model, device)
+
+    def library_class(self) -> type[nn.Module]:
+        from transformers import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM
+
+    def reference_load_kwargs(self) -> dict:
+        if not self.quantized:
+            return {}
+        from transformers import FineGrainedFP8Config
+
+        return {"quantization_config": FineGrainedFP8Config(weight_block_size=self.block, dequantize=True)}
+
+    def dense_tensor(self, load: Callable[[str], torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        if name.endswith(".weight_scale_inv"):
+            return None  # consumed with its weight
+        t = load(name)
+        if t.dtype == torch.float8_e4m3fn:
+            return dequantize_fp8(t, load(name + "_scale_inv"), dtype)
+        return t.to(dtype)
+
+    def library_expert_state(self, load: Callable[[str], torch.Tensor], layer: int, device: torch.device,
+                             dtype: torch.dtype, dequant_device: torch.device) -> dict[str, torch.Tensor]:
+        """Qwen3MoeExperts' gate_up_proj [E, 2I, H] and down_proj [E, H, I] of one layer."""
+        out = {}
+        for piece, src in self.expert_sources(layer).items():
+            if piece.endswith("_scale_inv"):
+                continue
+            scales = self.expert_sources(layer).get(piece + "_scale_inv")
+            rows = []
+            for e, names in enumerate(src.per_expert):
+                w = torch.cat([load(n).to(dequant_device) for n in names], dim=0)
+                if scales is not None:
+                    s = torch.cat([load(n).to(dequant_device) for n in scales.per_expert[e]], dim=0)
+                    w = dequantize_fp8(w, s, dtype)
+                rows.append(w.to(device, dtype))
+            out[f"model.layers.{layer}.mlp.experts.{piece}"] = torch.stack(rows)
+        return out
 
     # -- routing ---------------------------------------------------------------------
     def router(self, layer: nn.Module) -> nn.Module:

@@ -124,6 +124,9 @@ class OffloadedModel:
     ) -> "OffloadedModel":
         """Validate and load a checkpoint; experts go to (pinned) host memory, the rest to ``device``.
 
+        ``model_dir``: a checkpoint directory, or an open checkpoint object such as an in-memory
+        ``synthetic.SyntheticCheckpoint`` (left open: its owner closes it after the model).
+
         Cache size: ``expert_cache_experts`` slots, else as many as fit in ``expert_cache_mib``,
         else every expert (all resident). Fewer than min(E, block_tokens * top_k) is an error.
         ``link_gbps`` simulates a host->device link of that speed on the CPU (memcpy backend).
@@ -155,7 +158,8 @@ class OffloadedModel:
             raise PdflashError("--link-gbps simulates a link for --device cpu only; on CUDA the real PCIe link is used")
         if block_tokens < 1:
             raise PdflashError(f"block_tokens must be at least 1, got {block_tokens}")
-        ckpt = Checkpoint(model_dir)
+        owned = isinstance(model_dir, (str, Path))  # else an open checkpoint object (synthetic.SyntheticCheckpoint)
+        ckpt = Checkpoint(model_dir) if owned else model_dir
         try:
             self._load(ckpt, dev, dtype, expert_cache_mib, expert_cache_experts, block_tokens, eviction, link_gbps,
                        workers, chunk_mib, lookahead_depth, history_depth, route_ahead_priority, background_priority, progress,
@@ -164,7 +168,8 @@ class OffloadedModel:
             self._release()
             raise
         finally:
-            ckpt.close()
+            if owned:
+                ckpt.close()
         if preload:
             self.preload()
         return self
@@ -570,16 +575,20 @@ def _fill_host(host: HostStore, ckpt: Checkpoint, fam, progress: bool) -> None:
                        console=Console(stderr=True), transient=True)
         bar.start()
         task = bar.add_task("layers", total=fam.num_layers)
+    get_many = getattr(ckpt, "get_many", None) or (lambda names: [ckpt.get(n) for n in names])
     try:
         for layer in layers:
             sources = fam.expert_sources(layer)
-            stacked = {piece: ckpt.get(src.stacked) for piece, src in sources.items() if src.stacked is not None}
+            names = [n for src in sources.values() for n in src.names()]
+            got = dict(zip(names, get_many(names)))  # one layer at a time: memory holds one layer
+            stacked = {piece: got[src.stacked] for piece, src in sources.items() if src.stacked is not None}
             if stacked:
                 host.fill_layer(layer, stacked)
             for piece, src in sources.items():
-                for e, names in enumerate(src.per_expert):
-                    parts = [ckpt.get(n) for n in names]
+                for e, expert_names in enumerate(src.per_expert):
+                    parts = [got[n] for n in expert_names]
                     host.fill_piece(layer, e, piece, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+            del got
             if bar is not None:
                 bar.advance(task)
     finally:

@@ -322,3 +322,96 @@ def random_mxfp4_slots(layout, n: int, seed: int = 0, scales: tuple[int, int] = 
         elif p.name.endswith("_bias"):
             v.copy_(torch.randn(v.shape, generator=g) * bias_std)
     return slots
+
+
+class SyntheticCheckpoint:
+    """A synthetic checkpoint held in memory: the values ``write_checkpoint`` would write (same
+    seeds, same chunks, same bytes), generated when a tensor is read, never stored on disk.
+
+    For shapes whose weights do not fit a disk (Qwen3-30B-A3B in bf16 is 61 GB): pass it to
+    ``OffloadedModel.load`` (or bench/peers.load_transformers_reference) in place of a directory;
+    everything after loading is the same code path. It has the interface of
+    offload/checkpoint.Checkpoint; ``path`` is a temporary directory with config.json,
+    generation_config.json and the tokenizer (no weights), removed by ``close()``. ``get_many``
+    generates several tensors at once on a thread pool (``workers`` threads).
+    """
+
+    synthetic = True
+
+    def __init__(self, preset: ModelPreset, *, mxfp4: bool = False, quant: str | None = None, seed: int = 0,
+                 dtype: str = "bfloat16", workers: int | None = None):
+        import shutil
+        import tempfile
+
+        from pdflash.offload.family import find_family
+
+        if dtype not in _DTYPES:
+            raise PdflashError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
+        self.preset = preset
+        self.seed = seed
+        self.path = Path(tempfile.mkdtemp(prefix=f"pdflash-synthetic-{preset.name}-"))
+        self._rmtree = shutil.rmtree
+        try:
+            ids = write_tokenizer(self.path, preset)
+            self.config = preset.hf_config(ids, dtype=dtype, mxfp4=mxfp4, quant=quant)
+            (self.path / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+            gen = {"bos_token_id": ids["<|startoftext|>"], "eos_token_id": [ids["<|return|>"], ids["<|endoftext|>"]],
+                   "pad_token_id": ids["<|endoftext|>"], "do_sample": False}
+            (self.path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+            self.family = find_family(self.config, f"preset {preset.name}")
+        except BaseException:
+            self._rmtree(self.path, ignore_errors=True)
+            raise
+        self.specs = self.family.tensor_specs()
+        self.dtypes = _tensor_dtypes(self.specs, _DTYPES[dtype])
+        self.rules = {n: self.family.init_rule(n, preset) for n in self.specs}
+        self.workers = workers or max(1, min(16, os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="pdflash-synthetic")
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return self.dtypes["model.embed_tokens.weight"]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor, as write_checkpoint would store them."""
+        return sum(math.prod(s.shape) * torch.empty((), dtype=self.dtypes[n]).element_size() for n, s in self.specs.items())
+
+    def dtype(self, name: str) -> torch.dtype:
+        if name not in self.dtypes:
+            raise PdflashError(f"synthetic {self.preset.name}: tensor {name} is missing")
+        return self.dtypes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_many([name])[0]
+
+    def get_many(self, names: list[str]) -> list[torch.Tensor]:
+        """The tensors, their chunks generated in parallel."""
+        jobs, plan = [], []
+        for name in names:
+            self.dtype(name)  # a missing name is a PdflashError
+            numel = math.prod(self.specs[name].shape)
+            starts = list(range(0, numel, CHUNK_ELEMS))
+            plan.append((name, len(starts)))
+            for c, start in enumerate(starts):
+                jobs.append(self._pool.submit(_make_chunk, name, self.rules[name], self.dtypes[name], self.seed, c,
+                                              min(CHUNK_ELEMS, numel - start)))
+        out, i = [], 0
+        for name, n in plan:
+            parts = [jobs[j].result() for j in range(i, i + n)]
+            i += n
+            flat = parts[0] if n == 1 else torch.cat(parts)
+            out.append(flat.view(self.specs[name].shape))
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> "SyntheticCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
