@@ -122,3 +122,51 @@ def test_make_synthetic_then_generate_with_a_draft(run, tmp_path):
     assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) == 12  # lossless
     code, _, err = run("make-synthetic", tmp_path / "bad", "--preset", "qwen3-tiny", "--mxfp4")
     assert code == 1 and "no mxfp4 format" in err
+
+
+@pytest.mark.parametrize("preset,kw", [("qwen3-tiny", dict(quant="fp8")), ("tiny", dict(mxfp4=True))])
+def test_in_memory_synthetic_is_the_written_checkpoint(tmp_path, preset, kw):
+    """SyntheticCheckpoint generates the bytes write_checkpoint writes: the host stores of both
+    loads are byte-identical and the greedy tokens equal; its directory goes away on close."""
+    from pdflash.offload.generate import generate
+    from pdflash.offload.runtime import OffloadedModel
+    from pdflash.offload.synthetic import SyntheticCheckpoint
+
+    p = ModelPreset.from_name(preset)
+    path = write_checkpoint(tmp_path / "m", p, seed=5, **kw)
+    with SyntheticCheckpoint(p, seed=5, workers=2, **kw) as ck:
+        assert ck.nbytes == sum(f.stat().st_size for f in path.glob("*.safetensors")) - _headers(path)
+        with OffloadedModel.load(ck, expert_cache_experts=4) as a, OffloadedModel.load(path, expert_cache_experts=4) as b:
+            assert torch.equal(a.host.buf, b.host.buf)
+            prompt = [5, 77, 200, 31, 9, 100]
+            assert generate(a, prompt, max_new_tokens=6, eos_token_ids=[]).token_ids == \
+                generate(b, prompt, max_new_tokens=6, eos_token_ids=[]).token_ids
+        where = ck.path
+    assert not where.exists()
+
+
+def _headers(path) -> int:
+    import struct
+
+    return sum(8 + struct.unpack("<Q", f.read_bytes()[:8])[0] for f in path.glob("*.safetensors"))
+
+
+def test_gpu_benchmark_script_runs_the_qwen3_shape_on_cpu(load_script, tmp_path, monkeypatch):
+    """benchmarks/bench_offload_gpu.py end to end on the CPU with the tiny Qwen3 shape in memory:
+    every stage runs and pdflash's greedy tokens are the transformers reference's."""
+    import sys
+
+    bench = load_script("benchmarks/bench_offload_gpu.py")
+    out = tmp_path / "q3.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--in-memory", "--preset", "qwen3-tiny", "--quant", "fp8", "--device", "cpu",
+                                      "--link-gbps", "1", "--tokens", "6", "--warmup", "2", "--out", str(out)])
+    assert bench.main() == 0
+    res = json.loads(out.read_text())
+    assert res["synthetic_in_memory"] and res["family"] == "qwen3_moe" and res["experts"] == "fp8"
+    names = {r["name"] for r in res["runs"]}
+    assert {"pdflash-resident", "pdflash-offload-25pct", "transformers-resident-bf16"} <= names
+    for name, s in res["summary"].items():
+        if name.startswith("pdflash"):
+            assert s["greedy_prefix_equal_to_transformers"] == "9/9", name
+            if "offload" in name:
+                assert s["bytes_per_token"] > 0 and s["utilisation_of_bound"] > 0
