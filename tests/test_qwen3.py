@@ -170,3 +170,23 @@ def test_gpu_benchmark_script_runs_the_qwen3_shape_on_cpu(load_script, tmp_path,
             assert s["greedy_prefix_equal_to_transformers"] == "9/9", name
             if "offload" in name:
                 assert s["bytes_per_token"] > 0 and s["utilisation_of_bound"] > 0
+
+
+def test_transformers_reference_loader_is_from_pretrained(tmp_path):
+    """bench/peers.load_transformers_reference builds transformers' Qwen3MoeForCausalLM from the
+    family's pieces (per-expert tensors stacked, FP8 dequantized): the same logits as
+    from_pretrained's own loading, bit for bit, from a directory and from the in-memory synthetic."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from pdflash.bench.peers import load_transformers_reference
+    from pdflash.offload.synthetic import SyntheticCheckpoint
+
+    p = ModelPreset.from_name("qwen3-tiny")
+    path = write_checkpoint(tmp_path / "q", p, seed=9, quant="fp8")
+    ids = torch.tensor([[5, 77, 200, 31, 9, 100, 250, 17]])
+    with torch.no_grad():
+        want = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")(ids).logits
+        got = load_transformers_reference(path, "cpu", torch.bfloat16)
+        assert type(got).__name__ == "Qwen3MoeForCausalLM" and torch.equal(got(ids).logits, want)
+        with SyntheticCheckpoint(p, seed=9, quant="fp8", workers=2) as ck:
+            assert torch.equal(load_transformers_reference(ck, "cpu", torch.bfloat16)(ids).logits, want)
