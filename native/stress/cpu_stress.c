@@ -211,8 +211,8 @@ static int random_call(pf_cpu *c, uint64_t *rng, int small) {
     int fmt = fmts[rng_next(rng) % 3];
     int H, I;
     if (fmt == PF_CPU_MXFP4) {
-        H = 32 * (1 + (int)(rng_next(rng) % (small ? 3 : 5)));
-        I = 32 * (1 + (int)(rng_next(rng) % (small ? 3 : 5)));
+        H = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10))); /* 128-element chunks and lone groups */
+        I = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10)));
     } else {
         H = 1 + (int)(rng_next(rng) % (small ? 70 : 130));
         I = 1 + (int)(rng_next(rng) % (small ? 50 : 90));
