@@ -912,7 +912,8 @@ int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_forma
     if (tokens < 1 || tokens > PF_CPU_MAX_TOKENS || x_stride < w->hidden) return PF_CPU_EINVAL;
     if (x_format != PF_CPU_F32 && x_format != PF_CPU_BF16) return PF_CPU_EINVAL;
     const int H = w->hidden, I = w->inter, T = tokens, mx = w->format == PF_CPU_MXFP4;
-    const int bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL;
+    /* bf16 dot products pay off from 3 tokens on; below, the chunked float32 kernel decodes less per weight */
+    const int bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL && tokens >= 3;
 
     pthread_mutex_lock(&c->call_mu);
     int bad = reserve((void **)&c->xp, &c->xp_cap, (size_t)T * H, sizeof(float)) ||
