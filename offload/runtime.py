@@ -263,6 +263,11 @@ class OffloadedModel:
         from pdflash.native import NativeLibraryMissing
         from pdflash.native.cpu_experts import CpuExpertError
 
+        if cpu_threads is None and self.device.type == "cuda":
+            from pdflash.native.cpu_experts import default_threads
+
+            # beside it run the thread that drives the device and the scheduler's copy workers
+            cpu_threads = max(1, default_threads() - 1 - self.scheduler.workers)
         try:
             self.cpu = CpuExpertRunner(self.host, alpha, limit, threads=cpu_threads, dtype=self.dtype)
         except (CpuExpertError, NativeLibraryMissing) as exc:

@@ -339,3 +339,41 @@ def test_stream_read_checksum(level):
         for threads in (1, 3):
             with CpuExperts(threads=threads, level=level) as k:
                 assert k.stream_read(buf) == want
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("fmt", ["mxfp4", "dense"])
+def test_round_bf16_follows_transformers_in_bf16(level, fmt):
+    """round_bf16: the intermediate roundings of transformers' GptOssExperts run in bfloat16.
+    Every output is a bf16 value, almost all are transformers' own bit for bit (the float32
+    sums differ only in order, so a rounding boundary is rarely crossed), none by more than
+    a few bf16 steps."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    H, I = 160, 96
+    if fmt == "mxfp4":
+        w, (w1, b1, w2, b2) = mxfp4_expert(H, I, seed=31)
+        w = ExpertWeights.mxfp4(*(w.tensors[n] for n in ("gate_up", "gate_up_scales", "gate_up_bias", "down",
+                                                          "down_scales", "down_bias")), round_bf16=True)
+    else:
+        _, (w1, b1, w2, b2) = dense_expert(H, I, seed=32, dtype=torch.bfloat16)
+        w = ExpertWeights.dense(w1, b1, w2, b2, round_bf16=True)
+    cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=1, num_experts_per_tok=1)
+    m = GptOssExperts(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        m.gate_up_proj.copy_(w1[None])
+        m.gate_up_proj_bias.copy_(b1[None])
+        m.down_proj.copy_(w2[None])
+        m.down_proj_bias.copy_(b2[None])
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(16, H, generator=g).bfloat16()
+    with torch.no_grad():
+        ref = m(x, torch.zeros((16, 1), dtype=torch.long), torch.ones((16, 1), dtype=torch.bfloat16)).float()
+    with CpuExperts(threads=2, level=level) as k:
+        y = k.forward(w, x)
+    assert torch.equal(y, y.bfloat16().float())  # bf16 values
+    same = (y == ref).float().mean().item()
+    ulp = torch.clamp(ref.abs(), min=2.0**-10) * 2.0**-7
+    assert same >= 0.97, same
+    assert ((y - ref).abs() <= 4 * ulp).all()
