@@ -23,6 +23,12 @@ token count (``--tokens``, 1,8,16):
             effective bandwidth counts the bf16 bytes it reads, and its time per expert is
             comparable with the kernel's directly.
 
+With ``--model DIR`` (a checkpoint; ``embedded`` for the embedded model) it measures instead
+generation on the CPU device with ``--cpu-experts off`` (today's path: dequantize, then one
+matmul per expert) and ``all`` (the native kernel), alternating ``--repeats`` times: decode
+tokens per second and the wall time spent inside the experts modules per generated token,
+and whether both produced the same tokens.
+
 Every figure is measured in the same run on the same machine; nothing is assumed. JSON goes
 to stdout with ``--json`` or to ``--out FILE``; a table is printed otherwise.
 """
@@ -139,6 +145,52 @@ def bench_torch(threads: int, tokens_list, n_experts: int, hidden: int, inter: i
     return rows
 
 
+def bench_model(model: str, tokens: int, repeats: int, threads: int | None) -> dict:
+    """generate on the CPU device, cpu_experts off vs all, alternating; experts-module time per token."""
+    from pdflash.offload.experts import OffloadedExperts
+    from pdflash.offload.generate import generate
+    from pdflash.offload.runtime import OffloadedModel
+
+    if model == "embedded":
+        from pdflash.offload.embedded import embedded_target
+
+        model = str(embedded_target())
+    prompt = [5, 77, 200, 31, 9, 100, 250, 17, 3, 44, 81, 90]
+    runs = {"off": [], "all": []}
+    tokens_of = {}
+    for _ in range(repeats):
+        for mode in ("off", "all"):
+            with OffloadedModel.load(model, device="cpu", cpu_experts=mode, cpu_threads=threads) as rt:
+                spent = [0.0]
+
+                def pre(mod, args, kwargs):
+                    mod._t0 = time.perf_counter()
+
+                def post(mod, args, kwargs, out):
+                    spent[0] += time.perf_counter() - mod._t0
+
+                for m in rt.model.modules():
+                    if isinstance(m, OffloadedExperts):
+                        m.register_forward_pre_hook(pre, with_kwargs=True)
+                        m.register_forward_hook(post, with_kwargs=True)
+                vocab = int(rt.config.vocab_size)
+                ids = [t % vocab for t in prompt]
+                generate(rt, ids, max_new_tokens=2, eos_token_ids=[])  # warm-up
+                spent[0] = 0.0
+                res = generate(rt, ids, max_new_tokens=tokens, eos_token_ids=[])
+                runs[mode].append({"tokens_per_second": res.tokens_per_second,
+                                   "experts_ms_per_token": spent[0] / len(res.token_ids) * 1e3,
+                                   "level": rt.cpu.level if rt.cpu is not None else None})
+                tokens_of[mode] = res.token_ids
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    summary = {mode: {"median_tokens_per_second": med([r["tokens_per_second"] for r in rs]),
+                      "median_experts_ms_per_token": med([r["experts_ms_per_token"] for r in rs])} for mode, rs in runs.items()}
+    return {"model": model, "tokens": tokens, "repeats": repeats, "threads": threads, "runs": runs, "summary": summary,
+            "speedup_tokens_per_second": summary["all"]["median_tokens_per_second"] / summary["off"]["median_tokens_per_second"],
+            "speedup_experts_time": summary["off"]["median_experts_ms_per_token"] / summary["all"]["median_experts_ms_per_token"],
+            "same_tokens": tokens_of["off"] == tokens_of["all"]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="hidden = intermediate = 512 (a quick CPU run)")
@@ -153,9 +205,26 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-experts", type=int, default=8, help="distinct bf16 experts for the PyTorch comparison (0: skip)")
     ap.add_argument("--torch-calls", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="checkpoint dir (or 'embedded'): generation off vs all on the CPU")
+    ap.add_argument("--gen-tokens", type=int, default=32, help="with --model: tokens generated per run")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = ap.parse_args(argv)
+
+    if args.model:
+        threads = int(args.threads.split(",")[0]) if args.threads != "8,16" else None
+        res = bench_model(args.model, args.gen_tokens, args.repeats, threads)
+        text = json.dumps(res, indent=1)
+        if args.out:
+            args.out.write_text(text + "\n")
+        if args.json:
+            print(text)
+        else:
+            for mode, sm in res["summary"].items():
+                print(f"{mode:3s}: {sm['median_tokens_per_second']:.2f} tok/s, experts {sm['median_experts_ms_per_token']:.2f} ms/token")
+            print(f"speedup: {res['speedup_tokens_per_second']:.2f}x tokens/s, {res['speedup_experts_time']:.2f}x experts time; "
+                  f"same tokens: {res['same_tokens']}")
+        return 0
 
     hidden = args.hidden or (512 if args.small else 2880)
     inter = args.inter or (512 if args.small else 2880)

@@ -35,6 +35,9 @@
 
 #define ALIGN 64
 #define MX_UNIT 4   /* rows per MXFP4 unit */
+#ifndef MX_SUPER
+#define MX_SUPER 8  /* AVX-512: rows per block that all token pairs pass over before the next */
+#endif
 #define DN_UNIT 32  /* columns per dense unit */
 
 static const float FP4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -62,6 +65,17 @@ static inline float load_elem(const void *p, int fmt, size_t i) {
 /* position of element j of an MXFP4-ordered row: [even | odd] within each group of 32 */
 static inline size_t mx_pos(size_t j) {
     return (j & ~(size_t)31) + ((j & 1) ? 16 : 0) + ((j & 31) >> 1);
+}
+
+/* The AVX-512 kernels read four groups (128 elements, 64 bytes) at once as 16 dwords: nibble
+ * k of dword i is element 8i + k, so the first in/128*128 elements of a row are kept in
+ * chunks of 128 as [k][i] (element 8i + k at 16k + i); the rest per group as mx_pos. */
+static inline size_t mx_pos_chunked(size_t j, size_t in) {
+    if (j < in / 128 * 128) {
+        size_t e = j & 127;
+        return (j & ~(size_t)127) + (e & 7) * 16 + (e >> 3);
+    }
+    return mx_pos(j);
 }
 
 /* ---- kernel signatures ---------------------------------------------------------------
@@ -309,56 +323,101 @@ T_512 INL void mx_decode512(const uint8_t *b, uint8_t s, __m512 lut, __m512 *wl,
     *wh = hi;
 }
 
-/* 4 rows (clamped to the last) x TG tokens */
-T_512 INL void mx_block512(const uint8_t *blocks, const uint8_t *scales, int in, int r, int r_end,
-                           const float *xp, int t0, const int TG, float *y, int ys) {
-    const int G = in / 32;
+/* The four E8M0 scales of a chunk as 16 float lanes (lane i: group i / 4). Scales 1..254 are
+ * float exponents as they are; 0 (2^-127, subnormal) and 255 (2^128, past float) are taken
+ * from the table with a second factor of 2 for 255, as the reference computes them. */
+T_512 INL __m512 chunk_scales512(const uint8_t *sp) {
+    uint32_t s4;
+    memcpy(&s4, sp, 4);
+    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    __m512i s = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)s4), shift), _mm512_set1_epi32(255));
+    uint32_t n = ~s4;
+    uint32_t has0 = (s4 - 0x01010101u) & ~s4 & 0x80808080u;
+    uint32_t has255 = (n - 0x01010101u) & ~n & 0x80808080u;
+    if (__builtin_expect((has0 | has255) == 0, 1)) return _mm512_castsi512_ps(_mm512_slli_epi32(s, 23));
+    __m512 v = _mm512_i32gather_ps(s, SCALE, 4);
+    __mmask16 m255 = _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255));
+    return _mm512_mask_mul_ps(v, m255, v, _mm512_set1_ps(2.0f));
+}
+
+/* R rows (clamped to the last) x TG tokens over rows in the chunked order: per chunk, each
+ * lane's unscaled products are summed over its 8 nibbles, then scaled once (an exact power
+ * of two) into the accumulator; the last in % 128 elements go group by group. */
+T_512 INL void mx_block512c(const uint8_t *blocks, const uint8_t *scales, int in, int r, int r_end,
+                            const float *xp, int t0, const int R, const int TG, float *y, int ys) {
+    const int G = in / 32, C = in / 128;
     const __m512 lut = _mm512_loadu_ps(FP4);
     const uint8_t *bp[4], *sp[4];
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < R; k++) {
         int rr = r + k < r_end ? r + k : r_end - 1;
         bp[k] = blocks + (size_t)rr * G * 16;
         sp[k] = scales + (size_t)rr * G;
     }
     __m512 acc[4][4];
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < R; k++)
 #pragma GCC unroll 4
         for (int t = 0; t < TG; t++) acc[k][t] = _mm512_setzero_ps();
     const float *x0 = xp + (size_t)t0 * in;
-    for (int g = 0; g < G; g++) {
-        __m512 wl[4], wh[4];
+    for (int c = 0; c < C; c++) {
+        __m512i v[4];
+        __m512 p[4][4];
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) mx_decode512(bp[k] + g * 16, sp[k][g], lut, &wl[k], &wh[k]);
+        for (int k = 0; k < R; k++) v[k] = _mm512_loadu_si512((const void *)(bp[k] + (size_t)c * 64));
+#pragma GCC unroll 8
+        for (int n = 0; n < 8; n++) {
+            __m512 xv[4];
 #pragma GCC unroll 4
-        for (int t = 0; t < TG; t++) {
-            const float *xg = x0 + (size_t)t * in + (size_t)g * 32;
-            __m512 xe = _mm512_loadu_ps(xg), xo = _mm512_loadu_ps(xg + 16);
+            for (int t = 0; t < TG; t++) xv[t] = _mm512_loadu_ps(x0 + (size_t)t * in + (size_t)c * 128 + n * 16);
 #pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                acc[k][t] = _mm512_fmadd_ps(wl[k], xe, acc[k][t]);
-                acc[k][t] = _mm512_fmadd_ps(wh[k], xo, acc[k][t]);
+            for (int k = 0; k < R; k++) {
+                __m512 w = _mm512_permutexvar_ps(n ? _mm512_srli_epi32(v[k], 4 * n) : v[k], lut);
+#pragma GCC unroll 4
+                for (int t = 0; t < TG; t++) p[k][t] = n ? _mm512_fmadd_ps(w, xv[t], p[k][t]) : _mm512_mul_ps(w, xv[t]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < R; k++) {
+            __m512 sc = chunk_scales512(sp[k] + (size_t)c * 4);
+#pragma GCC unroll 4
+            for (int t = 0; t < TG; t++) acc[k][t] = _mm512_fmadd_ps(p[k][t], sc, acc[k][t]);
+        }
+    }
+    for (int g = C * 4; g < G; g++) {
+#pragma GCC unroll 4
+        for (int k = 0; k < R; k++) {
+            __m512 wl, wh;
+            mx_decode512(bp[k] + g * 16, sp[k][g], lut, &wl, &wh);
+#pragma GCC unroll 4
+            for (int t = 0; t < TG; t++) {
+                const float *xg = x0 + (size_t)t * in + (size_t)g * 32;
+                acc[k][t] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xg), acc[k][t]);
+                acc[k][t] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xg + 16), acc[k][t]);
             }
         }
     }
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < R; k++) {
         if (r + k >= r_end) break;
 #pragma GCC unroll 4
         for (int t = 0; t < TG; t++) y[(size_t)(t0 + t) * ys + r + k] = _mm512_reduce_add_ps(acc[k][t]);
     }
 }
 
+/* xp in the chunked order (mx_pos_chunked). Tokens go in pairs with 4 rows sharing each
+ * token load (measured faster than 2 rows x 4 tokens, which needs more live registers). */
 T_512 static void mx_rows_512(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
                               const float *xp, int T, float *y, int ys) {
     (void)nrows;
-    for (int r = r0; r < r1; r += 4) {
-        for (int t0 = 0; t0 < T; t0 += 4) {
-            switch (T - t0 >= 4 ? 4 : T - t0) {
-            case 4: mx_block512(blocks, scales, in, r, r1, xp, t0, 4, y, ys); break;
-            case 3: mx_block512(blocks, scales, in, r, r1, xp, t0, 3, y, ys); break;
-            case 2: mx_block512(blocks, scales, in, r, r1, xp, t0, 2, y, ys); break;
-            default: mx_block512(blocks, scales, in, r, r1, xp, t0, 1, y, ys); break;
+    const int RB = MX_SUPER; /* rows whose weights stay in L1 while every token pair passes over them */
+    for (int rb = r0; rb < r1; rb += RB) {
+        int re = rb + RB < r1 ? rb + RB : r1;
+        for (int t0 = 0; t0 < T; t0 += 2) {
+            for (int r = rb; r < re; r += 4) {
+                if (T - t0 >= 2)
+                    mx_block512c(blocks, scales, in, r, re, xp, t0, 4, 2, y, ys);
+                else
+                    mx_block512c(blocks, scales, in, r, re, xp, t0, 4, 1, y, ys);
             }
         }
     }
@@ -539,6 +598,7 @@ struct pf_cpu {
     mx_rows_bf16_fn mx_rows_bf16; /* NULL below PF_CPU_LEVEL_AVX512_BF16 */
     dense_cols_fn dense_cols;
     read_fn read;
+    int chunked;                  /* mx_rows reads rows in the chunked order (mx_pos_chunked) */
 
     pthread_mutex_t call_mu;      /* serializes pf_cpu_expert; guards the scratch buffers */
 
@@ -642,7 +702,7 @@ static void run_part(pf_cpu *c, int idx, int phase) {
                     }
                     hv = swiglu(gate, up, w->alpha, w->limit);
                 }
-                ht[mx ? mx_pos((size_t)k) : (size_t)k] = hv;
+                ht[!mx ? (size_t)k : c->chunked ? mx_pos_chunked((size_t)k, (size_t)I) : mx_pos((size_t)k)] = hv;
             }
         }
     } else {
@@ -769,6 +829,7 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
         c->mx_rows = mx_rows_512;
         c->dense_cols = dense_cols_512;
         c->read = read_512;
+        c->chunked = 1;
     }
     if (level >= PF_CPU_LEVEL_AVX512_BF16) c->mx_rows_bf16 = mx_rows_bf16;
 #endif
@@ -848,7 +909,8 @@ int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_forma
     if (tokens < 1 || tokens > PF_CPU_MAX_TOKENS || x_stride < w->hidden) return PF_CPU_EINVAL;
     if (x_format != PF_CPU_F32 && x_format != PF_CPU_BF16) return PF_CPU_EINVAL;
     const int H = w->hidden, I = w->inter, T = tokens, mx = w->format == PF_CPU_MXFP4;
-    const int bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL;
+    /* bf16 dot products pay off from 3 tokens on; below, the chunked float32 kernel decodes less per weight */
+    const int bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL && tokens >= 3;
 
     pthread_mutex_lock(&c->call_mu);
     int bad = reserve((void **)&c->xp, &c->xp_cap, (size_t)T * H, sizeof(float)) ||
@@ -870,7 +932,7 @@ int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_forma
         float *dt = c->xp + (size_t)t * H;
         for (int k = 0; k < H; k++) {
             float v = load_elem(x, x_format, (size_t)t * x_stride + k);
-            dt[mx ? mx_pos((size_t)k) : (size_t)k] = v;
+            dt[!mx ? (size_t)k : c->chunked ? mx_pos_chunked((size_t)k, (size_t)H) : mx_pos((size_t)k)] = v;
         }
     }
     c->cur = (job){.w = w, .T = T, .bf16_x = bf16_x, .out = out};

@@ -25,6 +25,13 @@ read the same measured rates:
   (:meth:`set_cpu_expert_rate`). None means "no host path": :meth:`serve_seconds` then fetches
   everything.
 
+- per-layer placement (:meth:`CostModel.place_layer`, hybrid execution): for the experts a
+  layer needs that are not resident, which to fetch and which to compute on the host so that
+  the layer's critical path is shortest. The host side is the calibrated, kept-current rate of
+  the native CPU kernel (``pdflash.offload.cpu_compute.CpuExpertRunner``, installed through
+  :meth:`set_cpu_expert_rate`); the link side the measured link rate and what is in flight;
+  the device side the measured device compute per expert (0 until measured).
+
 Nothing here is a result: every prediction is a measured rate times a count, or a documented
 prior until the first measurement.
 """
@@ -91,6 +98,21 @@ class ServePlan:
     @property
     def seconds(self) -> float:
         return self.fetch_seconds + self.host_seconds
+
+
+@dataclass
+class LayerPlacement:
+    """One layer's choice: experts computed on the host, experts fetched, and the predicted
+    finish of each side (seconds from the decision; the layer ends at the later one)."""
+
+    host: list[int]
+    fetch: list[int]
+    host_seconds: float = 0.0
+    device_seconds: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return max(self.host_seconds, self.device_seconds)
 
 
 class CostModel:
@@ -220,6 +242,50 @@ class CostModel:
             plan.to_fetch = missing
         plan.fetch_seconds = self.fetch_equivalents(in_flight, plan.to_fetch) * fetch_one
         return plan
+
+    def place_layer(self, missing: dict[int, int], in_flight: int = 0, resident_tokens: Iterable[int] = ()) -> LayerPlacement:
+        """Split one layer's non-resident experts between the link and the host.
+
+        ``missing``: expert -> tokens routed to it, for experts neither resident nor on the way;
+        ``in_flight``: experts of this layer already crossing the link (they stay there);
+        ``resident_tokens``: tokens of each resident expert (the device computes those first).
+
+        Device side: the link delivers the in-flight experts (``in_flight_weight`` of a fetch
+        each) and then the fetched ones back to back; the device computes the resident experts
+        meanwhile and each fetched one after it lands, so it finishes at
+        max(resident compute, last arrival) + one expert's compute. Host side: the kernel runs
+        its experts one after another (all its threads on each) while the device works. The
+        experts cheapest on the host go there first; the split with the earliest finish of the
+        later side wins (fewest host experts on a tie). Without a host rate everything is fetched.
+        """
+        order = sorted(missing, key=lambda e: (missing[e], e))
+        fetch_one = self.seconds_per_expert_fetch()
+        dev = lambda t: self.device_expert_seconds(t) or 0.0  # noqa: E731
+        resident_s = sum(dev(t) for t in resident_tokens)
+        backlog = self.in_flight_weight * in_flight * fetch_one
+        host_fn = self.cpu_expert_seconds
+
+        def device_finish(fetched: list[int]) -> float:
+            if not fetched and not in_flight:
+                return resident_s
+            arrive = backlog + len(fetched) * fetch_one
+            last = dev(missing[fetched[-1]]) if fetched else dev(1)
+            return max(resident_s + sum(dev(missing[e]) for e in fetched[:-1]), arrive) + last
+
+        best = LayerPlacement([], list(order), 0.0, device_finish(list(order)))
+        if host_fn is None or not order:
+            return best
+        host_s = 0.0
+        for k in range(1, len(order) + 1):
+            one = host_fn(missing[order[k - 1]])
+            if one is None:
+                break
+            host_s += one
+            fetched = order[k:]
+            cand = LayerPlacement(order[:k], fetched, host_s, device_finish(fetched))
+            if cand.seconds < best.seconds:
+                best = cand
+        return best
 
     def serve_seconds(self, experts: Iterable[tuple[int, int]], cache, tokens: int = 1) -> float:
         return self.serve(experts, cache, tokens).seconds

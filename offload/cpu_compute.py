@@ -12,6 +12,7 @@ side of the placement cost model; ``calibrate()`` measures it once before the fi
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -143,6 +144,59 @@ class CpuExpertRunner:
     def close(self) -> None:
         self.kernel.close()
         self._weights.clear()
+
+
+class CpuPlacement:
+    """The per-layer decision of hybrid execution (``cpu_experts="auto"`` with a link):
+    ``placer(layer, misses, positions, K, device) -> experts to compute on the CPU``.
+
+    Reads the shared cost model (offload/cost.py): the link rate from the scheduler's own
+    statistics (observed at most every ``observe_every_s``), the CPU kernel's rate (the
+    runner's calibrated, kept-current EWMA, installed as the model's host hook), the layer's
+    in-flight experts and its resident ones. Experts computed on the CPU that are hot (used
+    at least ``hot_uses`` times within the last ``hot_window`` forwards) are still brought
+    into the cache in the background band, so the cache keeps the hot set.
+    """
+
+    def __init__(self, cache, scheduler, runner: CpuExpertRunner, cost, hot_uses: int = 2, hot_window: int = 8,
+                 background_band: int = 2, observe_every_s: float = 0.005):
+        self.cache = cache
+        self.scheduler = scheduler
+        self.runner = runner
+        self.cost = cost
+        self.hot_uses = hot_uses
+        self.hot_window = hot_window
+        self.background_band = background_band
+        self.observe_every_s = observe_every_s
+        self._last_observe = 0.0
+        self._uses: dict[tuple[int, int], deque] = {}  # (layer, expert) -> forwards that needed it off-cache
+        self.decisions = 0
+        self.background = 0  # hot CPU experts queued into the cache
+        cost.set_cpu_expert_rate(runner.seconds_for)
+
+    def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int, device) -> list[int]:
+        now = time.perf_counter()
+        if now - self._last_observe >= self.observe_every_s:
+            self.cost.observe_scheduler(self.scheduler.stats())
+            self._last_observe = now
+        in_flight, missing = 0, {}
+        for e in misses:
+            if self.cache.state_of(layer, e) == "arriving":
+                in_flight += 1
+            else:
+                missing[e] = len(positions[e])
+        miss_set = set(misses)
+        resident = [len(p) for e, p in positions.items() if e not in miss_set]
+        plan = self.cost.place_layer(missing, in_flight=in_flight, resident_tokens=resident)
+        self.decisions += 1
+        forward = self.cache.stats.forwards
+        for e in plan.host:
+            uses = self._uses.setdefault((layer, e), deque(maxlen=self.hot_uses))
+            uses.append(forward)
+            if len(uses) == self.hot_uses and forward - uses[0] < self.hot_window:
+                if self.cache.prefetch(layer, e, self.background_band):
+                    self.background += 1
+        return plan.host
 
 
 def resolve_mode(mode: str) -> str:

@@ -131,7 +131,7 @@ class OffloadedExperts(nn.Module):
         for e in experts:
             s = cache.lookup(layer, e)
             (hits.append((e, s)) if s is not None else misses.append(e))
-        cpu_job = None
+        cpu_job, cpu_list = None, []
         if self.cpu_mode == "auto" and misses and self.placer is not None:
             on_cpu = set(self.placer(layer, misses, positions, K, dev))
             if on_cpu:
@@ -141,11 +141,11 @@ class OffloadedExperts(nn.Module):
                     x_host = x.to("cpu", non_blocking=False)
                     w_host = w_flat.to("cpu", non_blocking=False)
                     cpu_job = self.cpu_pool.submit(self._cpu_compute, x_host, w_host, K, cpu_list, positions)
-                else:
-                    cpu_job = self._cpu_compute(x, w_flat, K, cpu_list, positions)
         for e in misses:  # submitted before the hits compute, so the link starts at once
             f = cache.request(layer, e)
             (pending.append((e, f)) if f is not None else waiting.append(e))
+        if cpu_list and cpu_job is None:  # CPU device: computed here while the fetches cross the link
+            cpu_job = self._cpu_compute(x, w_flat, K, cpu_list, positions)
         done_slots = []
         if hits:
             compute(hits)

@@ -135,10 +135,11 @@ class OffloadedModel:
 
         ``cpu_experts``: "off" (every expert through the cache), "all" (every routed expert
         computed on the CPU by the native kernel from host memory; nothing is fetched, the
-        cache keeps its minimum size and ``preload`` copies nothing) or "auto" ("all" on the
-        CPU device; on CUDA the per-layer placement decision of offload/cost.py: each
-        non-resident expert fetched or computed on the CPU, whichever ends the layer
-        sooner). "auto" falls back to "off" where the kernel cannot read the experts (the
+        cache keeps its minimum size and ``preload`` copies nothing) or "auto" (on CUDA, and
+        on the CPU device with a simulated link, the per-layer placement decision of
+        offload/cost.py: each non-resident expert fetched or computed on the CPU so that the
+        layer ends soonest, hot CPU experts still cached in the background band; "all" on the
+        CPU device otherwise). "auto" falls back to "off" where the kernel cannot read the experts (the
         reason is in ``stats()["cpu_experts"]``); "all" is an error there.
         ``cpu_threads``: the kernel's threads (default: the cores this process may use).
         """
@@ -178,6 +179,7 @@ class OffloadedModel:
               lookahead_depth, history_depth, route_ahead_priority, background_priority, progress, trace=0,
               cpu_mode="off", cpu_threads=None) -> None:
         fam = ckpt.family
+        self._background_priority = background_priority
         self.path = ckpt.path
         self.family = fam
         self.device = dev
@@ -194,10 +196,8 @@ class OffloadedModel:
         layout = fam.expert_layout(stored)
 
         reason = fam.cpu_unsupported_reason(layout, self.dtype)
-        if cpu_mode == "auto":
-            cpu_mode = "all" if dev.type == "cpu" else "auto"
-            if reason is None and cpu_mode == "auto" and not _placement_available():
-                reason = "the placement cost model (offload/cost.py) is not part of this build"
+        if cpu_mode == "auto":  # CPU device: all, unless a simulated link makes the placement meaningful
+            cpu_mode = "all" if dev.type == "cpu" and link_gbps is None else "auto"
             if reason is not None:
                 cpu_mode = "off"
         elif cpu_mode == "all" and reason is not None:
@@ -269,6 +269,11 @@ class OffloadedModel:
         from pdflash.native import NativeLibraryMissing
         from pdflash.native.cpu_experts import CpuExpertError
 
+        if cpu_threads is None and self.device.type == "cuda":
+            from pdflash.native.cpu_experts import default_threads
+
+            # beside it run the thread that drives the device and the scheduler's copy workers
+            cpu_threads = max(1, default_threads() - 1 - self.scheduler.workers)
         try:
             self.cpu = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
         except (CpuExpertError, NativeLibraryMissing) as exc:
@@ -276,11 +281,13 @@ class OffloadedModel:
         if cpu_mode == "auto":
             from concurrent.futures import ThreadPoolExecutor
 
-            from pdflash.offload.cost import CpuPlacement
+            from pdflash.offload.cpu_compute import CpuPlacement
 
             self.cpu.calibrate()
-            self._cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="pdflash-cpu-experts")
-            self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu)
+            if self.device.type == "cuda":  # the CPU experts overlap the device's work
+                self._cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="pdflash-cpu-experts")
+            self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
+                                       background_band=self._background_priority)
 
     # -- hooks -----------------------------------------------------------------------
     def _on_forward_start(self, module, args, kwargs):
@@ -536,14 +543,6 @@ class OffloadedModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _placement_available() -> bool:
-    try:
-        from pdflash.offload.cost import CpuPlacement  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _size(nbytes: int) -> str:

@@ -84,3 +84,42 @@ def test_expert_compute_rate():
     assert m.device_expert_seconds(2) == pytest.approx(0.0005)
     d = m.to_dict()
     assert d["device_expert_ms"] == {1: pytest.approx(0.5)} and d["host_path"] is False
+
+
+def test_place_layer_without_host_fetches_everything():
+    m = CostModel(1_000_000, link_gbps=1)  # 1 ms per fetch
+    plan = m.place_layer({3: 1, 5: 2}, in_flight=1)
+    assert plan.host == [] and sorted(plan.fetch) == [3, 5]
+    assert plan.device_seconds == pytest.approx(0.5e-3 + 2e-3) and plan.seconds == plan.device_seconds
+
+
+def test_place_layer_balances_host_and_link():
+    m = CostModel(1_000_000, link_gbps=1)  # 1 ms per fetch
+    m.set_cpu_expert_rate(lambda tokens: 0.4e-3 * tokens)
+    # five one-token experts: k on the host costs 0.4k ms, the rest 1 ms each on the link
+    plan = m.place_layer({e: 1 for e in range(5)})
+    assert len(plan.host) == 4 and len(plan.fetch) == 1
+    assert plan.host_seconds == pytest.approx(1.6e-3) and plan.device_seconds == pytest.approx(1e-3)
+    # the cheapest on the host go first: many tokens make an expert dear on the host
+    plan = m.place_layer({0: 1, 1: 9, 2: 1})
+    assert sorted(plan.host) == [0, 2] and plan.fetch == [1]
+    # what is in flight delays the link: more goes to the host
+    busy = m.place_layer({e: 1 for e in range(5)}, in_flight=4)
+    assert len(busy.host) == 5 and busy.fetch == []
+    # a fast link keeps everything there
+    fast = CostModel(1_000, link_gbps=1)  # 1 us per fetch
+    fast.set_cpu_expert_rate(lambda tokens: 0.4e-3 * tokens)
+    assert fast.place_layer({e: 1 for e in range(5)}).host == []
+
+
+def test_place_layer_counts_the_devices_work():
+    m = CostModel(1_000_000, link_gbps=1)  # 1 ms per fetch
+    m.set_cpu_expert_rate(lambda tokens: 1.5e-3)
+    m.observe_expert_compute(1, 1, 2e-3)  # the device takes 2 ms per expert
+    # 3 resident experts keep the device busy 6 ms: fetched misses would end at 6 + 2 + 2 ms,
+    # while the host computes both in 3 ms beside the device's 6
+    plan = m.place_layer({7: 1, 8: 1}, resident_tokens=[1, 1, 1])
+    assert plan.host == [7, 8] and plan.device_seconds == pytest.approx(0.006) and plan.seconds == pytest.approx(0.006)
+    # with nothing resident the device waits for the link, and the host takes one
+    plan = m.place_layer({7: 1, 8: 1})
+    assert len(plan.host) == 1 and plan.seconds == pytest.approx(max(1.5e-3, 1e-3 + 2e-3))

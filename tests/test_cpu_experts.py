@@ -98,7 +98,7 @@ def test_levels_detected():
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
-@pytest.mark.parametrize("H,I", [(64, 32), (96, 160)])
+@pytest.mark.parametrize("H,I", [(64, 32), (96, 160), (288, 416)])  # AVX-512 reads 128-element chunks + groups
 def test_mxfp4_matches_transformers(level, threads, H, I):
     w, (w1, b1, w2, b2) = mxfp4_expert(H, I, seed=H * 7 + I)
     g = torch.Generator().manual_seed(5)
@@ -164,16 +164,19 @@ def test_many_tokens_are_sliced_and_rows_may_be_strided():
 def test_extreme_scales_follow_the_reference(level):
     """Scales 0 (weights 2^-127: subnormal) and 255 (2^128: inf) decode as transformers does;
     the reference's inf / NaN pattern is reproduced (their sums do not depend on order)."""
-    H, I = 32, 32
+    H, I = 160, 160  # one 128-element chunk and one lone group per row
     g = torch.Generator().manual_seed(12)
-    gb = torch.randint(0, 256, (2 * I, 1, 16), dtype=torch.uint8, generator=g)
-    db = torch.randint(0, 256, (H, 1, 16), dtype=torch.uint8, generator=g)
-    gs = torch.full((2 * I, 1), 127, dtype=torch.uint8)
-    gs[::5] = 0
-    gs[3] = 200  # large finite gate / up values: clamped by the SwiGLU
-    ds = torch.full((H, 1), 120, dtype=torch.uint8)
-    ds[1] = 0
-    ds[7] = 255
+    gb = torch.randint(0, 256, (2 * I, H // 32, 16), dtype=torch.uint8, generator=g)
+    db = torch.randint(0, 256, (H, I // 32, 16), dtype=torch.uint8, generator=g)
+    gs = torch.full((2 * I, H // 32), 127, dtype=torch.uint8)
+    gs[::5, 1] = 0
+    gs[::7, 4] = 0
+    gs[3, 2] = 200  # large finite gate / up values: clamped by the SwiGLU
+    ds = torch.full((H, I // 32), 120, dtype=torch.uint8)
+    ds[1, 0] = 0
+    ds[9, 4] = 0
+    ds[7, 2] = 255
+    ds[11, 4] = 255
     w = ExpertWeights.mxfp4(gb, gs, None, db, ds, None)
     w1, w2 = tf_dequant(gb, gs), tf_dequant(db, ds)
     assert torch.isinf(w2).any() and (w1.abs() < 2.0**-120).logical_and(w1 != 0).any()
@@ -183,7 +186,7 @@ def test_extreme_scales_follow_the_reference(level):
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     assert torch.equal(torch.isposinf(y), torch.isposinf(ref)) and torch.equal(torch.isneginf(y), torch.isneginf(ref))
     fin = torch.isfinite(ref)
-    assert not fin.all() and fin.any()  # the inf weights of output 7 reach it, and only it
+    assert not fin.all() and fin.any()  # the inf weights of outputs 7 and 11 reach them, and only them
     check(y[fin], ref[fin])
 
 
@@ -336,3 +339,41 @@ def test_stream_read_checksum(level):
         for threads in (1, 3):
             with CpuExperts(threads=threads, level=level) as k:
                 assert k.stream_read(buf) == want
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("fmt", ["mxfp4", "dense"])
+def test_round_bf16_follows_transformers_in_bf16(level, fmt):
+    """round_bf16: the intermediate roundings of transformers' GptOssExperts run in bfloat16.
+    Every output is a bf16 value, almost all are transformers' own bit for bit (the float32
+    sums differ only in order, so a rounding boundary is rarely crossed), none by more than
+    a few bf16 steps."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    H, I = 160, 96
+    if fmt == "mxfp4":
+        w, (w1, b1, w2, b2) = mxfp4_expert(H, I, seed=31)
+        w = ExpertWeights.mxfp4(*(w.tensors[n] for n in ("gate_up", "gate_up_scales", "gate_up_bias", "down",
+                                                          "down_scales", "down_bias")), round_bf16=True)
+    else:
+        _, (w1, b1, w2, b2) = dense_expert(H, I, seed=32, dtype=torch.bfloat16)
+        w = ExpertWeights.dense(w1, b1, w2, b2, round_bf16=True)
+    cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=1, num_experts_per_tok=1)
+    m = GptOssExperts(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        m.gate_up_proj.copy_(w1[None])
+        m.gate_up_proj_bias.copy_(b1[None])
+        m.down_proj.copy_(w2[None])
+        m.down_proj_bias.copy_(b2[None])
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(16, H, generator=g).bfloat16()
+    with torch.no_grad():
+        ref = m(x, torch.zeros((16, 1), dtype=torch.long), torch.ones((16, 1), dtype=torch.bfloat16)).float()
+    with CpuExperts(threads=2, level=level) as k:
+        y = k.forward(w, x)
+    assert torch.equal(y, y.bfloat16().float())  # bf16 values
+    same = (y == ref).float().mean().item()
+    ulp = torch.clamp(ref.abs(), min=2.0**-10) * 2.0**-7
+    assert same >= 0.97, same
+    assert ((y - ref).abs() <= 4 * ulp).all()

@@ -117,6 +117,26 @@ def test_cpu_experts_all_matches_transformers(ckpts, reference, name, level, mon
         assert st["experts_per_token"]["cpu"] == routed / st["tokens"]
 
 
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_hybrid_placement_matches_transformers(ckpts, reference, name):
+    """cpu_experts="auto" behind a slow simulated link: each layer's misses split between the
+    link and the native CPU kernel by the cost model, hot CPU experts cached in the background
+    band; the greedy tokens stay transformers' own."""
+    path = ckpts[name.replace("-as-f32", "")]
+    dtype = CHECKPOINTS[name][1]
+    with OffloadedModel.load(path, dtype=dtype, cpu_experts="auto", expert_cache_experts=6, link_gbps=0.01,
+                             cpu_threads=2) as rt:
+        res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
+        assert res.token_ids == reference[name]
+        st = rt.stats()
+        assert st["cpu_experts"]["mode"] == "auto" and st["cpu_experts"]["computed"] > 0
+        assert rt.placer.decisions > 0 and rt.cost.to_dict()["host_path"]
+        assert rt.placer.background > 0 and st["prefetch"]["issued"].get("background", 0) >= rt.placer.background
+        assert st["cpu_experts"]["gbps"] is not None  # the kernel's rate, kept current
+        per_layer_cpu = sum(lc["cpu"] for lc in st["per_layer"])
+        assert per_layer_cpu == st["cpu_experts"]["computed"]
+
+
 def test_cpu_experts_prefill_logits_bit_identical_bf16(ckpts):
     """A bf16 model's rounding is reproduced step by step: prefill logits equal transformers'."""
     from transformers import GptOssForCausalLM

@@ -10,7 +10,8 @@
  *   api       caller mistakes give PF_CPU_EINVAL / PF_CPU_EUNSUPPORTED and write nothing;
  *             create / destroy cycles at every thread count (init / close symmetry).
  *   levels    every level this CPU runs, 1..5 threads, random MXFP4 / bf16 / f32 experts
- *             of random sizes (with and without biases), 1..16 tokens in f32 or bf16,
+ *             of random sizes (with and without biases, a third rounded like a bf16 model:
+ *             every output a bf16 value), 1..16 tokens in f32 or bf16,
  *             against a double-precision reference written here from the format's
  *             definition (E2M1 table, 2^(s-127) scales, clamped SwiGLU).
  *   shared    several threads call one context at once (calls are serialized) and their
@@ -177,6 +178,18 @@ static int expert_check(const expert *e, const void *x, int x_fmt, int T, int st
         }
         /* float32 accumulation of H then I terms, and the rounding of h through gate_up */
         double tol = 1e-4 * (1.0 + ymax) + 1e-5 * (1.0 + hmax) * I;
+        if (e->w.round_bf16) { /* bf16 steps: about 2^-8 relative each, through both projections */
+            tol = 3e-2 * (1.0 + ymax) + 4e-3 * (1.0 + hmax) * sqrt((double)I);
+            for (int o = 0; o < H; o++) { /* every output is a bf16 value */
+                uint32_t u;
+                memcpy(&u, &out[(size_t)t * H + o], 4);
+                if (u & 0xffffu) {
+                    fprintf(stderr, "  round_bf16: token %d out %d = %g is not a bf16 value\n", t, o, out[(size_t)t * H + o]);
+                    ok = 0;
+                    break;
+                }
+            }
+        }
         for (int o = 0; o < H; o++) {
             double err = fabs(out[(size_t)t * H + o] - mag[o]);
             if (!(err <= tol)) {
@@ -211,14 +224,15 @@ static int random_call(pf_cpu *c, uint64_t *rng, int small) {
     int fmt = fmts[rng_next(rng) % 3];
     int H, I;
     if (fmt == PF_CPU_MXFP4) {
-        H = 32 * (1 + (int)(rng_next(rng) % (small ? 3 : 5)));
-        I = 32 * (1 + (int)(rng_next(rng) % (small ? 3 : 5)));
+        H = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10))); /* 128-element chunks and lone groups */
+        I = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10)));
     } else {
         H = 1 + (int)(rng_next(rng) % (small ? 70 : 130));
         I = 1 + (int)(rng_next(rng) % (small ? 50 : 90));
     }
     expert e;
     expert_make(&e, rng, fmt, H, I, rng_next(rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32, (int)(rng_next(rng) % 4 != 0));
+    e.w.round_bf16 = (int)(rng_next(rng) % 3 == 0);
     int T = 1 + (int)(rng_next(rng) % PF_CPU_MAX_TOKENS);
     int xf = rng_next(rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32;
     int stride = H + (int)(rng_next(rng) % 3);
@@ -270,6 +284,9 @@ static void phase_api(void) {
     CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
     bad = e.w;
     bad.gate_up_scales = NULL;
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    bad = e.w;
+    bad.round_bf16 = 2;
     CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
     bad = e.w;
     bad.format = 9;
