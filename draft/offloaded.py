@@ -159,7 +159,7 @@ def speculative_on_runtime(
     if graphs:
         from pdflash.offload.graphs import GraphedDecoder
 
-        decoder = GraphedDecoder(rt, max_len=len(prompt) + max_new_tokens, graphs=True)
+        decoder = GraphedDecoder.shared(rt, len(prompt) + max_new_tokens)
         decoder.prepare(len(prompt), tokens=range(1, block + 1) if auto else sorted({1, block}))
     oracle = None
     if acceptance is not None:
