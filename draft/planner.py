@@ -9,7 +9,9 @@ tokens per predicted second; B = 1 is plain decoding (no draft forward). Each st
 1. before drafting (:meth:`BlockPlanner.plan_draft`): with the running per-position acceptance
    only, is any B > 1 expected to beat B = 1 once the draft's cost is paid? If not, the step is a
    plain one and the draft does not run. Every ``probe_every`` plain steps in a row the draft runs
-   anyway, so the acceptance figures keep being measured (stage 2 can still pick B = 1).
+   anyway and at least one proposal is verified, so the acceptance figures keep being measured;
+   every ``remeasure_plain_every`` speculative steps in a row one plain step runs, so B = 1's
+   time stays measured too (both count as ``probes``).
 2. after drafting (:meth:`BlockPlanner.choose`): the same choice with the draft's own confidence
    per position (its probability of the token it proposed), calibrated against measured
    acceptance in confidence bins, each bin's prior being the position's running acceptance.
@@ -153,6 +155,7 @@ class BlockPlanner:
         link_counters: Callable[[], tuple[float, float]] | None = None,
         use_confidence: bool = True,
         probe_every: int = 8,
+        remeasure_plain_every: int = 16,
         acceptance: AcceptanceModel | None = None,
     ):
         if max_block < 1:
@@ -164,6 +167,8 @@ class BlockPlanner:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.use_confidence = use_confidence
         self.probe_every = probe_every
+        self.remeasure_plain_every = remeasure_plain_every
+        self._spec_run = 0  # speculative steps in a row
         self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1))
         self._history: deque[tuple[int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (tokens, layer -> experts) per step
         self._current: dict[int, set[int]] = {}
@@ -257,11 +262,16 @@ class BlockPlanner:
             self.report.probes += 1
             self._probe = True  # stage 2 then verifies at least one proposal
             best = self._candidate(limit, self.acceptance.conditional(), draft_s)
+        elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every:
+            self.report.probes += 1  # a plain step keeps B = 1's time measured
+            best = self._candidate(1, [], None)
         self._stage = best
         if best.block == 1:
             self._plain_run += 1
+            self._spec_run = 0
             return 1
         self._plain_run = 0
+        self._spec_run += 1
         return limit
 
     def choose(self, drafted: int, confidence: Sequence[float] | None, draft_seconds: float) -> Choice:

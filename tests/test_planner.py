@@ -114,3 +114,15 @@ def test_cold_start_measures_plain_then_a_full_block_and_probes():
     assert p.report.probes == 2
     rep = p.to_dict()
     assert sum(rep["block_histogram"].values()) == 8 and rep["predicted_steps"] >= 6
+
+
+def test_a_plain_step_is_remeasured_among_long_speculative_runs():
+    p = planner(link_gbps=1000, remeasure_plain_every=5)
+    teach(p, accept_rate=0.95)
+    chosen = []
+    for _ in range(12):
+        p.begin_step()
+        b = p.plan_draft(8)
+        chosen.append(b)
+        p.end_step(b, b - 1, b, 0.006 if b == 1 else 0.01, draft_seconds=0.001 if b > 1 else 0.0)
+    assert chosen == [8, 8, 8, 8, 1, 8, 8, 8, 8, 1, 8, 8]
