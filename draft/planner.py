@@ -8,8 +8,10 @@ tokens per predicted second; B = 1 is plain decoding (no draft forward). Each st
 
 1. before drafting (:meth:`BlockPlanner.plan_draft`): with the running per-position acceptance
    only, is any B > 1 expected to beat B = 1 once the draft's cost is paid? If not, the step is a
-   plain one and the draft does not run. Every ``probe_every`` plain steps in a row the draft runs
-   anyway and at least one proposal is verified, so the acceptance figures keep being measured;
+   plain one and the draft does not run. After ``probe_every`` plain steps in a row the draft runs
+   anyway and at least one proposal is verified, so the acceptance figures keep being measured
+   (the interval doubles after each probe while plain decoding stays ahead, so probes cost a
+   bounded share of a long plain stretch);
    every ``remeasure_plain_every`` speculative steps in a row one plain step runs, so B = 1's
    time stays measured too (both count as ``probes``).
 2. after drafting (:meth:`BlockPlanner.choose`): the same choice with the draft's own confidence
@@ -167,6 +169,7 @@ class BlockPlanner:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.use_confidence = use_confidence
         self.probe_every = probe_every
+        self._probe_interval = probe_every  # doubles after each probe that leaves plain decoding ahead
         self.remeasure_plain_every = remeasure_plain_every
         self._spec_run = 0  # speculative steps in a row
         self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1))
@@ -258,8 +261,9 @@ class BlockPlanner:
             return 1
         draft_s = self.cost.forward_seconds("draft", limit)
         best = self._best(limit, self.acceptance.conditional(), draft_s)
-        if best.block == 1 and self._plain_run + 1 >= self.probe_every:
+        if best.block == 1 and self._plain_run + 1 >= self._probe_interval:
             self.report.probes += 1
+            self._probe_interval *= 2
             self._probe = True  # stage 2 then verifies at least one proposal
             best = self._candidate(limit, self.acceptance.conditional(), draft_s)
         elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every:
@@ -270,6 +274,8 @@ class BlockPlanner:
             self._plain_run += 1
             self._spec_run = 0
             return 1
+        if not self._probe:
+            self._probe_interval = self.probe_every  # speculation pays again: probe at the base rate
         self._plain_run = 0
         self._spec_run += 1
         return limit
