@@ -192,18 +192,33 @@ class BlockPlanner:
         return self.link_counters() if self.link_counters is not None else None
 
     # -- predictions -------------------------------------------------------------------
-    def _predicted_pairs(self, block: int) -> set[tuple[int, int]]:
-        """Route-ahead's ``previous`` rule: the experts of the latest steps that cover ``block``
-        committed tokens."""
-        pairs: set[tuple[int, int]] = set()
-        covered = 0
+    def _route_missing(self, limit: int) -> list[float]:
+        """Route-ahead's ``previous`` rule for B = 1 .. ``limit`` in one pass: the experts of the
+        latest steps that cover B committed tokens, as experts' worth of link time still to come
+        (missing, or in flight at ``in_flight_weight``) against the cache now; index B - 1."""
+        out: list[float] = []
+        seen: set[tuple[int, int]] = set()
+        in_flight = missing = covered = 0
         for tokens, experts in reversed(self._history):
             for layer, es in experts.items():
-                pairs.update((layer, e) for e in es)
+                for e in es:
+                    key = (layer, e)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    state = self.cache.state_of(layer, e)
+                    if state == "arriving":
+                        in_flight += 1
+                    elif state != "resident":
+                        missing += 1
             covered += tokens
-            if covered >= block:
+            value = self.cost.fetch_equivalents(in_flight, missing)
+            while len(out) < min(covered, limit):
+                out.append(value)
+            if len(out) >= limit:
                 break
-        return pairs
+        value = self.cost.fetch_equivalents(in_flight, missing)
+        return out + [value] * (limit - len(out))
 
     def _extra_fetch(self, block: int) -> float:
         known = {b: e.value for b, e in self._extra.items() if e.value is not None}
@@ -222,23 +237,30 @@ class BlockPlanner:
         """(predicted missing of the route-ahead set, total experts' worth of link time) for B."""
         if self.cache is None:
             return 0.0, 0.0
-        _, in_flight, missing = self.cost.experts_to_fetch(self._predicted_pairs(block), self.cache)
-        pred = self.cost.fetch_equivalents(in_flight, missing)
+        pred = self._route_missing(block)[block - 1]
         return pred, max(0.0, pred + self._extra_fetch(block))
 
+    def _candidates(self, low: int, limit: int, probs: Sequence[float], draft_s: float | None) -> list[Choice]:
+        route = self._route_missing(limit) if self.cache is not None else [0.0] * limit
+        out = []
+        for block in range(low, limit + 1):
+            route_missing = route[block - 1]
+            fetch = max(0.0, route_missing + self._extra_fetch(block)) if self.cache is not None else 0.0
+            verify = self.cost.step_seconds("verify", block, fetch)
+            if verify is None:
+                t = None
+            elif block == 1:
+                t = verify
+            else:
+                t = None if draft_s is None else draft_s + verify
+            out.append(Choice(block, expected_committed(probs, block), t, fetch, route_missing))
+        return out
+
     def _candidate(self, block: int, probs: Sequence[float], draft_s: float | None) -> Choice:
-        route_missing, fetch = self.fetch_experts(block)
-        verify = self.cost.step_seconds("verify", block, fetch)
-        if verify is None:
-            t = None
-        elif block == 1:
-            t = verify
-        else:
-            t = None if draft_s is None else draft_s + verify
-        return Choice(block, expected_committed(probs, block), t, fetch, route_missing)
+        return self._candidates(block, block, probs, draft_s)[0]
 
     def _best(self, limit: int, probs: Sequence[float], draft_s: float | None, low: int = 1) -> Choice:
-        cands = [self._candidate(b, probs, draft_s) for b in range(low, limit + 1)]
+        cands = self._candidates(low, limit, probs, draft_s)
         measured = self.cost.measured_forward("verify")
         if low == 1 and 1 not in measured:
             return cands[0]  # cold start: measure a plain step first ...

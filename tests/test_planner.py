@@ -128,3 +128,20 @@ def test_a_plain_step_is_remeasured_among_long_speculative_runs():
         chosen.append(b)
         p.end_step(b, b - 1, b, 0.006 if b == 1 else 0.01, draft_seconds=0.001 if b > 1 else 0.0)
     assert chosen == [8, 8, 8, 8, 1, 8, 8, 8, 8, 1, 8, 8]
+
+
+def test_route_ahead_set_counts_missing_experts_of_the_latest_steps():
+    p = planner(link_gbps=1)
+    p._extra[1] = Ewma()
+    p._extra[1].add(0.0)
+    p._extra[2] = Ewma()
+    p._extra[2].add(0.0)
+    for experts in ([1, 2], [2, 3]):  # two plain steps, one committed token each
+        p.begin_step()
+        p.on_routed(0, experts)
+        p.on_routed(1, experts)
+        p.end_step(1, 0, 1, 0.01)
+    p.cache.resident = {(0, 2), (1, 2), (1, 3)}
+    assert p.fetch_experts(1) == (1.0, 1.0)  # latest step: (0,3) missing
+    assert p.fetch_experts(2) == (3.0, 3.0)  # both steps: (0,1), (0,3), (1,1) missing
+    assert p.fetch_experts(8) == (3.0, pytest.approx(3.0 * 1))  # no more history: the same set
