@@ -6,8 +6,9 @@ and costs a draft forward (none for B = 1) plus a verify forward whose experts a
 its B tokens' experts. The planner picks the B in 1 .. max_block with the most expected committed
 tokens per predicted second; B = 1 is plain decoding (no draft forward). Each step has two stages:
 
-1. before drafting (:meth:`BlockPlanner.plan_draft`): with the running per-position acceptance
-   only, is any B > 1 expected to beat B = 1 once the draft's cost is paid? If not, the step is a
+1. before drafting (:meth:`BlockPlanner.plan_draft`): with the acceptance expected per position
+   (the running per-position acceptance, or stage 2's calibrated estimates of recent drafts), is
+   any B > 1 expected to beat B = 1 once the draft's cost is paid? If not, the step is a
    plain one and the draft does not run. After ``probe_every`` plain steps in a row the draft runs
    anyway and at least one proposal is verified, so the acceptance figures keep being measured
    (the interval doubles after each probe while plain decoding stays ahead, so probes cost a
@@ -173,6 +174,7 @@ class BlockPlanner:
         self.remeasure_plain_every = remeasure_plain_every
         self._spec_run = 0  # speculative steps in a row
         self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1))
+        self._expected = [Ewma() for _ in range(self.acceptance.positions)]  # stage 2's calibrated p_i, smoothed
         self._history: deque[tuple[int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (tokens, layer -> experts) per step
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
@@ -282,12 +284,12 @@ class BlockPlanner:
             self._stage = self._candidate(1, [], None)
             return 1
         draft_s = self.cost.forward_seconds("draft", limit)
-        best = self._best(limit, self.acceptance.conditional(), draft_s)
+        best = self._best(limit, self._stage1_probs(), draft_s)
         if best.block == 1 and self._plain_run + 1 >= self._probe_interval:
             self.report.probes += 1
             self._probe_interval *= 2
             self._probe = True  # stage 2 then verifies at least one proposal
-            best = self._candidate(limit, self.acceptance.conditional(), draft_s)
+            best = self._candidate(limit, self._stage1_probs(), draft_s)
         elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every:
             self.report.probes += 1  # a plain step keeps B = 1's time measured
             best = self._candidate(1, [], None)
@@ -302,11 +304,22 @@ class BlockPlanner:
         self._spec_run += 1
         return limit
 
+    def _stage1_probs(self) -> list[float]:
+        """Acceptance expected before drafting: the running per-position acceptance, or, with the
+        draft's confidence in use, stage 2's calibrated estimates smoothed over the drafted steps
+        (so a draft whose confidence keeps stage 2 at B = 1 stops being run)."""
+        cond = self.acceptance.conditional()
+        if not self.use_confidence:
+            return cond
+        return [e.value if e.value is not None else c for e, c in zip(self._expected, cond)]
+
     def choose(self, drafted: int, confidence: Sequence[float] | None, draft_seconds: float) -> Choice:
         """Stage 2, after a draft of ``drafted`` tokens (B <= drafted): the verify length."""
         self.cost.observe_forward("draft", drafted, draft_seconds)
         if confidence is not None and self.use_confidence:
             probs = self.acceptance.calibrated(confidence)
+            for e, p in zip(self._expected, probs):
+                e.add(p)
         else:
             probs = self.acceptance.conditional()
         best = self._best(drafted, probs, draft_seconds, low=2 if self._probe and drafted >= 2 else 1)
