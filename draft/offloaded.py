@@ -10,9 +10,9 @@ predictions go to ``rt.prefetcher.prefetch_experts`` at the runtime's route-ahea
 a window sized to the expert cache (:func:`~pdflash.draft.route_ahead.window_for_cache`).
 
 Oracle-acceptance mode (``acceptance`` = P): the target's greedy continuation is first computed
-by a plain decoding run on the same runtime (not part of the result's timings); the runtime's
-cache and statistics are then reset (and an all-resident cache preloaded again), so the reported
-figures cover the speculative run alone.
+on the same runtime and the same target path as the verify passes (:func:`oracle_reference`, not
+part of the result's timings); the runtime's cache and statistics are then reset (and an
+all-resident cache preloaded again), so the reported figures cover the speculative run alone.
 """
 
 from __future__ import annotations
@@ -106,6 +106,26 @@ def speculative_options(
             "auto": block_size in (None, AUTO), "predictor": predictor, "acceptance": acceptance}
 
 
+def oracle_reference(rt, input_ids: Sequence[int], max_new_tokens: int, block_size: int, *, decoder=None,
+                     eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """Oracle mode's reference continuation, from the arithmetic of the verify passes: a plain
+    greedy run (through ``decoder`` when given: the graphed path), then
+    :func:`~pdflash.draft.speculative.verify_sweep` over blocks of ``block_size`` on the same path.
+    Untimed work that goes through the runtime's cache: reset it afterwards."""
+    from pdflash.draft.speculative import greedy_generate, verify_sweep
+
+    prompt = [int(t) for t in input_ids]
+    eos = set(eos_token_ids)
+    if decoder is None:
+        plain = greedy_generate(rt.model, prompt, max_new_tokens, list(eos))
+    else:
+        plain = [int(decoder.prefill(prompt).argmax())]
+        while plain[-1] not in eos and len(plain) < max_new_tokens:
+            plain.append(int(decoder.decode(plain[-1]).argmax()))
+    return verify_sweep(rt.model, prompt, plain, max_new_tokens, block_size, decoder=decoder,
+                        eos_token_ids=list(eos))
+
+
 def speculative_on_runtime(
     rt,
     draft: DFlashDraftModel,
@@ -133,15 +153,24 @@ def speculative_on_runtime(
     prompt = [int(t) for t in input_ids]
     auto = parse_block_size(block_size) == AUTO
     block = check_block_size(None if auto else block_size, draft.config.block_size)
+    if graphs is None:
+        graphs = rt.device.type == "cuda"
+    decoder = None
+    if graphs:
+        from pdflash.offload.graphs import GraphedDecoder
+
+        decoder = GraphedDecoder.shared(rt, len(prompt) + max_new_tokens)
+        decoder.prepare(len(prompt), tokens=range(1, block + 1) if auto else sorted({1, block}))
     oracle = None
     if acceptance is not None:
-        oracle = make_oracle(rt.model, prompt, max_new_tokens, acceptance, reference=reference,
-                             eos_token_ids=eos, seed=seed)
         if reference is None:
+            reference = oracle_reference(rt, prompt, max_new_tokens, block, decoder=decoder, eos_token_ids=eos)
             rt.reset_cache()
             fam = rt.family
             if rt.cache.capacity >= fam.num_layers * fam.num_experts:
                 rt.preload()  # an all-resident cache starts warm, as after loading
+        oracle = make_oracle(rt.model, prompt, max_new_tokens, acceptance, reference=reference,
+                             eos_token_ids=eos, seed=seed, refresh_window=4 * block)
     route_ahead = None
     if predictor not in (None, "none"):
         fam = rt.family
@@ -153,14 +182,6 @@ def speculative_on_runtime(
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=rt.device).manual_seed(seed)
-    if graphs is None:
-        graphs = rt.device.type == "cuda"
-    decoder = None
-    if graphs:
-        from pdflash.offload.graphs import GraphedDecoder
-
-        decoder = GraphedDecoder(rt, max_len=len(prompt) + max_new_tokens, graphs=True)
-        decoder.prepare(len(prompt), tokens=range(1, block + 1) if auto else sorted({1, block}))
     planner = make_planner(rt, block, use_confidence=oracle is None) if auto else None
 
     def moved_bytes() -> float:

@@ -6,10 +6,15 @@ and costs a draft forward (none for B = 1) plus a verify forward whose experts a
 its B tokens' experts. The planner picks the B in 1 .. max_block with the most expected committed
 tokens per predicted second; B = 1 is plain decoding (no draft forward). Each step has two stages:
 
-1. before drafting (:meth:`BlockPlanner.plan_draft`): with the running per-position acceptance
-   only, is any B > 1 expected to beat B = 1 once the draft's cost is paid? If not, the step is a
-   plain one and the draft does not run. Every ``probe_every`` plain steps in a row the draft runs
-   anyway, so the acceptance figures keep being measured (stage 2 can still pick B = 1).
+1. before drafting (:meth:`BlockPlanner.plan_draft`): with the acceptance expected per position
+   (the running per-position acceptance, or stage 2's calibrated estimates of recent drafts), is
+   any B > 1 expected to beat B = 1 once the draft's cost is paid? If not, the step is a
+   plain one and the draft does not run. After ``probe_every`` plain steps in a row the draft runs
+   anyway and at least one proposal is verified, so the acceptance figures keep being measured
+   (the interval doubles after each probe while plain decoding stays ahead, so probes cost a
+   bounded share of a long plain stretch);
+   every ``remeasure_plain_every`` speculative steps in a row one plain step runs, so B = 1's
+   time stays measured too (both count as ``probes``).
 2. after drafting (:meth:`BlockPlanner.choose`): the same choice with the draft's own confidence
    per position (its probability of the token it proposed), calibrated against measured
    acceptance in confidence bins, each bin's prior being the position's running acceptance.
@@ -153,6 +158,7 @@ class BlockPlanner:
         link_counters: Callable[[], tuple[float, float]] | None = None,
         use_confidence: bool = True,
         probe_every: int = 8,
+        remeasure_plain_every: int = 16,
         acceptance: AcceptanceModel | None = None,
     ):
         if max_block < 1:
@@ -164,7 +170,11 @@ class BlockPlanner:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.use_confidence = use_confidence
         self.probe_every = probe_every
+        self._probe_interval = probe_every  # doubles after each probe that leaves plain decoding ahead
+        self.remeasure_plain_every = remeasure_plain_every
+        self._spec_run = 0  # speculative steps in a row
         self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1))
+        self._expected = [Ewma() for _ in range(self.acceptance.positions)]  # stage 2's calibrated p_i, smoothed
         self._history: deque[tuple[int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (tokens, layer -> experts) per step
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
@@ -184,18 +194,33 @@ class BlockPlanner:
         return self.link_counters() if self.link_counters is not None else None
 
     # -- predictions -------------------------------------------------------------------
-    def _predicted_pairs(self, block: int) -> set[tuple[int, int]]:
-        """Route-ahead's ``previous`` rule: the experts of the latest steps that cover ``block``
-        committed tokens."""
-        pairs: set[tuple[int, int]] = set()
-        covered = 0
+    def _route_missing(self, limit: int) -> list[float]:
+        """Route-ahead's ``previous`` rule for B = 1 .. ``limit`` in one pass: the experts of the
+        latest steps that cover B committed tokens, as experts' worth of link time still to come
+        (missing, or in flight at ``in_flight_weight``) against the cache now; index B - 1."""
+        out: list[float] = []
+        seen: set[tuple[int, int]] = set()
+        in_flight = missing = covered = 0
         for tokens, experts in reversed(self._history):
             for layer, es in experts.items():
-                pairs.update((layer, e) for e in es)
+                for e in es:
+                    key = (layer, e)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    state = self.cache.state_of(layer, e)
+                    if state == "arriving":
+                        in_flight += 1
+                    elif state != "resident":
+                        missing += 1
             covered += tokens
-            if covered >= block:
+            value = self.cost.fetch_equivalents(in_flight, missing)
+            while len(out) < min(covered, limit):
+                out.append(value)
+            if len(out) >= limit:
                 break
-        return pairs
+        value = self.cost.fetch_equivalents(in_flight, missing)
+        return out + [value] * (limit - len(out))
 
     def _extra_fetch(self, block: int) -> float:
         known = {b: e.value for b, e in self._extra.items() if e.value is not None}
@@ -214,23 +239,30 @@ class BlockPlanner:
         """(predicted missing of the route-ahead set, total experts' worth of link time) for B."""
         if self.cache is None:
             return 0.0, 0.0
-        _, in_flight, missing = self.cost.experts_to_fetch(self._predicted_pairs(block), self.cache)
-        pred = self.cost.fetch_equivalents(in_flight, missing)
+        pred = self._route_missing(block)[block - 1]
         return pred, max(0.0, pred + self._extra_fetch(block))
 
+    def _candidates(self, low: int, limit: int, probs: Sequence[float], draft_s: float | None) -> list[Choice]:
+        route = self._route_missing(limit) if self.cache is not None else [0.0] * limit
+        out = []
+        for block in range(low, limit + 1):
+            route_missing = route[block - 1]
+            fetch = max(0.0, route_missing + self._extra_fetch(block)) if self.cache is not None else 0.0
+            verify = self.cost.step_seconds("verify", block, fetch)
+            if verify is None:
+                t = None
+            elif block == 1:
+                t = verify
+            else:
+                t = None if draft_s is None else draft_s + verify
+            out.append(Choice(block, expected_committed(probs, block), t, fetch, route_missing))
+        return out
+
     def _candidate(self, block: int, probs: Sequence[float], draft_s: float | None) -> Choice:
-        route_missing, fetch = self.fetch_experts(block)
-        verify = self.cost.step_seconds("verify", block, fetch)
-        if verify is None:
-            t = None
-        elif block == 1:
-            t = verify
-        else:
-            t = None if draft_s is None else draft_s + verify
-        return Choice(block, expected_committed(probs, block), t, fetch, route_missing)
+        return self._candidates(block, block, probs, draft_s)[0]
 
     def _best(self, limit: int, probs: Sequence[float], draft_s: float | None, low: int = 1) -> Choice:
-        cands = [self._candidate(b, probs, draft_s) for b in range(low, limit + 1)]
+        cands = self._candidates(low, limit, probs, draft_s)
         measured = self.cost.measured_forward("verify")
         if low == 1 and 1 not in measured:
             return cands[0]  # cold start: measure a plain step first ...
@@ -252,23 +284,42 @@ class BlockPlanner:
             self._stage = self._candidate(1, [], None)
             return 1
         draft_s = self.cost.forward_seconds("draft", limit)
-        best = self._best(limit, self.acceptance.conditional(), draft_s)
-        if best.block == 1 and self._plain_run + 1 >= self.probe_every:
+        best = self._best(limit, self._stage1_probs(), draft_s)
+        if best.block == 1 and self._plain_run + 1 >= self._probe_interval:
             self.report.probes += 1
+            self._probe_interval *= 2
             self._probe = True  # stage 2 then verifies at least one proposal
-            best = self._candidate(limit, self.acceptance.conditional(), draft_s)
+            best = self._candidate(limit, self._stage1_probs(), draft_s)
+        elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every:
+            self.report.probes += 1  # a plain step keeps B = 1's time measured
+            best = self._candidate(1, [], None)
         self._stage = best
         if best.block == 1:
             self._plain_run += 1
+            self._spec_run = 0
             return 1
+        if not self._probe:
+            self._probe_interval = self.probe_every  # speculation pays again: probe at the base rate
         self._plain_run = 0
+        self._spec_run += 1
         return limit
+
+    def _stage1_probs(self) -> list[float]:
+        """Acceptance expected before drafting: the running per-position acceptance, or, with the
+        draft's confidence in use, stage 2's calibrated estimates smoothed over the drafted steps
+        (so a draft whose confidence keeps stage 2 at B = 1 stops being run)."""
+        cond = self.acceptance.conditional()
+        if not self.use_confidence:
+            return cond
+        return [e.value if e.value is not None else c for e, c in zip(self._expected, cond)]
 
     def choose(self, drafted: int, confidence: Sequence[float] | None, draft_seconds: float) -> Choice:
         """Stage 2, after a draft of ``drafted`` tokens (B <= drafted): the verify length."""
         self.cost.observe_forward("draft", drafted, draft_seconds)
         if confidence is not None and self.use_confidence:
             probs = self.acceptance.calibrated(confidence)
+            for e, p in zip(self._expected, probs):
+                e.add(p)
         else:
             probs = self.acceptance.conditional()
         best = self._best(drafted, probs, draft_seconds, low=2 if self._probe and drafted >= 2 else 1)

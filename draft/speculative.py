@@ -87,24 +87,31 @@ class _ModuleTarget:
     def __init__(self, target: nn.Module, layer_ids: Sequence[int]):
         self.target = target
         self.cache = new_target_cache()
-        self.taps = FeatureTap(target, layer_ids)
+        self.taps = FeatureTap(target, layer_ids) if layer_ids else None
+
+    def _capture(self):
+        return self.taps.capture() if self.taps is not None else nullcontext()
+
+    def _take(self):
+        return self.taps.take() if self.taps is not None else None
 
     def prefill(self, ids: list[int], route_ahead: RouteAhead | None):
         device = _device_of(self.target)
-        with self.taps.capture(), (route_ahead.prefill() if route_ahead else nullcontext()):
+        with self._capture(), (route_ahead.prefill() if route_ahead else nullcontext()):
             logits = target_forward(self.target, torch.tensor([ids], device=device), 0, self.cache, logits_to_keep=1)
-        return logits[0, -1], self.taps.take()
+        return logits[0, -1], self._take()
 
     def verify(self, block: torch.Tensor, start: int, route_ahead: RouteAhead | None):
-        with self.taps.capture(), (route_ahead.verify() if route_ahead else nullcontext()):
+        with self._capture(), (route_ahead.verify() if route_ahead else nullcontext()):
             vlogits = target_forward(self.target, block, start, self.cache)[0]  # [b, V]
-        return vlogits, self.taps.take()
+        return vlogits, self._take()
 
     def commit(self, length: int) -> None:
         crop_cache(self.cache, length)
 
     def close(self) -> None:
-        self.taps.close()
+        if self.taps is not None:
+            self.taps.close()
 
 
 class _DecoderTarget:
@@ -167,6 +174,53 @@ def greedy_generate(
         logits = target_forward(target, torch.tensor([[tok]], device=device), pos, cache, logits_to_keep=1)
         pos += 1
     return out
+
+
+@torch.no_grad()
+def verify_sweep(
+    target: nn.Module,
+    input_ids: Sequence[int],
+    guess: Sequence[int],
+    max_new_tokens: int,
+    block_size: int,
+    *,
+    decoder=None,
+    eos_token_ids: Sequence[int] = (),
+) -> list[int]:
+    """The greedy continuation as verify passes compute it (oracle mode's reference).
+
+    Lossless speculative decoding with ``guess`` (e.g. a plain greedy continuation) as the draft:
+    blocks of ``block_size`` tokens through the same target path a speculative run uses
+    (``decoder``, a fresh ``GraphedDecoder``, or ``target``'s own forward), keeping each block's
+    argmaxes up to its first refused guess. Where a block and a single-token step round a near tie
+    apart, this follows the block.
+    """
+    if block_size < 1:
+        raise PdflashError(f"block_size must be at least 1, got {block_size}")
+    tgt = _ModuleTarget(target, []) if decoder is None else _DecoderTarget(decoder, [])
+    device = _device_of(target)
+    eos = set(eos_token_ids)
+    prompt = list(input_ids)
+    try:
+        last, _ = tgt.prefill(prompt, None)
+        out = [int(last.argmax())]
+        while out[-1] not in eos and len(out) < max_new_tokens:
+            start = len(prompt) + len(out) - 1
+            b = min(block_size, max_new_tokens - len(out))
+            tail = list(guess[len(out): len(out) + b - 1])
+            tail += [out[-1]] * (b - 1 - len(tail))
+            block = torch.tensor([[out[-1]] + tail], device=device)
+            vlogits, _ = tgt.verify(block, start, None)
+            n_acc, nxt = accept_greedy(block[0, 1:], vlogits)
+            new = tail[:n_acc] + [nxt]
+            tgt.commit(start + len(new))
+            for tok in new:
+                out.append(tok)
+                if tok in eos or len(out) == max_new_tokens:
+                    break
+        return out
+    finally:
+        tgt.close()
 
 
 # -- acceptance rules ---------------------------------------------------------------------------
@@ -467,7 +521,14 @@ def speculative_generate(
             vlogits, features = tgt.verify(block, start, None if plain_step else route_ahead)  # [b, V], [1, b, K*H]
 
             # 3. accept
-            if greedy:
+            if oracle is not None:
+                best = vlogits.argmax(-1).tolist()
+                oracle.observe(len(tokens), block[0].tolist(), best)
+                n_acc = 0
+                while n_acc < min(n, oracle.limit()) and int(proposals[n_acc]) == best[n_acc]:
+                    n_acc += 1
+                nxt = best[n_acc]
+            elif greedy:
                 n_acc, nxt = accept_greedy(proposals, vlogits)
             else:
                 if draft_probs is None:
@@ -531,11 +592,14 @@ def make_oracle(
     reference: Sequence[int] | None = None,
     eos_token_ids: Sequence[int] = (),
     seed: int = 0,
+    refresh_window: int | None = None,
 ) -> OracleProposer:
     """An :class:`OracleProposer` over the target's greedy continuation of ``input_ids``.
 
     ``reference`` (generated ids of a plain greedy run already made, e.g. the baseline arm of a
-    benchmark) saves computing it again. Divergences are repaired by fresh greedy runs.
+    benchmark, or better :func:`verify_sweep`'s) saves computing it again. A reference cut short
+    by a divergence is extended by fresh greedy runs, ``refresh_window`` tokens at a time (None:
+    to the end).
     """
     prompt = list(input_ids)
     cont = list(reference) if reference is not None else greedy_generate(target, prompt, max_new_tokens, eos_token_ids)
@@ -544,4 +608,4 @@ def make_oracle(
         return greedy_generate(target, tokens, more, eos_token_ids) if more > 0 else []
 
     vocab = int(target.config.vocab_size)
-    return OracleProposer(prompt + cont, acceptance, vocab, seed=seed, refresh=refresh)
+    return OracleProposer(prompt + cont, acceptance, vocab, seed=seed, refresh=refresh, refresh_window=refresh_window)

@@ -87,6 +87,16 @@ class GraphedDecoder:
     """
 
     MIN_BUCKET = 256
+    @classmethod
+    def shared(cls, rt, max_len: int) -> "GraphedDecoder":
+        """One graphed decoder per (runtime, max_len), kept on the runtime: its captured graphs
+        (which read only its own static tensors; experts run outside them) serve every run of
+        that length instead of being captured again."""
+        per_rt = rt.__dict__.setdefault("_graphed_decoders", {})
+        dec = per_rt.get(int(max_len))
+        if dec is None:
+            dec = per_rt[int(max_len)] = cls(rt, max_len=max_len, graphs=True)
+        return dec
 
     def __init__(self, rt, max_len: int, graphs: bool | None = None, min_bucket: int | None = None):
         model = rt.model

@@ -392,6 +392,11 @@ class OffloadedModel:
             self._cost = CostModel.for_runtime(self)
         return self._cost
 
+    def forget_costs(self) -> None:
+        """Drop the cost model's measurements (the next use starts from its priors, as a fresh
+        process does)."""
+        self._cost = None
+
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)

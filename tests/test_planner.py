@@ -103,14 +103,45 @@ def test_cold_start_measures_plain_then_a_full_block_and_probes():
     assert p.choose(8, None, 0.002).block == 8
     p.end_step(8, 0, 1, 0.5, draft_seconds=0.002)  # slow, and nothing accepted
     blocks = []
-    for _ in range(6):
+    for _ in range(11):
         p.begin_step()
         b = p.plan_draft(8)
         if b > 1:
             b = p.choose(b, None, 0.002).block
         blocks.append(b)
         p.end_step(b, 0, 1, 0.01 if b == 1 else 0.5, draft_seconds=0.002 if b > 1 else 0.0)
-    assert blocks.count(1) == 4 and all(b >= 2 for b in blocks if b != 1)  # every third step probes
+    # probes after 3, then 6 plain steps in a row: the interval doubles while plain stays ahead
+    assert [b > 1 for b in blocks] == [False, False, True, False, False, False, False, False, True, False, False], blocks
+    assert blocks[2] == 2  # the cheapest probe: one proposal
     assert p.report.probes == 2
     rep = p.to_dict()
-    assert sum(rep["block_histogram"].values()) == 8 and rep["predicted_steps"] >= 6
+    assert sum(rep["block_histogram"].values()) == 13 and rep["predicted_steps"] >= 11
+
+
+def test_a_plain_step_is_remeasured_among_long_speculative_runs():
+    p = planner(link_gbps=1000, remeasure_plain_every=5)
+    teach(p, accept_rate=0.95)
+    chosen = []
+    for _ in range(12):
+        p.begin_step()
+        b = p.plan_draft(8)
+        chosen.append(b)
+        p.end_step(b, b - 1, b, 0.006 if b == 1 else 0.01, draft_seconds=0.001 if b > 1 else 0.0)
+    assert chosen == [8, 8, 8, 8, 1, 8, 8, 8, 8, 1, 8, 8]
+
+
+def test_route_ahead_set_counts_missing_experts_of_the_latest_steps():
+    p = planner(link_gbps=1)
+    p._extra[1] = Ewma()
+    p._extra[1].add(0.0)
+    p._extra[2] = Ewma()
+    p._extra[2].add(0.0)
+    for experts in ([1, 2], [2, 3]):  # two plain steps, one committed token each
+        p.begin_step()
+        p.on_routed(0, experts)
+        p.on_routed(1, experts)
+        p.end_step(1, 0, 1, 0.01)
+    p.cache.resident = {(0, 2), (1, 2), (1, 3)}
+    assert p.fetch_experts(1) == (1.0, 1.0)  # latest step: (0,3) missing
+    assert p.fetch_experts(2) == (3.0, 3.0)  # both steps: (0,1), (0,3), (1,1) missing
+    assert p.fetch_experts(8) == (3.0, pytest.approx(3.0 * 1))  # no more history: the same set

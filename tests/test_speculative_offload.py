@@ -121,3 +121,29 @@ def test_benchmark_runs_every_arm_on_the_same_tokens(tmp_path):
     assert {r["arm"] for r in result["runs"]} == {"plain", "spec:previous", "spec:none"}
     assert all(r["same_tokens_as_plain"] for r in result["runs"])
     assert result["summary"]["spec:previous"]["acceptance_length"] >= 1.0
+
+
+@pytest.mark.parametrize("acceptance", [0.9, 0.5])
+def test_oracle_acceptance_matches_its_expectation_without_repairs(checkpoint, acceptance):
+    """bf16 and MXFP4 targets: the reference comes from the verify path (oracle_reference), so the
+    committed tokens per verify pass follow 1 + P + P^2 + P^3 and nothing is repaired."""
+    from pdflash.draft.offloaded import oracle_reference
+    from pdflash.offload.graphs import GraphedDecoder
+
+    new = 120
+    expect = sum(acceptance ** i for i in range(BLOCK))
+    with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=16, block_tokens=BLOCK) as rt:
+        draft = load_draft(checkpoint / "draft", rt.model)
+        res = speculative_on_runtime(rt, draft, PROMPT, new, block_size=BLOCK, acceptance=acceptance, predictor="none",
+                                     eos_token_ids=[], seed=11)
+        assert res.oracle["oracle_divergences"] == 0 and res.oracle["oracle_refreshes"] == 0
+        # committed per verify pass: mean of ~40-90 draws with sd <= 1.2 -> within 0.45 at > 3 sd
+        assert abs(res.stats.acceptance_length - expect) < 0.45, (res.stats.acceptance_length, expect)
+        # the same through the segmented decoder (the CUDA path, eager here)
+        dec = GraphedDecoder(rt, max_len=len(PROMPT) + new, graphs=False)
+        ref = oracle_reference(rt, PROMPT, new, BLOCK, decoder=dec)
+        rt.reset_cache()
+        oracle = make_oracle(rt.model, PROMPT, new, acceptance, reference=ref, seed=11)
+        got = speculative_generate(rt.model, draft, PROMPT, new, block_size=BLOCK, oracle=oracle, decoder=dec)
+        assert got.token_ids == ref and oracle.divergences == 0 and oracle.refreshes == 0
+        assert abs(got.stats.acceptance_length - expect) < 0.45
