@@ -39,9 +39,7 @@ per-band stall and queue wait come from the native scheduler. A metric that was 
 
 from __future__ import annotations
 
-import platform
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -50,6 +48,7 @@ from typing import Callable
 
 from pdflash import PdflashError
 from pdflash.bench import stats as bstats
+from pdflash.machine import machine_info
 from pdflash.native import Band
 
 ARMS = ("flat", "banded", "on-demand", "resident", "oracle")
@@ -727,66 +726,6 @@ def paired_table(samples: list[dict], arms: tuple[str, ...], seed: int) -> dict:
 
 
 # -- machine and the whole run --------------------------------------------------------------------
-def machine_info(device: str) -> dict:
-    import torch
-
-    info = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
-            "cpu": _cpu_model(), "cpu_count": _cpu_count()}
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        info["transformers"] = None
-    try:
-        with open("/proc/meminfo") as fh:
-            kb = int(next(line for line in fh if line.startswith("MemTotal:")).split()[1])
-        info["host_memory_gib"] = kb / 2**20
-    except (OSError, StopIteration, ValueError):
-        info["host_memory_gib"] = None
-    info["gpu"] = None
-    if device.startswith("cuda") and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.device(device))
-        info["gpu"] = props.name
-        info["gpu_memory_gib"] = props.total_memory / 2**30
-        info["cuda"] = torch.version.cuda
-    import pdflash
-
-    info["pdflash"] = pdflash.__version__
-    info["pdflash_commit"] = _git_commit(Path(pdflash.__file__).parent)
-    return info
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def _cpu_count() -> int | None:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count()
-
-
-def _git_commit(path: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
-
-
 def run_priority_bench(cfg: PriorityConfig, log: Callable[[str], None] = lambda m: None) -> dict:
     """Validate, load once, run every arm, decide; returns the result dict (see ``SCHEMA``).
 

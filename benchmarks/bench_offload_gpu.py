@@ -49,7 +49,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ from pathlib import Path
 import torch
 
 from pdflash import PdflashError
+from pdflash.machine import machine_info
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.generate import decode_one_token, prefill
 from pdflash.offload.runtime import OffloadedModel
@@ -73,22 +73,6 @@ def sync() -> None:
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def machine() -> dict:
-    import transformers
-
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cpus": os.cpu_count(),
-        "host": platform.node(),
-    }
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
-    return info
 
 
 # -- checkpoint ------------------------------------------------------------------------------------
@@ -414,7 +398,7 @@ def main() -> int:
         return 1
     t_start = time.perf_counter()
     config = dict(vars(args), checkpoint_dir=str(args.checkpoint_dir), out=str(args.out), preset=args.preset.name)
-    result = {"benchmark": "offload-gpu", "command": " ".join(sys.argv), "config": config, "machine": machine(), "runs": [],
+    result = {"benchmark": "offload-gpu", "command": " ".join(sys.argv), "config": config, "machine": machine_info(DEVICE), "runs": [],
               "family": args.preset.family, "experts": quant or "bf16", "synthetic_in_memory": args.in_memory}
     if args.in_memory:  # generated once, read by every stage's load
         source = SyntheticCheckpoint(args.preset, quant=quant, seed=args.seed)
