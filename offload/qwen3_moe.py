@@ -253,6 +253,18 @@ class Qwen3MoeFamily(ModelFamily):
         act = getattr(original, "act_fn", None) or F.silu
         return Qwen3ExpertKernel(layout, dtype, act)
 
+    def cpu_unsupported_reason(self, layout: ExpertLayout, dtype: torch.dtype) -> str | None:
+        if dtype not in (torch.bfloat16, torch.float32):
+            return f"CPU experts are computed in bfloat16 or float32, not {str(dtype).replace('torch.', '')}"
+        return None
+
+    def cpu_runner(self, host, original: nn.Module, threads: int | None, dtype: torch.dtype):
+        """The family's own kernel on the CPU (offload/torch_cpu.py): the native kernel computes
+        gpt-oss's experts only. ``threads`` is not used: PyTorch's intra-op threads compute."""
+        from pdflash.offload.torch_cpu import TorchCpuExperts
+
+        return TorchCpuExperts(host, self.expert_kernel(host.layout, dtype, original), self.hidden)
+
     # -- model -----------------------------------------------------------------------
     def build(
         self,

@@ -246,13 +246,26 @@ def test_qwen3_fp8_expert_is_half_a_bf16_one(qwen_ckpts):
         assert fp8.host.layout.payload_bytes < 0.6 * bf16.host.layout.payload_bytes
 
 
-def test_qwen3_cpu_experts_fall_back_with_a_reason(qwen_ckpts):
-    """The native CPU kernel computes gpt-oss experts only: "auto" keeps every expert on the
-    device path and says why; "all" is an error naming the family."""
-    with OffloadedModel.load(qwen_ckpts["qwen3-bf16"], cpu_experts="auto") as rt:
-        st = rt.stats()["cpu_experts"]
-        assert st["mode"] == "off" and "qwen3_moe" in st["reason_off"]
-    from pdflash import PdflashError
+@pytest.mark.parametrize("name", list(QWEN_CHECKPOINTS))
+def test_qwen3_cpu_experts_all_matches_transformers(qwen_ckpts, qwen_reference, name):
+    """Every routed expert computed on the CPU from the host rows by the family's own kernel
+    (offload/torch_cpu.py; the native kernel computes gpt-oss only): nothing fetched, the greedy
+    tokens are transformers' own."""
+    dtype = QWEN_CHECKPOINTS[name][1]
+    with OffloadedModel.load(qwen_ckpts[name], dtype=dtype, cpu_experts="all") as rt:
+        res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
+        assert res.token_ids == qwen_reference[name]
+        st = rt.stats()
+        assert st["cpu_experts"]["mode"] == "all" and st["cpu_experts"]["level"] == "torch"
+        assert st["cache"]["hits"] == st["cache"]["misses"] == 0 and st["bytes_moved"] == 0
+        assert NEW * QL <= st["cpu_experts"]["computed"] <= st["tokens"] * QL * QK
 
-    with pytest.raises(PdflashError, match="qwen3_moe"):
-        OffloadedModel.load(qwen_ckpts["qwen3-bf16"], cpu_experts="all")
+
+def test_qwen3_cpu_placement_with_a_link_is_exact(qwen_ckpts, qwen_reference):
+    """cpu_experts="auto" with a slow simulated link (1 MB/s): the cost model puts misses on the
+    CPU; the tokens do not depend on where each expert was computed."""
+    with OffloadedModel.load(qwen_ckpts["qwen3-bf16"], cpu_experts="auto", expert_cache_experts=QK, link_gbps=0.001) as rt:
+        assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == qwen_reference["qwen3-bf16"]
+        st = rt.stats()
+        assert st["cpu_experts"]["mode"] == "auto" and st["cpu_experts"]["reason_off"] is None
+        assert st["cpu_experts"]["computed"] > 0
