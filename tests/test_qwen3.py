@@ -190,3 +190,17 @@ def test_transformers_reference_loader_is_from_pretrained(tmp_path):
         assert type(got).__name__ == "Qwen3MoeForCausalLM" and torch.equal(got(ids).logits, want)
         with SyntheticCheckpoint(p, seed=9, quant="fp8", workers=2) as ck:
             assert torch.equal(load_transformers_reference(ck, "cpu", torch.bfloat16)(ids).logits, want)
+
+
+def test_bench_priority_runs_on_a_qwen3_pair(run, tmp_path):
+    """The route-ahead ablation on a Qwen3-MoE target and its draft: every arm runs, a verdict is
+    given (the family is invisible to bench/priority.py)."""
+    out = tmp_path / "q3"
+    assert run("make-synthetic", out, "--preset", "qwen3-tiny", "--draft-preset", "tiny", "--json")[0] == 0
+    code, stdout, err = run("bench-priority", "--model", out, "--draft", out / "draft", "--device", "cpu", "--link-gbps", "0.05",
+                            "--max-new-tokens", "6", "--repetitions", "2", "--prompts", "1", "--no-timeline", "--json",
+                            "--output", tmp_path / "bp.json")
+    assert code in (0, 3), err  # 3: a no-ship verdict
+    res = json.loads(stdout)
+    assert {s["arm"] for s in res["samples"]} == {"banded", "flat", "on-demand", "oracle", "resident"}
+    assert res["decision"]["verdict"] in ("ship", "no-ship", "inconclusive", "unmeasurable")
