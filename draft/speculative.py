@@ -18,7 +18,7 @@ cached; the target cache and the draft context both hold ``start`` positions):
 Greedy output is token-for-token the target's own greedy output: every committed token is the
 target's argmax given the committed prefix, computed in the verify forward.
 
-The target is any ``GptOssForCausalLM``-like module: a plain transformers model, or the offload
+The target is a transformers MoE causal LM of a supported family (gpt-oss, Qwen3-MoE): a plain model, or the offload
 runtime's model (the same module with its experts swapped). The target's KV cache is a
 ``DynamicCache`` without a config, so every layer keeps full length and can be cropped at any
 length; sliding-window layers still attend only within their window through the attention mask.

@@ -25,7 +25,7 @@ def decoder_layers(target: nn.Module) -> nn.ModuleList:
     try:
         return target.model.layers
     except AttributeError:
-        raise PdflashError("the target has no .model.layers decoder stack; pass a GptOssForCausalLM-like model") from None
+        raise PdflashError("the target has no .model.layers decoder stack; pass a transformers MoE causal LM (gpt-oss, Qwen3-MoE)") from None
 
 
 def _first_tensor(output) -> torch.Tensor:
