@@ -18,8 +18,8 @@ batched (so every cache size gives the same output):
 - the fused MXFP4 kernels (mxfp4_triton.py) for up to FUSED_MAX_TOKENS tokens on CUDA
   (decode, verify blocks): one program per (token, expert) pair and feature tile;
 - otherwise (prefill, the CPU, dense experts) one matmul per expert over its tokens in
-  token order, mirroring transformers' GptOssExperts loop, so outputs are bit-identical to
-  the library's CPU path.
+  token order, mirroring the library's own per-expert loop (the family's kernel: weights and
+  apply), so outputs are bit-identical to the library's CPU path.
 
 CPU experts (``cpu``, a CpuExpertRunner over the host store): experts chosen by
 ``cpu_mode`` are computed by the native CPU kernel straight from host memory instead of

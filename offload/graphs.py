@@ -15,7 +15,7 @@ every step; elsewhere (and for prefill, T > 1) the same segment functions run ea
 how the CPU tests check this file against the ordinary forward.
 
 The modules are transformers' own (for gpt-oss: GptOssRMSNorm, GptOssAttention with its eager
-attention and sinks, GptOssTopKRouter; for Qwen3-MoE: qk-normed SDPA attention and
+attention and sinks, GptOssTopKRouter; for Qwen3-MoE: qk-normed eager attention and
 Qwen3MoeTopKRouter); the family adapter's ``pre_experts`` is a layer up to its experts and its
 ``layer_types`` / ``sliding_window`` the attention kinds, and this file orders the calls as the
 library's Model.forward and DecoderLayer.forward do, with a static KV cache: every layer keeps all positions up to
@@ -50,7 +50,7 @@ from pdflash import PdflashError
 
 class StaticKV:
     """Key / value buffers of every layer, [1, kv_heads, max_len, head_dim], zero-initialised
-    (masked positions must hold finite values). ``update`` is what GptOssAttention calls: it writes
+    (masked positions must hold finite values). ``update`` is what the library's attention calls: it writes
     the new keys / values at ``self.positions`` and returns the first ``self.visible`` positions
     (a graphed step: its bucket; an eager forward: the positions written so far, so a prefill
     costs what it costs without a static cache)."""
