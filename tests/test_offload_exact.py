@@ -269,3 +269,32 @@ def test_qwen3_cpu_placement_with_a_link_is_exact(qwen_ckpts, qwen_reference):
         st = rt.stats()
         assert st["cpu_experts"]["mode"] == "auto" and st["cpu_experts"]["reason_off"] is None
         assert st["cpu_experts"]["computed"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3-bf16", "qwen3-fp8"])
+def test_qwen3_cuda_matches_transformers_on_cuda(qwen_ckpts, name):
+    """On CUDA (cuBLAS shapes differ from the library's grouped matmuls): prefill logits close to
+    transformers' (FP8 dequantized by transformers' loader), and the same greedy tokens at every
+    cache size (CUDA graphs of this family: tests/test_graphs.py's qwen3 checkpoint)."""
+    ref = _qwen3_on_cuda(qwen_ckpts[name])
+    ids = torch.tensor([PROMPT], device="cuda")
+    with torch.no_grad():
+        want_logits = ref(ids).logits.float()
+    tokens = {}
+    for slots, kw in ((QK, {"lookahead_depth": 1}), (QK + 3, {}), (None, {})):
+        with OffloadedModel.load(qwen_ckpts[name], device="cuda", expert_cache_experts=slots, **kw) as rt:
+            got_logits = rt.forward(ids).logits.float()
+            assert torch.allclose(got_logits, want_logits, atol=0.1, rtol=0.05)
+            tokens[slots] = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+    assert tokens[QK] == tokens[QK + 3] == tokens[None]
+
+
+def _qwen3_on_cuda(path):
+    from transformers import Qwen3MoeForCausalLM
+
+    from pdflash.offload.checkpoint import Checkpoint
+
+    with Checkpoint(path) as ck:
+        kw = ck.family.reference_load_kwargs()
+    return Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda", attn_implementation="eager", **kw)
