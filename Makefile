@@ -4,8 +4,9 @@ PIP ?= $(PYTHON) -m pip
 CC ?= cc
 SAN_FLAGS = -std=c11 -O1 -g -fno-omit-frame-pointer -pthread -Wall -Wextra -Wno-unused-parameter
 STRESS_SRC = native/stress/stress.c native/pf_sched.c
+CPU_STRESS_SRC = native/stress/cpu_stress.c native/pf_cpu.c
 
-.PHONY: install native test test-fast stress stress-asan stress-tsan bench demo gpu-check clean
+.PHONY: install native test test-fast stress stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan bench demo gpu-check clean
 
 # Install pdflash (editable) with its test extras. PyTorch is taken as already
 # installed when importable, so a CPU or CUDA build you chose stays in place.
@@ -27,8 +28,9 @@ test: install stress
 test-fast:
 	$(PYTHON) -m pytest -q -x tests
 
-# C stress test of the scheduler under AddressSanitizer + UBSan and ThreadSanitizer.
-stress: stress-asan stress-tsan
+# C stress tests of the scheduler and of the CPU expert kernel under AddressSanitizer + UBSan
+# and ThreadSanitizer.
+stress: stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan
 
 native/stress/stress_asan: $(STRESS_SRC) native/pf_sched.h
 	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(STRESS_SRC) -ldl
@@ -41,6 +43,18 @@ stress-asan: native/stress/stress_asan
 
 stress-tsan: native/stress/stress_tsan
 	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/stress_tsan
+
+native/stress/cpu_stress_asan: $(CPU_STRESS_SRC) native/pf_cpu.h
+	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(CPU_STRESS_SRC) -lm
+
+native/stress/cpu_stress_tsan: $(CPU_STRESS_SRC) native/pf_cpu.h
+	$(CC) $(SAN_FLAGS) -fsanitize=thread -Inative -o $@ $(CPU_STRESS_SRC) -lm
+
+cpu-stress-asan: native/stress/cpu_stress_asan
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ./native/stress/cpu_stress_asan
+
+cpu-stress-tsan: native/stress/cpu_stress_tsan
+	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/cpu_stress_tsan
 
 bench: install
 	$(PYTHON) benchmarks/bench_scheduler.py
@@ -56,5 +70,5 @@ gpu-check:
 	PYTHON=$(PYTHON) bash tools/gpu_check.sh
 
 clean:
-	rm -f native/_pf_sched*.so native/stress/stress_asan native/stress/stress_tsan
+	rm -f native/_pf_sched*.so native/stress/stress_asan native/stress/stress_tsan native/stress/cpu_stress_asan native/stress/cpu_stress_tsan
 	rm -rf build *.egg-info

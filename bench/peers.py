@@ -1,6 +1,7 @@
 """Peer baselines that ``bench-priority`` reports next to pdflash.
 
-Two arms, both transformers' own ``GptOssForCausalLM`` holding the checkpoint's weights:
+Two arms, both transformers' own model of the checkpoint's family (``GptOssForCausalLM``,
+``Qwen3MoeForCausalLM``) holding the checkpoint's weights:
 
 - ``transformers-resident``: every weight on the GPU. The speed ceiling of the library.
 - ``transformers-accelerate-offload``: the same model dispatched by accelerate
@@ -66,40 +67,10 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 # -- loading ---------------------------------------------------------------------------------
-def _open_gpt_oss(model_dir: str | Path):
+def _open(model_dir: str | Path):
     from pdflash.offload.checkpoint import Checkpoint
-    from pdflash.offload.gpt_oss import GptOssFamily
 
-    ckpt = Checkpoint(model_dir)
-    if not isinstance(ckpt.family, GptOssFamily):
-        ckpt.close()
-        raise PdflashError(f"{model_dir}: the peer baselines support gpt_oss checkpoints only, not {ckpt.family.name}")
-    return ckpt
-
-
-def _expert_params(ckpt, layer: int, device: torch.device, dtype: torch.dtype, dequant_device: torch.device) -> dict[str, torch.Tensor]:
-    """The four GptOssExperts parameters of one layer, in transformers' layout, on ``device``.
-
-    gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H].
-    MXFP4 blocks [E, out, in/32, 16] + scales [E, out, in/32] are dequantized on ``dequant_device``.
-    """
-    from pdflash.offload.mxfp4 import dequantize
-
-    fam = ckpt.family
-    src = fam.expert_sources(layer)  # piece name -> checkpoint tensor name
-    prefix = f"model.layers.{layer}.mlp.experts."
-    out = {}
-    for proj in ("gate_up_proj", "down_proj"):
-        if fam.quantized:
-            blocks = ckpt.get(src[f"{proj}_blocks"]).to(dequant_device)
-            scales = ckpt.get(src[f"{proj}_scales"]).to(dequant_device)
-            w = dequantize(blocks, scales, dtype)  # [E, in, out]
-            del blocks, scales
-        else:
-            w = ckpt.get(src[proj]).to(dequant_device, dtype)
-        out[prefix + proj] = w.to(device)
-        out[prefix + proj + "_bias"] = ckpt.get(src[f"{proj}_bias"]).to(device, dtype)
-    return out
+    return Checkpoint(model_dir)
 
 
 def load_transformers_reference(
@@ -107,37 +78,40 @@ def load_transformers_reference(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.bfloat16,
     *,
-    attn_implementation: str = "eager",
+    attn_implementation: str | None = None,
     experts_implementation: str | None = None,
     dequant_device: str | torch.device | None = None,
 ) -> nn.Module:
-    """transformers' GptOssForCausalLM with every weight of ``model_dir`` on ``device`` in ``dtype``.
+    """transformers' own model of the checkpoint's family (GptOssForCausalLM, Qwen3MoeForCausalLM)
+    with every weight of ``model_dir`` on ``device`` in ``dtype``. ``model_dir`` may also be an
+    open checkpoint object (offload/synthetic.py's in-memory SyntheticCheckpoint); it is left open.
 
-    bf16 / fp32 checkpoints and MXFP4 ones (experts dequantized in memory) both load.
+    bf16 / fp32 checkpoints and quantized ones (MXFP4, FP8: dequantized in memory) all load.
     ``dequant_device`` is where experts are dequantized before they move to ``device``
     (default: ``device``); build on the CPU with ``dequant_device="cuda"`` to dequantize fast.
-    ``attn_implementation``: "eager" (transformers' gpt_oss has no SDPA path: its attention
-    sinks need eager, flash or flex). ``experts_implementation``: None keeps transformers'
+    ``attn_implementation``: None is the family's own choice for pdflash's model (eager for both:
+    gpt-oss's attention sinks need it; see offload/qwen3_moe.py for Qwen3-MoE). ``experts_implementation``: None keeps transformers'
     default choice; the choice made is ``model.config._experts_implementation``.
     Every parameter of the result is a plain tensor on ``device``; the model is in eval mode.
     """
-    from transformers import GptOssForCausalLM
-
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     device = torch.device(device)
     dequant_device = torch.device(dequant_device) if dequant_device is not None else device
-    ckpt = _open_gpt_oss(model_dir)
+    owned = isinstance(model_dir, (str, Path))
+    ckpt = _open(model_dir) if owned else model_dir
+    fam = ckpt.family
+    cls = fam.library_class()
     try:
-        cfg = copy.deepcopy(ckpt.family.hf_config)  # config.json without quantization_config
-        cfg._attn_implementation = attn_implementation
+        cfg = copy.deepcopy(fam.hf_config)  # config.json without quantization_config
+        cfg._attn_implementation = attn_implementation or fam.attn_implementation
         if experts_implementation is not None:
             cfg._experts_implementation = experts_implementation
         cfg.dtype = dtype
         try:
             with torch.device("meta"):
-                model = GptOssForCausalLM(cfg)
+                model = cls(cfg)
         except (ValueError, ImportError) as exc:
-            raise PdflashError(f"transformers cannot build GptOssForCausalLM with these settings: {str(exc).splitlines()[0]}") from None
+            raise PdflashError(f"transformers cannot build {cls.__name__} with these settings: {str(exc).splitlines()[0]}") from None
 
         specs = ckpt.family.tensor_specs()
         dense = [n for n, s in specs.items() if not s.expert]
@@ -147,15 +121,20 @@ def load_transformers_reference(
             by_layer.setdefault(int(parts[2]) if parts[1] == "layers" else -1, []).append(name)
         for layer in [-1, *range(ckpt.family.num_layers)]:
             # One layer's tensors at a time: host memory never holds more than one layer.
-            state = {n: ckpt.get(n).to(device, dtype) for n in by_layer.get(layer, [])}
+            state = {}
+            for n in by_layer.get(layer, []):
+                t = fam.dense_tensor(ckpt.get, n, dtype)
+                if t is not None:
+                    state[n] = t.to(device)
             if layer >= 0:
-                state.update(_expert_params(ckpt, layer, device, dtype, dequant_device))
+                state.update(fam.library_expert_state(ckpt.get, layer, device, dtype, dequant_device))
             _, unexpected = model.load_state_dict(state, strict=False, assign=True)
             if unexpected:
-                raise PdflashError(f"internal: checkpoint tensors {unexpected[:3]} have no parameter in GptOssForCausalLM")
+                raise PdflashError(f"internal: checkpoint tensors {unexpected[:3]} have no parameter in {cls.__name__}")
             del state
     finally:
-        ckpt.close()
+        if owned:
+            ckpt.close()
     return finish_loaded_model(model, device, source=str(model_dir))
 
 
@@ -575,14 +554,14 @@ def gpu_budget_bytes(model_dir: str | Path, cache_fraction: float, dtype: torch.
         raise PdflashError(f"the cache fraction must be between 0 and 1, got {cache_fraction}")
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     dense_elem = torch.empty((), dtype=dtype).element_size()
-    ckpt = _open_gpt_oss(model_dir)
+    ckpt = _open(model_dir)
     try:
         dense = experts = 0
         for name, spec in ckpt.family.tensor_specs().items():
             numel = math.prod(spec.shape)
             if spec.expert:
                 experts += numel * ckpt.dtype(name).itemsize
-            else:
+            elif not name.endswith("_scale_inv"):  # FP8 scales are folded into their dequantized weights
                 dense += numel * dense_elem
     finally:
         ckpt.close()

@@ -39,10 +39,8 @@ per-band stall and queue wait come from the native scheduler. A metric that was 
 
 from __future__ import annotations
 
-import platform
 import random
 import re
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -51,6 +49,7 @@ from typing import Callable
 
 from pdflash import Interrupted, PdflashError
 from pdflash.bench import stats as bstats
+from pdflash.machine import machine_info
 from pdflash.native import Band
 
 ARMS = ("flat", "banded", "on-demand", "resident", "oracle")
@@ -119,7 +118,7 @@ class PriorityConfig:
     prompts: tuple[str, ...] | None = None  # texts; None: the first n_prompts of DEFAULT_PROMPTS
     n_prompts: int = 3
     max_new_tokens: int = 32
-    block_size: int | None = None  # None: the draft's trained block size
+    block_size: int | str | None = "auto"  # "auto": the block planner; None: the draft's trained block size
     draft_acceptance: float | None = None  # oracle-acceptance P; None: the draft's own proposals
     expert_cache_fraction: float | None = 0.25
     expert_cache_mib: float | None = None  # overrides the fraction
@@ -192,7 +191,10 @@ class PriorityConfig:
 
             if not torch.cuda.is_available():
                 raise PdflashError("--device cuda was asked for but no CUDA device is available; use --device cpu")
-        if self.block_size is not None and self.block_size < 1:
+        from pdflash.draft.offloaded import parse_block_size
+
+        self.block_size = parse_block_size(self.block_size)
+        if isinstance(self.block_size, int) and self.block_size < 1:
             raise usage(f"--block-size must be at least 1, got {self.block_size}")
         if self.dtype is not None:
             from pdflash.offload.runtime import resolve_dtype
@@ -267,7 +269,7 @@ def plan_budget(cfg: PriorityConfig) -> Budget:
     block = draft_block_size(cfg.draft_dir, cfg.block_size)
     with Checkpoint(cfg.model_dir) as ckpt:
         fam = ckpt.family
-        stored = {piece: ckpt.dtype(name) for piece, name in fam.expert_sources(0).items()}
+        stored = {piece: ckpt.dtype(src.first_name()) for piece, src in fam.expert_sources(0).items()}
         expert_bytes = fam.expert_layout(stored).expert_bytes
         L, E, K = fam.num_layers, fam.num_experts, fam.top_k
     total = L * E
@@ -384,7 +386,7 @@ class PriorityBench:
     def prepare(self) -> None:
         """Untimed per-prompt work: the greedy reference (oracle-acceptance mode) and the oracle
         arm's recorded verify experts."""
-        from pdflash.draft.speculative import greedy_generate
+        from pdflash.draft.offloaded import oracle_reference
         from pdflash.offload.prompt import check_context
 
         rt, cfg = self.rt, self.cfg
@@ -392,16 +394,22 @@ class PriorityBench:
             check_context(rt.config, len(prompt), cfg.max_new_tokens)
         for pi, prompt in enumerate(self.prompts):
             ref = None
-            if cfg.draft_acceptance is not None:
+            if cfg.draft_acceptance is not None:  # from the verify path's arithmetic (draft/oracle.py)
                 self.configure("on-demand")
-                ref = greedy_generate(rt.model, prompt, cfg.max_new_tokens, [])
+                decoder = None
+                if rt.device.type == "cuda":
+                    from pdflash.offload.graphs import GraphedDecoder
+
+                    decoder = GraphedDecoder.shared(rt, len(prompt) + cfg.max_new_tokens)
+                    decoder.prepare(len(prompt), tokens=range(1, self.budget.block_size + 1))
+                ref = oracle_reference(rt, prompt, cfg.max_new_tokens, self.budget.block_size, decoder=decoder)
             self.references.append(ref)
             plan = None
             if "oracle" in cfg.arms:
                 self.configure("on-demand")
                 plan = []
                 with rt.record_routing() as rec:
-                    res = self._speculate(ARM_SPECS["on-demand"], pi,
+                    res = self._speculate(ARM_SPECS["on-demand"], pi, block_size=self.budget.block_size,
                                           on_step=lambda info: plan.append(dict(rec.forwards[-1])))
                 if len(plan) != res.stats.verify_steps:
                     raise PdflashError(f"internal: recorded {len(plan)} verify passes for {res.stats.verify_steps} steps")
@@ -424,15 +432,18 @@ class PriorityBench:
             if landed != b.total_experts:
                 raise PdflashError(f"internal: the resident arm holds {landed} of {b.total_experts} experts")
 
-    def _speculate(self, spec: ArmSpec, pi: int, on_step=None):
+    def _speculate(self, spec: ArmSpec, pi: int, on_step=None, block_size=None):
+        """One run of arm ``spec``; ``block_size`` overrides the configured one (the oracle arm's
+        recording and replay use fixed full blocks: the planner's choices vary between runs)."""
         from pdflash.draft.offloaded import speculative_on_runtime
 
         cfg, rt = self.cfg, self.rt
         prompt, ref = self.prompts[pi], self.references[pi]
         if not spec.oracle:
             predictor = cfg.predictor if spec.route_ahead_band is not None else None
+            block = block_size if block_size is not None else (cfg.block_size or self.budget.block_size)
             return speculative_on_runtime(
-                rt, self.draft, prompt, cfg.max_new_tokens, block_size=self.budget.block_size, predictor=predictor,
+                rt, self.draft, prompt, cfg.max_new_tokens, block_size=block, predictor=predictor,
                 acceptance=cfg.draft_acceptance, reference=ref, seed=oracle_seed(cfg.seed, pi), eos_token_ids=[],
                 on_step=on_step,
             )
@@ -455,9 +466,16 @@ class PriorityBench:
                         window_layers=window_for_cache(rt.cache.capacity, b.num_experts, b.top_k, b.block_size))
         ra.predictor = _replay_predictor(self.oracle_plans[pi])
         ra.report.predictor = ra.predictor.name
+        decoder = None
+        if rt.device.type == "cuda":  # the graphed path, as speculative_on_runtime takes there
+            from pdflash.offload.graphs import GraphedDecoder
+
+            decoder = GraphedDecoder.shared(rt, len(prompt) + cfg.max_new_tokens)
+            decoder.prepare(len(prompt), tokens=sorted({1, b.block_size}))
         try:
             return speculative_generate(rt.model, self.draft, prompt, cfg.max_new_tokens, block_size=b.block_size,
-                                        eos_token_ids=[], route_ahead=ra, oracle=oracle, on_step=on_step)
+                                        eos_token_ids=[], route_ahead=ra, oracle=oracle, on_step=on_step,
+                                        decoder=decoder)
         finally:
             ra.close()
 
@@ -575,6 +593,11 @@ def sample_metrics(res, start: dict | None, end: dict, final: dict) -> dict:
                                                                  "recall", "precision")},
         "oracle_divergences": oracle.get("oracle_divergences"),
         "oracle_refreshes": oracle.get("oracle_refreshes"),
+        "block_histogram": st.block_histogram(),
+        "bytes_per_committed_token": bytes_moved / st.committed_tokens if bytes_moved is not None and st.committed_tokens else None,
+        "planner_predicted_step_ms": (res.planner or {}).get("predicted_step_ms"),
+        "planner_measured_step_ms": (res.planner or {}).get("measured_step_ms"),
+        "planner_abs_error_ms": (res.planner or {}).get("step_time_abs_error_ms"),
         "errors": list(final.get("errors") or []),
     }
 
@@ -583,6 +606,7 @@ def sample_metrics(res, start: dict | None, end: dict, final: dict) -> dict:
 SUMMARY_METRICS = (
     "exposed_fetch_s", "exposed_fetch_ms_per_step", "tokens_per_second", "tpot_ms", "acceptance_length",
     "hit_rate", "bytes_moved", "on_demand_stall_per_fetch_s", "exposed_fetch_total_s", "prefill_ms",
+    "bytes_per_committed_token", "planner_predicted_step_ms", "planner_measured_step_ms", "planner_abs_error_ms",
 )
 
 
@@ -607,6 +631,11 @@ def summarize(samples: list[dict], arms: tuple[str, ...], seed: int) -> dict:
                 series[f"band.{band}.{key}"] = [band_value(s, band, key) for s in rows]
         for k, vals in series.items():
             m[k] = interval_of(vals, seed)
+        hist: dict[str, int] = {}
+        for r in rows:
+            for b, n in (r.get("block_histogram") or {}).items():
+                hist[b] = hist.get(b, 0) + n
+        m["block_histogram"] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
         m["samples"] = len(rows)
         out[arm] = m
     return out
@@ -714,66 +743,6 @@ def paired_table(samples: list[dict], arms: tuple[str, ...], seed: int) -> dict:
 
 
 # -- machine and the whole run --------------------------------------------------------------------
-def machine_info(device: str) -> dict:
-    import torch
-
-    info = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
-            "cpu": _cpu_model(), "cpu_count": _cpu_count()}
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        info["transformers"] = None
-    try:
-        with open("/proc/meminfo") as fh:
-            kb = int(next(line for line in fh if line.startswith("MemTotal:")).split()[1])
-        info["host_memory_gib"] = kb / 2**20
-    except (OSError, StopIteration, ValueError):
-        info["host_memory_gib"] = None
-    info["gpu"] = None
-    if device.startswith("cuda") and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.device(device))
-        info["gpu"] = props.name
-        info["gpu_memory_gib"] = props.total_memory / 2**30
-        info["cuda"] = torch.version.cuda
-    import pdflash
-
-    info["pdflash"] = pdflash.__version__
-    info["pdflash_commit"] = _git_commit(Path(pdflash.__file__).parent)
-    return info
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def _cpu_count() -> int | None:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count()
-
-
-def _git_commit(path: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
-
-
 def run_priority_bench(cfg: PriorityConfig, log: Callable[[str], None] = lambda m: None) -> dict:
     """Validate, load once, run every arm, decide; returns the result dict (see ``SCHEMA``).
 
@@ -841,7 +810,7 @@ def run_priority_bench(cfg: PriorityConfig, log: Callable[[str], None] = lambda 
             "num_layers": budget.num_layers, "num_experts": budget.num_experts, "top_k": budget.top_k,
             "total_experts": budget.total_experts, "budget_experts": budget.budget_experts,
             "budget_bytes": budget.budget_bytes, "allocated_experts": budget.allocated_experts,
-            "min_experts": budget.min_experts, "block_size": budget.block_size,
+            "min_experts": budget.min_experts, "block_size": budget.block_size, "block_mode": cfg.block_size,
             "expert_format": rt_stats_final["expert_format"], "dtype": rt_stats_final["dtype"],
             "load_s": bench.load_s, "prompt_tokens": [len(p) for p in bench.prompts],
             "oracle_seeds": [oracle_seed(cfg.seed, i) for i in range(len(bench.prompts))],

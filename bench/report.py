@@ -50,7 +50,7 @@ def print_report(result: dict, console) -> None:
     mode = (f"oracle-acceptance P = {cfg['draft_acceptance']}" if cfg["draft_acceptance"] is not None
             else "the draft's own proposals")
     title = (f"bench-priority: {len(cfg['arms'])} arms x {cfg['repetitions']} repetitions x "
-             f"{len(setup['prompt_tokens'])} prompts, {cfg['max_new_tokens']} tokens, block {setup['block_size']}, "
+             f"{len(setup['prompt_tokens'])} prompts, {cfg['max_new_tokens']} tokens, block {setup.get('block_mode') or setup['block_size']} (max {setup['block_size']}), "
              f"cache {setup['budget_experts']}/{setup['total_experts']} experts, {mode}")
     t = Table(title=title, title_justify="left")
     for col in ("arm", "exposed fetch ms (95% CI)", "per step ms", "tokens/s (95% CI)", "TPOT ms", "accept len",
@@ -65,6 +65,19 @@ def print_report(result: dict, console) -> None:
             fmt(m["on_demand_stall_per_fetch_s"]["mean"], ".1f", 1e6),
         )
     console.print(t)
+
+    pl = Table(title="Verify blocks: lengths chosen (B:steps, summed over runs), bytes per committed token, "
+                     "planner step time predicted / measured (mean per run)", title_justify="left")
+    for col in ("arm", "blocks", "MB / committed token", "step ms predicted / measured", "abs error ms"):
+        pl.add_column(col, justify="left" if col in ("arm", "blocks") else "right")
+    for arm in cfg["arms"]:
+        m = summary[arm]
+        hist = m.get("block_histogram") or {}
+        pl.add_row(arm, " ".join(f"{b}:{n}" for b, n in hist.items()) or "-",
+                   fmt(m["bytes_per_committed_token"]["mean"], ".2f", 1e-6),
+                   f"{fmt(m['planner_predicted_step_ms']['mean'])} / {fmt(m['planner_measured_step_ms']['mean'])}",
+                   fmt(m["planner_abs_error_ms"]["mean"]))
+    console.print(pl)
 
     bt = Table(title="Scheduler bands in the decode window (mean per run): stall / queue wait ms, MB moved",
                title_justify="left")

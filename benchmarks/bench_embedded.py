@@ -34,7 +34,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -459,26 +458,10 @@ def bench_priority_headline(result: dict) -> dict:
 
 # -- report -------------------------------------------------------------------------------------
 def machine_info(stdlib_root: str) -> dict:
-    import pdflash
+    """pdflash.machine's record of this machine, plus the stdlib the held-out files come from."""
+    from pdflash.machine import machine_info as _machine
 
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or None
-    except OSError:
-        commit = None
-    return {
-        "python": platform.python_version(),
-        "stdlib": stdlib_root,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-        "pdflash": str(Path(pdflash.__file__).resolve().parent),
-        "commit": commit,
-        "load_average_start": os.getloadavg(),
-    }
+    return dict(_machine("cpu"), stdlib=stdlib_root)
 
 
 def print_summary(result: dict) -> None:
@@ -488,7 +471,7 @@ def print_summary(result: dict) -> None:
     con = Console(width=None if sys.stdout.isatty() else 150)
     m = result["machine"]
     con.print(f"machine: {m['cpus']} CPUs, Python {m['python']} (stdlib {m['stdlib']}), torch {m['torch']}, "
-              f"pdflash from {m['pdflash']} @ {m['commit']}")
+              f"pdflash from {m['pdflash_path']} @ {m['commit']}")
     con.print(f"[bold]Held-out files are this machine's Python {m['python']} stdlib under the training rule; the "
               f"shipped pair was trained on Python 3.12's, so the file sets differ.[/]")
     hl = result["held_out_loss"]
@@ -683,7 +666,7 @@ def main() -> None:
         result["bench_priority"] = run_bench_priority(args.out.parent / "bm3-embedded.json", args.link_gbps)
         result["seconds"]["bench_priority"] = result["bench_priority"]["wall_seconds"]
     result["seconds"]["total"] = time.perf_counter() - t0
-    result["machine"]["load_average_end"] = os.getloadavg()
+    result["machine"]["loadavg_end"] = os.getloadavg()
     result["headline"] = headline(result)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_summary(result)

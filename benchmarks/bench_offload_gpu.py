@@ -1,8 +1,17 @@
-"""GPU benchmark of the offload runtime on the gpt-oss-20b shape (MXFP4 experts, random weights).
+"""GPU benchmark of the offload runtime on a synthetic model shape (random weights): by default
+the gpt-oss-20b shape with MXFP4 experts; ``--preset qwen3-30b-a3b`` the Qwen3-30B-A3B shape with
+bf16 experts, ``--quant fp8`` its FP8 release's format.
 
     python benchmarks/bench_offload_gpu.py --checkpoint-dir /data/oss20b-mxfp4 --out bench_offload_gpu.json
+    python benchmarks/bench_offload_gpu.py --in-memory --preset qwen3-30b-a3b --quant fp8 --out q3_fp8.json
 
-(``--preset tiny --device cpu --link-gbps 1`` runs the same code paths on a CPU in seconds.)
+``--in-memory`` generates the synthetic weights in host memory (offload/synthetic.py
+SyntheticCheckpoint: the bytes write_checkpoint would write) instead of reading a checkpoint
+directory: the 61 GB of a bf16 Qwen3-30B-A3B do not fit the GPU machine's disk. After loading,
+every run takes the same code path; results say ``"synthetic_in_memory": true``.
+
+(``--preset tiny --device cpu --link-gbps 1``, or ``--preset qwen3-tiny``, runs the same code
+paths on a CPU in seconds.)
 
 Runs, all in one process, greedy batch-1 decoding of the same prompt:
 
@@ -11,10 +20,13 @@ Runs, all in one process, greedy batch-1 decoding of the same prompt:
 2. resident:   pdflash with every expert in the device cache (preloaded): the step-time floor;
 3. offload-N%: pdflash with a cache of N % of the experts (default 25 %), without prefetch and
                with lookahead prefetch, from a cold cache (``reset_cache``) each;
-4. transformers: GptOssForCausalLM.from_pretrained on the same checkpoint, experts dequantized
-               to bf16 by transformers itself (Mxfp4Config(dequantize=True)), fully on the GPU
-               (with ``--dtype float32`` every bf16 tensor is then cast to float32: an all-float32
-               reference, since the dequantized values are exact in both dtypes).
+4. transformers: for a gpt-oss checkpoint directory, GptOssForCausalLM.from_pretrained on it,
+               experts dequantized to bf16 by transformers itself (Mxfp4Config(dequantize=True)),
+               fully on the GPU (with ``--dtype float32`` every bf16 tensor is then cast to float32:
+               an all-float32 reference, since the dequantized values are exact in both dtypes);
+               otherwise (Qwen3-MoE, --in-memory) transformers' own model of the family with the
+               same weights (FP8 dequantized to bf16) all on the GPU, built by
+               bench/peers.load_transformers_reference with the attention transformers picks.
 
 Greedy tokens are compared as the equal prefix; where two runs part, the top-1 minus top-2
 logit margin of both at that step is recorded (random weights give near-ties that any change
@@ -26,8 +38,8 @@ token, hit rate, link busy share, and the link bound
 
     bound time per token = bytes moved per token / measured pinned bandwidth + resident step time
 
-with utilisation = bound / measured time per token (the issue aims for >= 0.85). The checkpoint
-(about 13 GB) is written on first use (seeded) and reused afterwards. Everything is written to
+with utilisation = bound / measured time per token (the issue aims for >= 0.85). A checkpoint
+directory (about 13 GB for gpt-oss-20b MXFP4) is written on first use (seeded) and reused. Everything is written to
 --out as one JSON object; a short summary goes to stderr.
 """
 
@@ -37,7 +49,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -45,10 +56,11 @@ from pathlib import Path
 import torch
 
 from pdflash import PdflashError
+from pdflash.machine import machine_info
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.generate import decode_one_token, prefill
 from pdflash.offload.runtime import OffloadedModel
-from pdflash.offload.synthetic import write_checkpoint
+from pdflash.offload.synthetic import SyntheticCheckpoint, write_checkpoint
 
 DEVICE = "cuda"
 TF_RUN = "transformers-resident-bf16"  # the reference run's name ("-float32" with --dtype float32)
@@ -63,38 +75,22 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def machine() -> dict:
-    import transformers
-
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cpus": os.cpu_count(),
-        "host": platform.node(),
-    }
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
-    return info
-
-
 # -- checkpoint ------------------------------------------------------------------------------------
-def ensure_checkpoint(path: Path, preset: ModelPreset, seed: int) -> dict:
+def ensure_checkpoint(path: Path, preset: ModelPreset, quant: str | None, seed: int) -> dict:
     try:
         from pdflash.offload.checkpoint import Checkpoint
 
         with Checkpoint(path) as ck:
             fam = ck.family
-            shape = (preset.num_hidden_layers, preset.num_local_experts, preset.hidden_size)
-            if fam.quantized and (fam.num_layers, fam.num_experts, fam.hidden) == shape:
+            shape = (preset.family, preset.num_hidden_layers, preset.num_local_experts, preset.hidden_size, quant or "dense")
+            if (fam.model_type, fam.num_layers, fam.num_experts, fam.hidden, fam.expert_format) == shape:
                 log(f"reusing the checkpoint in {path}")
                 return {"path": str(path), "written": False}
             log(f"{path} holds another model; rewriting it")
     except PdflashError as exc:
-        log(f"writing the {preset.name} MXFP4 checkpoint into {path} ({exc})")
+        log(f"writing the {preset.name} {quant or 'bf16'} checkpoint into {path} ({exc})")
     t0 = time.perf_counter()
-    write_checkpoint(path, preset, mxfp4=True, seed=seed, progress=sys.stderr.isatty())
+    write_checkpoint(path, preset, quant=quant, seed=seed, progress=sys.stderr.isatty())
     return {"path": str(path), "written": True, "write_seconds": time.perf_counter() - t0}
 
 
@@ -212,7 +208,7 @@ def pdflash_decode(rt, ids, warmup, tokens, graphs: bool = False) -> dict:
 
 
 # -- runs ------------------------------------------------------------------------------------------
-def run_resident(ckpt: Path, ids, args, result: dict) -> None:
+def run_resident(ckpt, ids, args, result: dict) -> None:
     t0 = time.perf_counter()
     with OffloadedModel.load(ckpt, device=DEVICE, link_gbps=args.link_gbps, dtype=args.dtype) as rt:
         result["resident_load_seconds"] = time.perf_counter() - t0
@@ -241,7 +237,7 @@ def run_resident(ckpt: Path, ids, args, result: dict) -> None:
             log(f"{name}: {r['tokens_per_second']:.1f} tok/s, {r['tpot_ms']:.2f} ms/token, exposed {r['exposed_fetch_ms_per_token']:.3f} ms/token")
 
 
-def run_offload(ckpt: Path, ids, args, result: dict) -> None:
+def run_offload(ckpt, ids, args, result: dict) -> None:
     total = args.preset.num_hidden_layers * args.preset.num_local_experts
     slots = max(args.preset.num_experts_per_tok, round(args.cache_fraction * total))
     copy_configs = [(c, w) for c in args.chunk_mib for w in args.workers]
@@ -265,21 +261,34 @@ def run_offload(ckpt: Path, ids, args, result: dict) -> None:
                     f"hit rate {r['hit_rate']:.2f}, link busy {r['link_busy_share']:.2f}")
 
 
-def run_transformers(ckpt: Path, ids, args, result: dict) -> None:
-    from transformers import DynamicCache, GptOssForCausalLM, Mxfp4Config
+def _transformers_model(ckpt, want: torch.dtype):
+    """transformers' model of ``ckpt`` with every weight on the device (see the module docstring)."""
+    from pdflash.bench.peers import load_transformers_reference
+    from pdflash.offload.checkpoint import Checkpoint
+
+    if isinstance(ckpt, Path):  # transformers loads the directory itself
+        with Checkpoint(ckpt) as ck:
+            fam = ck.family
+        model = fam.library_class().from_pretrained(ckpt, dtype=want, device_map=DEVICE, **fam.reference_load_kwargs())
+        model.eval()
+        for t in list(model.parameters()) + list(model.buffers()):  # dequantized experts may stay bf16
+            if t.is_floating_point() and t.dtype != want and t.dtype != torch.float32:
+                t.data = t.data.to(want)
+        return model
+    return load_transformers_reference(ckpt, DEVICE, want, attn_implementation=ckpt.family.reference_attn_implementation)
+
+
+def run_transformers(ckpt, ids, args, result: dict) -> None:
+    from transformers import DynamicCache
 
     want = getattr(torch, args.dtype or "bfloat16")
     t0 = time.perf_counter()
-    model = GptOssForCausalLM.from_pretrained(ckpt, dtype=want, device_map=DEVICE, quantization_config=Mxfp4Config(dequantize=True))
-    model.eval()
-    for t in list(model.parameters()) + list(model.buffers()):  # dequantize=True leaves experts in bf16
-        if t.is_floating_point() and t.dtype != want and t.dtype != torch.float32:
-            t.data = t.data.to(want)
+    model = _transformers_model(ckpt, want)
     load_s = time.perf_counter() - t0
     import inspect
 
     experts = model.model.layers[0].mlp.experts
-    info = {"experts_dtype": str(getattr(experts, "gate_up_proj").dtype), "experts_implementation":
+    info = {"model_class": type(model).__name__, "experts_dtype": str(getattr(experts, "gate_up_proj").dtype), "experts_implementation":
             getattr(model.config, "_experts_implementation", None), "attn_implementation": model.config._attn_implementation}
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     kv = DynamicCache(config=model.config)
@@ -337,7 +346,10 @@ def summarise(result: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint-dir", type=Path, required=True, help="Where the synthetic checkpoint is (or is written).")
+    ap.add_argument("--checkpoint-dir", type=Path, default=None, help="Where the synthetic checkpoint is (or is written).")
+    ap.add_argument("--in-memory", action="store_true", help="Generate the synthetic weights in host memory instead (no checkpoint directory).")
+    ap.add_argument("--quant", choices=["auto", "none", "mxfp4", "fp8"], default="auto",
+                    help="Expert format: auto is mxfp4 for gpt-oss presets and none (bf16) for Qwen3-MoE ones; fp8: Qwen3-MoE FP8.")
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write the results to.")
     ap.add_argument("--seed", type=int, default=0, help="Seed of the synthetic weights and of the prompt.")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="Prompt length in tokens.")
@@ -354,7 +366,8 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="Compute dtype of every run (default: the checkpoint's, bf16). float32 removes bf16 rounding "
                          "differences, so greedy tokens can be compared across implementations.")
-    ap.add_argument("--preset", default="gpt-oss-20b", help="Synthetic model shape (tiny: a quick CPU check of this script).")
+    ap.add_argument("--preset", default="gpt-oss-20b",
+                    help="Synthetic model shape: gpt-oss-20b, qwen3-30b-a3b, qwen3-coder-30b-a3b (tiny / qwen3-tiny: a quick CPU check of this script).")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a check of this script).")
     ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link speed in GB/s.")
     args = ap.parse_args()
@@ -362,6 +375,15 @@ def main() -> int:
     DEVICE = args.device
     TF_RUN = "transformers-resident-" + {"float32": "float32"}.get(args.dtype, "bf16")
     args.preset = ModelPreset.from_name(args.preset)
+    if (args.checkpoint_dir is None) == (not args.in_memory):
+        print("Error: give --checkpoint-dir DIR or --in-memory (one of them)", file=sys.stderr)
+        return 1
+    quant = {"auto": (args.preset.quant_formats or (None,))[0] if args.preset.family == "gpt_oss" else None,
+             "none": None}.get(args.quant, args.quant)
+    if quant is not None and quant not in args.preset.quant_formats:
+        print(f"Error: preset {args.preset.name} has no {quant} format", file=sys.stderr)
+        return 1
+    args.quant = quant or "none"
     if DEVICE.startswith("cuda") and not torch.cuda.is_available():
         print("Error: this benchmark needs a CUDA GPU (or --device cpu --preset tiny to check the script)", file=sys.stderr)
         return 1
@@ -376,8 +398,14 @@ def main() -> int:
         return 1
     t_start = time.perf_counter()
     config = dict(vars(args), checkpoint_dir=str(args.checkpoint_dir), out=str(args.out), preset=args.preset.name)
-    result = {"benchmark": "offload-gpu", "command": " ".join(sys.argv), "config": config, "machine": machine(), "runs": []}
-    result["checkpoint"] = ensure_checkpoint(args.checkpoint_dir, args.preset, args.seed)
+    result = {"benchmark": "offload-gpu", "command": " ".join(sys.argv), "config": config, "machine": machine_info(DEVICE), "runs": [],
+              "family": args.preset.family, "experts": quant or "bf16", "synthetic_in_memory": args.in_memory}
+    if args.in_memory:  # generated once, read by every stage's load
+        source = SyntheticCheckpoint(args.preset, quant=quant, seed=args.seed)
+        result["checkpoint"] = {"synthetic_in_memory": True, "preset": args.preset.name, "bytes": source.nbytes}
+    else:
+        source = args.checkpoint_dir
+        result["checkpoint"] = ensure_checkpoint(args.checkpoint_dir, args.preset, quant, args.seed)
     ids = prompt_ids(min(1000, args.preset.tokenizer_vocab - 8), args.prompt_tokens, args.seed)
     result["prompt_ids"] = ids
     stages = [("resident", run_resident), ("offload", run_offload)]
@@ -385,12 +413,16 @@ def main() -> int:
         stages.append(("transformers", run_transformers))
     for name, fn in stages:
         try:
-            fn(args.checkpoint_dir, ids, args, result)
+            t0 = time.perf_counter()
+            fn(source, ids, args, result)
+            result.setdefault("stage_seconds", {})[name] = time.perf_counter() - t0
         except Exception as exc:  # record and go on: the other stages still measure something
             result.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
             log(f"{name} failed: {exc}")
         torch.cuda.empty_cache()
         args.out.write_text(json.dumps(result, indent=1, default=str))
+    if args.in_memory:
+        source.close()
     result["summary"] = summarise(result)
     result["wall_seconds"] = time.perf_counter() - t_start
     args.out.write_text(json.dumps(result, indent=1, default=str))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -28,23 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ itself, also when imported by path
 from _checkout import import_pdflash as _import_pdflash  # noqa: E402
-
-
-def machine_info() -> dict:
-    import torch
-
-    info = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__}
-    try:
-        with open("/proc/meminfo") as fh:
-            kb = int(next(line for line in fh if line.startswith("MemTotal:")).split()[1])
-        info["host_memory_gib"] = kb / (1 << 20)
-    except (OSError, StopIteration, ValueError):
-        info["host_memory_gib"] = None
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info["gpu"] = props.name
-        info["gpu_memory_gib"] = props.total_memory / (1 << 30)
-    return info
 
 
 def _check_writable(path: Path) -> None:
@@ -107,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         from pdflash.bench import peers
+        from pdflash.machine import machine_info
 
         if args.out is not None:
             _check_writable(args.out)
@@ -131,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                   if args.gpu_budget_gib is None else None)
     result = {
         "config": config,
-        "machine": machine_info(),
+        "machine": machine_info(device),
         "arms": results,
         "ratios": peers.tokens_per_second_ratios({"tokens_per_second": args.pdflash_tps}, results)
         if args.pdflash_tps is not None else None,

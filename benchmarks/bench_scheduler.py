@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import subprocess
@@ -71,29 +70,9 @@ def dist_us(values_ns: list[float]) -> dict:
 
 
 def machine_info() -> dict:
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {
-        "cpu": model,
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "loadavg_start": os.getloadavg(),
-    }
-    try:
-        import torch
+    from pdflash.machine import machine_info as _machine
 
-        info["torch"] = torch.__version__
-    except ImportError:
-        pass
-    return info
+    return _machine("cuda")
 
 
 # ---- the C benchmark -------------------------------------------------------------------

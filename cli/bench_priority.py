@@ -45,7 +45,7 @@ def bench_priority(
     prompts: Annotated[int, typer.Option("--prompts", help="How many of the built-in prompts to use (ignored when --prompt is given).")] = 3,
     prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt text; repeat the option for several prompts.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per run (end-of-sequence tokens are ignored, so every run makes exactly this many).")] = 32,
-    block_size: Annotated[int | None, typer.Option(help="Verify block size; default: the draft's trained block size.")] = None,
+    block_size: Annotated[str, typer.Option(help="Verify block size: auto (the block planner picks each step's length, up to the draft's trained block size) or a fixed N. The oracle arm always verifies full blocks.")] = "auto",
     draft_acceptance: Annotated[float | None, typer.Option(help="Oracle-acceptance mode: each drafted token is the target's own with probability P (for drafts with random weights).")] = None,
     expert_cache_fraction: Annotated[float, typer.Option(help="Expert cache of the budget arms as a fraction of all experts.")] = 0.25,
     expert_cache_mib: Annotated[float | None, typer.Option(help="Expert cache of the budget arms in MiB (overrides --expert-cache-fraction).")] = None,

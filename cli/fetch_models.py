@@ -24,15 +24,25 @@ from pdflash import PdflashError
 
 DEFAULT_TARGET = "openai/gpt-oss-20b"
 DEFAULT_DRAFT = "z-lab/gpt-oss-20b-DFlash"
+# --models NAME: the known target repositories and their published DFlash drafts ("" : none published).
+MODEL_SETS = {
+    "gpt-oss-20b": (DEFAULT_TARGET, DEFAULT_DRAFT),
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", ""),
+    "qwen3-30b-a3b-fp8": ("Qwen/Qwen3-30B-A3B-FP8", ""),
+    "qwen3-coder-30b-a3b": ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash"),
+}
 
 
 def fetch_models(
+    models: Annotated[
+        str, typer.Option(help=f"Known target and draft pair: {', '.join(MODEL_SETS)}.")
+    ] = "gpt-oss-20b",
     target: Annotated[
-        str, typer.Option(help="Target model repository on the Hub (owner/name); an empty string skips it.")
-    ] = DEFAULT_TARGET,
+        Optional[str], typer.Option(help="Target model repository on the Hub (owner/name), instead of the --models one; an empty string skips it.")
+    ] = None,
     draft: Annotated[
-        str, typer.Option(help="DFlash draft repository on the Hub (owner/name); an empty string skips it.")
-    ] = DEFAULT_DRAFT,
+        Optional[str], typer.Option(help="DFlash draft repository on the Hub (owner/name), instead of the --models one; an empty string skips it.")
+    ] = None,
     no_target: Annotated[bool, typer.Option("--no-target", help="Do not fetch the target model.")] = False,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Do not fetch the draft model.")] = False,
     revision: Annotated[
@@ -87,6 +97,7 @@ def fetch_models(
     Examples:
       pdflash fetch-models
       pdflash fetch-models --no-draft --revision main --local-dir ./models
+      pdflash fetch-models --models qwen3-coder-30b-a3b --local-dir ./models
       HF_HUB_OFFLINE=1 pdflash fetch-models --json
     """
     from huggingface_hub.utils import are_progress_bars_disabled
@@ -96,10 +107,15 @@ def fetch_models(
     from pdflash.cli.hub import fetch_repo
 
     checks.finite("--timeout", timeout, low=0, low_open=True)
-    if no_target and target not in ("", DEFAULT_TARGET):
+    if models not in MODEL_SETS:
+        raise checks.usage(f"unknown --models {models!r}: choose one of {', '.join(MODEL_SETS)}")
+    # an explicit repository together with --no-X is a contradiction (None: the set's default)
+    if no_target and target not in (None, ""):
         raise checks.usage("--target and --no-target contradict each other; give one")
-    if no_draft and draft not in ("", DEFAULT_DRAFT):
+    if no_draft and draft not in (None, ""):
         raise checks.usage("--draft and --no-draft contradict each other; give one")
+    target = MODEL_SETS[models][0] if target is None else target
+    draft = MODEL_SETS[models][1] if draft is None else draft
     jobs = []  # (role, repo id, revision)
     if target and not no_target:
         jobs.append(("target", target, revision))

@@ -63,7 +63,11 @@ def _check_options(*, expert_cache_mib, expert_cache_experts, device, dtype, tem
     checks.seed(seed)
     checks.link_gbps(link_gbps)
     checks.choice("--eviction", eviction, EVICTION_POLICIES)
-    checks.at_least("--block-size", block_size, 1)
+    from pdflash.draft.offloaded import parse_block_size
+
+    block = parse_block_size(block_size)  # "auto" or a whole number (else bad usage)
+    if isinstance(block, int):
+        checks.at_least("--block-size", block, 1)
 
 
 def _resolve_device(device: str) -> str:
@@ -85,10 +89,21 @@ def _load_options(
     lookahead_depth: int,
     history_depth: int,
     show_progress: bool,
+    cpu_experts: str = "auto",
+    cpu_threads: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of OffloadedModel.load for these command-line options."""
+    """Keyword arguments of OffloadedModel.load for these command-line options.
+
+    ``--cpu-experts auto`` on the CPU device computes every expert natively from host memory,
+    unless the run is an offload experiment (a cache size or a simulated link is given): then
+    the experts go through the cache as on a GPU."""
+    dev = _resolve_device(device)
+    if cpu_experts == "auto" and dev == "cpu" and (
+        link_gbps is not None or expert_cache_mib is not None or expert_cache_experts is not None
+    ):
+        cpu_experts = "off"
     opts = dict(
-        device=_resolve_device(device),
+        device=dev,
         dtype=None if dtype == "auto" else dtype,
         expert_cache_mib=expert_cache_mib,
         expert_cache_experts=expert_cache_experts,
@@ -97,6 +112,8 @@ def _load_options(
         lookahead_depth=lookahead_depth,
         history_depth=history_depth,
         progress=show_progress,
+        cpu_experts=cpu_experts,
+        cpu_threads=cpu_threads,
     )
     # every expert fits: copy them in while loading, so generation starts warm
     opts["preload"] = expert_cache_mib is None and expert_cache_experts is None
@@ -132,8 +149,9 @@ def _run(rt, ids: list[int], *, max_new_tokens: int, temperature: float, seed: i
     if spec is not None:
         from pdflash.draft import generate_with_draft
 
-        return generate_with_draft(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                   on_step=on_step, on_verify=on_verify, **spec)
+        res, extra = generate_with_draft(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                         on_step=on_step, on_verify=on_verify, graphs=cuda_graphs, **spec)
+        return res, {"cuda_graphs": cuda_graphs, **extra}
 
     res = run_generate(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, on_step=on_step,
                        cuda_graphs=cuda_graphs)
@@ -159,6 +177,8 @@ def _report(rt, res, text: str, extra: dict, load_s: float) -> dict:
         "bytes_moved": st["bytes_moved"],
         "bytes_per_token": st["bytes_per_token"],
         "link_busy_seconds": st["link_busy_seconds"],
+        "cpu_experts": st["cpu_experts"],
+        "experts_per_token": st["experts_per_token"],
         "bands": [
             {k: b[k] for k in ("band", "name", "submitted", "completed", "cancelled", "promoted", "stall_seconds",
                                "queue_wait_seconds", "bytes")}
@@ -224,6 +244,16 @@ def _print_summary(report: dict) -> None:
         ("bytes moved", f"{report['bytes_moved'] / 1e6:.2f} MB"),
         ("link busy", _fmt(report["link_busy_seconds"], " s", 4)),
     ]
+    ce, ept = report["cpu_experts"], report["experts_per_token"]
+    if ce["mode"] != "off":
+        per = lambda k: _fmt(ept[k])  # noqa: E731
+        rows += [
+            ("experts/token: cache, fetched, cpu", f"{per('cache')}, {per('fetched')}, {per('cpu')}"),
+            ("cpu experts", f"{ce['mode']}: {ce['computed']} computed in {_fmt(ce['seconds'], ' s', 3)} "
+                            f"({ce.get('threads')} threads, {ce.get('level')})"),
+        ]
+    elif ce.get("reason_off"):
+        rows.append(("cpu experts", f"off: {ce['reason_off']}"))
     if "acceptance_length" in report:
         rows += _speculative_rows(report)
     for k, v in rows:
@@ -231,16 +261,36 @@ def _print_summary(report: dict) -> None:
     out.print(t)
 
 
+def _planner_rows(planner: dict | None) -> list[tuple[str, str]]:
+    if not planner or planner["predicted_step_ms"] is None:
+        return []
+    return [("step time predicted / measured",
+             f"{planner['predicted_step_ms']:.1f} / {planner['measured_step_ms']:.1f} ms "
+             f"(mean abs error {planner['step_time_abs_error_ms']:.1f} ms, {planner['predicted_steps']} steps)")]
+
+
+def _moved(rt) -> float:
+    return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
+
+
+def _histogram_text(hist: dict) -> str:
+    return " ".join(f"{b}:{n}" for b, n in sorted(hist.items(), key=lambda kv: int(kv[0])))
+
+
 def _speculative_rows(report: dict) -> list[tuple[str, str]]:
     ra = report["route_ahead"]
     rows = []
     if "oracle_acceptance" in report:
         rows.append(("ORACLE ACCEPTANCE", f"P = {report['oracle_acceptance']}: draft proposals replaced by the target's greedy tokens"))
+    bpt = report.get("bytes_per_committed_token")
     rows += [
-        ("block size", str(report["block_size"])),
+        ("block size", f"{report['block_size']} (up to {report['max_block_size']})"),
+        ("blocks (B:steps)", _histogram_text(report["block_histogram"])),
+        ("bytes / committed token", "n/a" if bpt is None else f"{bpt / 1e6:.2f} MB"),
         ("acceptance length", f"{report['acceptance_length']:.2f} tokens per verify ({report['verify_steps']} verify passes)"),
         ("acceptance per position", " ".join(f"{a:.0%}" for a in report["acceptance_per_position"]) or "n/a"),
         ("draft / verify", f"{report['draft_ms']:.1f} ms / {report['verify_ms']:.1f} ms"),
+        *_planner_rows(report.get("planner")),
         ("route-ahead", "off" if ra is None else
          f"{ra['predictor']}: recall {ra['recall']:.1%}, precision {ra['precision']:.1%}, wasted {ra['wasted_bytes'] / 1e6:.2f} MB"),
     ]
@@ -265,11 +315,13 @@ def generate(
     lookahead_depth: Annotated[int, typer.Option(min=0, help="Prefetch by applying the routers of the next N layers to the current hidden state (0: off).")] = 0,
     history_depth: Annotated[int, typer.Option(min=0, help="Prefetch the most used experts of the next N layers in the background band (0: off).")] = 0,
     draft: Annotated[Path | None, typer.Option(help="DFlash draft checkpoint directory: decode speculatively (greedy output stays identical).")] = None,
-    block_size: Annotated[int | None, typer.Option(help="With --draft: tokens per verify pass, from 1 up to the draft's trained block size (its default).")] = None,
+    block_size: Annotated[str | None, typer.Option(help="With --draft: tokens per verify pass, auto (default: chosen each step by the block planner, 1 = plain decoding) or a fixed N from 1 up to the draft's trained block size.")] = None,
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "previous",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
-    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph (plain decoding on CUDA; default: on there, off elsewhere).", show_default=False)] = None,
+    cpu_experts: Annotated[str, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: each missing expert fetched or computed on the CPU, whichever is sooner; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all.")] = "auto",
+    cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use).")] = None,
+    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length (default: on CUDA, off elsewhere).", show_default=False)] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
 
@@ -295,8 +347,6 @@ def generate(
         model = embedded_target()
         if draft is None and not no_draft:
             draft = embedded_draft()
-    if cuda_graphs and draft is not None:
-        raise PdflashError("--cuda-graphs applies to plain decoding: add --no-draft (or drop --draft)", exit_code=2)
     if cuda_graphs and device not in ("cuda", "auto") and not str(device).startswith("cuda:"):
         raise PdflashError("--cuda-graphs needs --device cuda", exit_code=2)
     spec = speculative_options(draft, block_size=block_size, predictor=route_ahead_predictor,
@@ -306,7 +356,7 @@ def generate(
     opts = _load_options(
         device=device, dtype=dtype, expert_cache_mib=expert_cache_mib, expert_cache_experts=expert_cache_experts,
         link_gbps=link_gbps, eviction=eviction, lookahead_depth=lookahead_depth, history_depth=history_depth,
-        show_progress=draw,
+        show_progress=draw, cpu_experts=cpu_experts, cpu_threads=cpu_threads,
     )
     if spec is not None:
         opts["block_tokens"] = spec["block_size"]  # the cache minimum covers one verify block
@@ -318,8 +368,8 @@ def generate(
         load_s = time.perf_counter() - t0
         ids = _encode(rt, text, chat)
         check_context(rt.config, len(ids), max_new_tokens)  # before any forward
-        if cuda_graphs is None:  # default: wherever they apply (speculative decoding verifies blocks eagerly)
-            cuda_graphs = rt.device.type == "cuda" and spec is None
+        if cuda_graphs is None:  # default: on CUDA (plain steps and every verify block length)
+            cuda_graphs = rt.device.type == "cuda"
         rate: dict[str, Any] = {"n": 0, "tps": None}
 
         def on_step(step) -> None:
@@ -330,6 +380,13 @@ def generate(
             rate["verifies"] = rate.get("verifies", 0) + 1
             rate["committed"] = rate.get("committed", 0) + len(step.committed)
             rate["prefetched"] = step.route_ahead_submitted
+            hist = rate.setdefault("blocks", {})
+            hist[step.block_size] = hist.get(step.block_size, 0) + 1
+            if step.predicted_seconds is not None:
+                rate["predicted_s"] = rate.get("predicted_s", 0.0) + step.predicted_seconds
+                rate["measured_s"] = rate.get("measured_s", 0.0) + step.draft_seconds + step.verify_seconds
+            if "bytes0" not in rate:  # from the end of the first verify pass (prefill excluded)
+                rate["bytes0"], rate["committed0"] = _moved(rt), rate["committed"]
 
         def status() -> list[tuple[str, str]]:
             hr = rt.cache.stats.hit_rate()
@@ -339,9 +396,21 @@ def generate(
                 ("hit rate", "n/a" if hr is None else f"{hr:.1%}"),
                 ("exposed fetch", f"{rt.cache.stats.exposed_s:.3f} s"),
             ]
+            if rt.cpu_mode != "off":
+                fs = rt.cache.stats
+                per = (lambda n: f"{n / fs.tokens:.2f}") if fs.tokens else (lambda n: "n/a")  # noqa: E731
+                fields += [("experts/token cache|fetched|cpu", f"{per(fs.hits)}|{per(fs.misses)}|{per(fs.cpu)}"),
+                           ("cpu time", f"{fs.cpu_seconds:.3f} s"),
+                           ("link busy", f"{rt.scheduler.stats()['link_busy_s']:.3f} s")]
             if rate.get("verifies"):
                 fields += [("accept len", f"{rate['committed'] / rate['verifies']:.2f}"),
-                           ("route-ahead this step", str(rate["prefetched"]))]
+                           ("route-ahead this step", str(rate["prefetched"])),
+                           ("blocks (B:steps)", _histogram_text(rate["blocks"])),
+                           ("MB / committed tok", "n/a" if rate["committed"] == rate["committed0"] else
+                            f"{(_moved(rt) - rate['bytes0']) / (rate['committed'] - rate['committed0']) / 1e6:.2f}")]
+                if rate.get("measured_s"):
+                    fields.append(("step ms predicted / measured",
+                                   f"{1e3 * rate['predicted_s'] / rate['verifies']:.1f} / {1e3 * rate['measured_s'] / rate['verifies']:.1f}"))
             if spec is not None and spec["acceptance"] is not None:
                 fields.append(("ORACLE", f"P={spec['acceptance']}"))
             return fields

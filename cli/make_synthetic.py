@@ -1,4 +1,4 @@
-"""`pdflash make-synthetic`: write a gpt-oss checkpoint with seeded random weights."""
+"""`pdflash make-synthetic`: write a gpt-oss or Qwen3-MoE checkpoint with seeded random weights."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from pdflash import PdflashError
 
 def make_synthetic(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into (created if missing).")],
-    preset: Annotated[str, typer.Option(help="Model shape: tiny (CPU tests) or gpt-oss-20b (the full-size shape).")] = "tiny",
-    mxfp4: Annotated[bool, typer.Option("--mxfp4", help="Store the experts in MXFP4 blocks and scales like openai/gpt-oss-20b.")] = False,
+    preset: Annotated[str, typer.Option(help="Model shape: tiny or gpt-oss-20b (gpt-oss); qwen3-tiny, qwen3-30b-a3b or qwen3-coder-30b-a3b (Qwen3-MoE).")] = "tiny",
+    mxfp4: Annotated[bool, typer.Option("--mxfp4", help="gpt-oss presets: store the experts in MXFP4 blocks and scales like openai/gpt-oss-20b.")] = False,
+    fp8: Annotated[bool, typer.Option("--fp8", help="Qwen3-MoE presets: store experts and attention in 128x128-block FP8 like Qwen/Qwen3-30B-A3B-FP8.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the random weights; the same seed writes the same bytes.")] = 0,
     dtype: Annotated[str, typer.Option(help="dtype of the non-quantized tensors: bfloat16, float32 or float16.")] = "bfloat16",
     shard_mib: Annotated[int, typer.Option(help="Largest safetensors shard in MiB; more data is split over shards with an index.")] = 4096,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object describing what was written.")] = False,
-    draft_preset: Annotated[str | None, typer.Option(help="Also write a synthetic DFlash draft fitted to this target: tiny or gpt-oss-20b-DFlash.")] = None,
+    draft_preset: Annotated[str | None, typer.Option(help="Also write a synthetic DFlash draft fitted to this target: tiny, gpt-oss-20b-DFlash or Qwen3-Coder-30B-A3B-DFlash.")] = None,
     draft_dir: Annotated[Path | None, typer.Option(help="Directory of the draft checkpoint; the default is OUT_DIR/draft.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Write into a non-empty directory, replacing the checkpoint files there (by default such a directory is refused).")] = False,
 ) -> None:
@@ -38,6 +39,8 @@ def make_synthetic(
       pdflash make-synthetic /tmp/tiny --preset tiny
       pdflash make-synthetic /data/oss20b --preset gpt-oss-20b --mxfp4
       pdflash make-synthetic /data/oss20b --preset gpt-oss-20b --mxfp4 --draft-preset gpt-oss-20b-DFlash
+      pdflash make-synthetic /tmp/q3 --preset qwen3-tiny --fp8 --draft-preset tiny
+      pdflash make-synthetic /data/q3coder --preset qwen3-coder-30b-a3b --fp8 --draft-preset Qwen3-Coder-30B-A3B-DFlash
     """
     from pdflash.cli import checks
     from pdflash.cli.staging import Staged, check_destination, check_space, human_bytes
@@ -48,11 +51,15 @@ def make_synthetic(
     checks.at_least("--shard-mib", shard_mib, 1)
     checks.choice("--dtype", dtype, ("bfloat16", "float32", "float16"))
     checks.seed(seed)
+    if mxfp4 and fp8:
+        raise checks.usage("choose one of --mxfp4 (gpt-oss) and --fp8 (Qwen3-MoE)")
+    quant = "mxfp4" if mxfp4 else "fp8" if fp8 else None
     p = ModelPreset.from_name(preset)
-    need = checkpoint_bytes(p, mxfp4=mxfp4, dtype=dtype) + (256 << 10)  # + tokenizer and config files
+    ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    p.hf_config(ids, quant=quant)  # a format the preset's family has no: fail before writing
+    need = checkpoint_bytes(p, quant=quant, dtype=dtype) + (256 << 10)  # + tokenizer and config files
     if draft_preset is not None:  # fail before writing the target when the draft cannot fit it
-        shape = TargetShape.from_config(p.hf_config({tok: i for i, tok in enumerate(SPECIAL_TOKENS)}))
-        dcfg = DFlashConfig.from_preset(draft_preset, shape)
+        dcfg = DFlashConfig.from_preset(draft_preset, TargetShape.from_config(p.hf_config(ids)))
         need += sum(math.prod(s) for s in draft_tensor_shapes(dcfg).values()) * _ITEMSIZE[dtype]
     separate_draft = draft_preset is not None and draft_dir is not None
     check_destination(out_dir, force)
@@ -62,7 +69,7 @@ def make_synthetic(
     t0 = time.perf_counter()
     try:
         with Staged(out_dir, force) as stage, (Staged(draft_dir, force) if separate_draft else nullcontext()) as dstage:
-            write_checkpoint(stage.path, p, mxfp4=mxfp4, seed=seed, dtype=dtype, max_shard_bytes=shard_mib << 20,
+            write_checkpoint(stage.path, p, quant=quant, seed=seed, dtype=dtype, max_shard_bytes=shard_mib << 20,
                              progress=sys.stderr.isatty() and not json_out)
             if draft_preset is not None:
                 dcfg = write_synthetic_draft(dstage.path if separate_draft else stage.path / "draft", draft_preset,
@@ -77,7 +84,8 @@ def make_synthetic(
     info = {
         "path": str(out),
         "preset": p.name,
-        "experts": "mxfp4" if mxfp4 else dtype,
+        "family": p.family,
+        "experts": quant or dtype,
         "seed": seed,
         "bytes": size,
         "files": files,

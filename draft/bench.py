@@ -13,7 +13,9 @@ Arms, on one loaded model: ``plain`` (target-only decoding, ``pdflash.offload.ge
 weights accept nothing, so the speculative arms run in oracle-acceptance mode: the draft runs for
 real, its proposals are replaced by the target's greedy tokens with mismatches at rate 1 - P
 (``pdflash.draft.oracle``). Every arm decodes the same tokens. The reference continuation of each
-prompt comes from an untimed plain warm-up run.
+prompt comes from the verify path, untimed (``oracle_reference``). ``--block-size`` is ``auto``
+(the block planner) unless a fixed N is given; on CUDA plain decoding and every verify block
+replay CUDA graphs. Each measured run starts from a cold cache and a cold cost model.
 
 Each (repeat, prompt) pair runs every arm, in an order shuffled per pair with a fixed seed, each
 after ``reset_cache()`` (non-terminal: cache, queues and statistics emptied; the model stays
@@ -60,7 +62,7 @@ def _encode(rt, n_prompts: int) -> list[list[int]]:
 def _run_plain(rt, prompt: list[int], n: int) -> dict:
     from pdflash.offload.generate import generate
 
-    res = generate(rt, prompt, max_new_tokens=n, eos_token_ids=[])
+    res = generate(rt, prompt, max_new_tokens=n, eos_token_ids=[], cuda_graphs=rt.device.type == "cuda")
     return {"token_ids": res.token_ids, "tokens_per_second": res.tokens_per_second}
 
 
@@ -89,7 +91,8 @@ def _metrics(rt, result: dict) -> dict:
         "route_ahead_band_bytes": next((b["bytes"] for b in st["bands"] if b["band"] == 1), None),
     }
     for key in ("acceptance_length", "acceptance_per_position", "draft_ms_per_step", "verify_ms_per_step",
-                "oracle_acceptance", "oracle_divergences", "oracle_refresh_seconds"):
+                "oracle_acceptance", "oracle_divergences", "oracle_refreshes", "oracle_refresh_seconds",
+                "block_histogram", "bytes_per_committed_token"):
         if key in result:
             row[key] = result[key]
     if result.get("route_ahead"):
@@ -167,12 +170,15 @@ def run(args) -> dict:
     from pdflash.draft.config import read_config_json
     from pdflash.draft.offloaded import draft_block_size
 
-    args.block_size = draft_block_size(draft_dir, args.block_size)
+    from pdflash.draft.offloaded import parse_block_size
+
+    args.block_size = parse_block_size(args.block_size)
+    max_block = draft_block_size(draft_dir, args.block_size)
     cfg = read_config_json(Path(model_dir) / "config.json", "target")
     total = int(cfg["num_hidden_layers"]) * int(cfg["num_local_experts"])
     size = ({"expert_cache_mib": args.cache_mib} if args.cache_mib is not None
             else {"expert_cache_experts": max(1, round(args.cache_fraction * total))})
-    rt = OffloadedModel.load(model_dir, device=args.device, dtype=args.dtype, block_tokens=args.block_size, link_gbps=args.link_gbps,
+    rt = OffloadedModel.load(model_dir, device=args.device, dtype=args.dtype, block_tokens=max_block, link_gbps=args.link_gbps,
                              lookahead_depth=args.lookahead_depth, progress=True, **size)
     slots = rt.cache.capacity
     try:
@@ -180,12 +186,21 @@ def run(args) -> dict:
         prompts = _encode(rt, args.prompts)
         arms = ["plain"] + [f"spec:{p}" for p in args.predictors.split(",")]
         _log(f"{len(prompts)} prompts x {args.repeats} repeats x arms {arms}; cache {slots}/{total} experts")
-        references = []
-        for p in prompts:  # warm-up: kernels, allocator, and the oracle's reference continuation
+        from pdflash.draft.offloaded import oracle_reference
+        from pdflash.offload.graphs import GraphedDecoder
+
+        references, plain_tokens = [], []
+        for p in prompts:  # warm-up: kernels, allocator, graphs; the oracle's reference from the verify path
             rt.reset_cache()
-            references.append(_run_plain(rt, p, args.max_new_tokens)["token_ids"])
+            plain_tokens.append(_run_plain(rt, p, args.max_new_tokens)["token_ids"])
+            rt.reset_cache()
+            dec = GraphedDecoder.shared(rt, len(p) + args.max_new_tokens) if rt.device.type == "cuda" else None
+            if dec is not None:
+                dec.prepare(len(p), tokens=range(1, max_block + 1))
+            references.append(oracle_reference(rt, p, args.max_new_tokens, max_block, decoder=dec))
         rt.reset_cache()
         _run_spec(rt, draft, prompts[0], min(16, args.max_new_tokens), references[0][:16], args, arms[-1][5:])
+        rt.forget_costs()  # every measured run starts from the cost model's priors
         runs = []
         for rep in range(args.repeats):
             for pi, p in enumerate(prompts):
@@ -193,13 +208,15 @@ def run(args) -> dict:
                 random.Random(args.seed * 1000 + rep * 100 + pi).shuffle(order)
                 for arm in order:
                     rt.reset_cache()
+                    rt.forget_costs()
                     t0 = time.perf_counter()
                     if arm == "plain":
                         result = _run_plain(rt, p, args.max_new_tokens)
                     else:
                         result = _run_spec(rt, draft, p, args.max_new_tokens, references[pi], args, arm[5:])
                     row = {"arm": arm, "repeat": rep, "prompt": pi, "wall_s": time.perf_counter() - t0, **_metrics(rt, result)}
-                    row["same_tokens_as_plain"] = result["token_ids"] == references[pi]
+                    row["same_tokens_as_plain"] = result["token_ids"] == plain_tokens[pi]
+                    row["same_tokens_as_reference"] = result["token_ids"] == references[pi]
                     runs.append(row)
                     _log(f"rep {rep} prompt {pi} {arm}: {row['tokens_per_second'] or 0:.2f} tok/s"
                          + (f", accept {row['acceptance_length']:.2f}" if "acceptance_length" in row else ""))
@@ -213,7 +230,7 @@ def run(args) -> dict:
             "config": {
                 "model": str(model_dir), "draft": str(draft_dir), "device": str(rt.device), "dtype": str(rt.dtype),
                 "expert_format": rt.stats()["expert_format"], "expert_bytes": rt.stats()["expert_bytes"],
-                "cache_slots": slots, "total_experts": total, "block_size": args.block_size,
+                "cache_slots": slots, "total_experts": total, "block_size": args.block_size, "max_block_size": max_block,
                 "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "repeats": args.repeats,
                 "lookahead_depth": args.lookahead_depth, "link_gbps": args.link_gbps,
             },
@@ -235,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-fraction", type=float, default=0.25, help="Expert cache as a fraction of all experts.")
     ap.add_argument("--cache-mib", type=float, default=None, help="Expert cache in MiB (overrides --cache-fraction).")
     ap.add_argument("--acceptance", type=float, default=0.7, help="Oracle acceptance rate P.")
-    ap.add_argument("--block-size", type=int, default=None, help="Verify block size (default: the draft's).")
+    ap.add_argument("--block-size", default="auto", help="Verify block size: auto (the block planner, the default) or N.")
     ap.add_argument("--predictors", default="draft-router,previous,none",
                     help="Comma-separated route-ahead predictors, one speculative arm each (none = no route-ahead).")
     ap.add_argument("--lookahead-depth", type=int, default=0, help="The runtime's own lookahead prefetch depth.")

@@ -21,7 +21,7 @@ from typing import Any
 from pdflash import PdflashError
 
 ARCHITECTURE = "DFlashDraftModel"
-PRESETS = ("tiny", "gpt-oss-20b-DFlash")
+PRESETS = ("tiny", "gpt-oss-20b-DFlash", "Qwen3-Coder-30B-A3B-DFlash")
 
 
 @dataclass
@@ -277,7 +277,8 @@ class DFlashConfig:
     @classmethod
     def from_preset(cls, name: str, target: TargetShape | None = None) -> "DFlashConfig":
         """A named draft shape. ``tiny`` is fitted to ``target`` (required); ``gpt-oss-20b-DFlash`` is
-        the published gpt-oss-20b drafter shape and is checked against ``target`` when one is given."""
+        the published gpt-oss-20b drafter shape and ``Qwen3-Coder-30B-A3B-DFlash`` a drafter of the
+        Qwen3-Coder-30B-A3B shape, both checked against ``target`` when one is given."""
         if name == "tiny":
             if target is None:
                 raise PdflashError("the tiny draft preset is fitted to a target: give the target checkpoint directory")
@@ -303,6 +304,32 @@ class DFlashConfig:
                     "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
                 },
+                dtype="bfloat16",
+            )
+            if target is not None:
+                config.check_fits(target)
+        elif name == "Qwen3-Coder-30B-A3B-DFlash":
+            # A drafter for Qwen3-Coder-30B-A3B in the published DFlash layout: the target's
+            # attention shape (32 / 4 heads of 128, no bias), vocabulary and rotary; five layers
+            # reading five target layers spread over the 48 (spread_layer_ids), block 16, the mask
+            # token the first id after Qwen3's tokenizer. A downloaded draft's config.json is what
+            # pdflash reads; this shape is for synthetic drafts of the right size.
+            config = cls(
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_hidden_layers=5,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                vocab_size=151936,
+                block_size=16,
+                mask_token_id=151669,
+                target_layer_ids=spread_layer_ids(48, 5),
+                num_target_layers=48,
+                rms_norm_eps=1e-6,
+                attention_bias=False,
+                max_position_embeddings=262144,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
                 dtype="bfloat16",
             )
             if target is not None:

@@ -327,7 +327,7 @@ def load_draft(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> DFlashDraftModel:
-    """Load a DFlash checkpoint directory as a draft for ``target`` (a GptOssForCausalLM-like module
+    """Load a DFlash checkpoint directory as a draft for ``target`` (a transformers causal LM
     with ``.config``, ``.model.embed_tokens`` and ``.lm_head``).
 
     Weights land on ``device`` (default: the target embeddings' device) in ``dtype`` (default: the

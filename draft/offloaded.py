@@ -10,9 +10,9 @@ predictions go to ``rt.prefetcher.prefetch_experts`` at the runtime's route-ahea
 a window sized to the expert cache (:func:`~pdflash.draft.route_ahead.window_for_cache`).
 
 Oracle-acceptance mode (``acceptance`` = P): the target's greedy continuation is first computed
-by a plain decoding run on the same runtime (not part of the result's timings); the runtime's
-cache and statistics are then reset (and an all-resident cache preloaded again), so the reported
-figures cover the speculative run alone.
+on the same runtime and the same target path as the verify passes (:func:`oracle_reference`, not
+part of the result's timings); the runtime's cache and statistics are then reset (and an
+all-resident cache preloaded again), so the reported figures cover the speculative run alone.
 """
 
 from __future__ import annotations
@@ -30,16 +30,51 @@ from pdflash.draft.route_ahead import RouteAhead, check_predictor_name, window_f
 from pdflash.draft.speculative import SpeculativeResult, StepInfo, check_block_size, make_oracle, speculative_generate
 
 
-def draft_block_size(draft_dir: str | Path, block_size: int | None) -> int:
-    """The verify block size a run with this draft uses (checked against the draft's config);
-    load the runtime with ``block_tokens`` set to it."""
-    return check_block_size(block_size, DFlashConfig.from_dir(draft_dir).block_size)
+AUTO = "auto"
+
+
+def parse_block_size(text: str | int | None) -> int | str | None:
+    """``--block-size``: "auto" (the block planner), an integer, or None (unset)."""
+    if text is None or isinstance(text, int):
+        return text
+    if str(text).strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise PdflashError(f"--block-size must be auto or a whole number, got {text!r}", exit_code=2) from None
+
+
+def draft_block_size(draft_dir: str | Path, block_size: int | str | None) -> int:
+    """The largest verify block a run with this draft uses (checked against the draft's config):
+    ``block_size``, or the trained block size for None / "auto"; load the runtime with
+    ``block_tokens`` set to it."""
+    trained = DFlashConfig.from_dir(draft_dir).block_size
+    return check_block_size(None if block_size == AUTO else block_size, trained)
+
+
+def make_planner(rt, max_block: int, *, use_confidence: bool = True):
+    """A :class:`~pdflash.draft.planner.BlockPlanner` over the runtime's cache, scheduler counters
+    and shared cost model (``rt.cost``); remove its routing observer after the run
+    (``rt.remove_routing_observer(planner.on_routed)``)."""
+    from pdflash.draft.planner import BlockPlanner
+
+    fam = rt.family
+
+    def counters() -> tuple[float, float]:
+        st = rt.scheduler.stats()
+        return float(sum(lv["bytes"] for lv in st["levels"])), float(st["link_busy_s"])
+
+    planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
+                           top_k=fam.top_k, cache=rt.cache, link_counters=counters, use_confidence=use_confidence)
+    rt.add_routing_observer(planner.on_routed)
+    return planner
 
 
 def speculative_options(
     draft_dir: str | Path | None,
     *,
-    block_size: int | None,
+    block_size: int | str | None,
     predictor: str,
     acceptance: float | None,
     temperature: float,
@@ -49,9 +84,11 @@ def speculative_options(
 
     Returns None without a draft (then the draft-only options must be unset: exit code 2
     otherwise), else the keyword arguments of :func:`generate_with_draft` minus the run's own.
-    ``block_size`` in the result is the resolved verify block size (load the runtime with
-    ``block_tokens`` set to it).
+    ``block_size`` in the result is the resolved largest verify block (load the runtime with
+    ``block_tokens`` set to it); ``auto`` (True for ``--block-size auto`` or unset) switches the
+    block planner on.
     """
+    block_size = parse_block_size(block_size)
     if draft_dir is None:
         used = [flag for flag, on in (("--block-size", block_size is not None),
                                       ("--route-ahead-predictor", predictor != default_predictor),
@@ -70,7 +107,27 @@ def speculative_options(
             raise PdflashError("--draft-acceptance (oracle-acceptance mode) needs greedy decoding: drop --temperature",
                                exit_code=2)
     return {"draft_dir": Path(draft_dir), "block_size": draft_block_size(draft_dir, block_size),
-            "predictor": predictor, "acceptance": acceptance}
+            "auto": block_size in (None, AUTO), "predictor": predictor, "acceptance": acceptance}
+
+
+def oracle_reference(rt, input_ids: Sequence[int], max_new_tokens: int, block_size: int, *, decoder=None,
+                     eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """Oracle mode's reference continuation, from the arithmetic of the verify passes: a plain
+    greedy run (through ``decoder`` when given: the graphed path), then
+    :func:`~pdflash.draft.speculative.verify_sweep` over blocks of ``block_size`` on the same path.
+    Untimed work that goes through the runtime's cache: reset it afterwards."""
+    from pdflash.draft.speculative import greedy_generate, verify_sweep
+
+    prompt = [int(t) for t in input_ids]
+    eos = set(eos_token_ids)
+    if decoder is None:
+        plain = greedy_generate(rt.model, prompt, max_new_tokens, list(eos))
+    else:
+        plain = [int(decoder.prefill(prompt).argmax())]
+        while plain[-1] not in eos and len(plain) < max_new_tokens:
+            plain.append(int(decoder.decode(plain[-1]).argmax()))
+    return verify_sweep(rt.model, prompt, plain, max_new_tokens, block_size, decoder=decoder,
+                        eos_token_ids=list(eos))
 
 
 def speculative_on_runtime(
@@ -87,24 +144,38 @@ def speculative_on_runtime(
     seed: int = 0,
     eos_token_ids: Sequence[int] | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
+    graphs: bool | None = None,
 ) -> SpeculativeResult:
-    """Speculative generation on ``rt``; ``predictor`` None or "none" switches route-ahead off,
+    """Speculative generation on ``rt``; ``graphs`` (default: on CUDA) runs the prefill and every
+    verify block through a ``GraphedDecoder`` whose graphs for block lengths 1 .. B are captured
+    before the prompt runs (outside the timings); ``predictor`` None or "none" switches route-ahead off,
     ``acceptance`` switches oracle-acceptance mode on (``reference``: the target's greedy
     continuation when already known, which skips the reference run). ``eos_token_ids`` defaults
-    to the checkpoint's."""
+    to the checkpoint's. ``block_size`` "auto" lets the block planner pick each step's block
+    length up to the draft's trained block size."""
     eos = list(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
     prompt = [int(t) for t in input_ids]
     check_context(rt.config, len(prompt), max_new_tokens)
-    block = check_block_size(block_size, draft.config.block_size)
+    auto = parse_block_size(block_size) == AUTO
+    block = check_block_size(None if auto else block_size, draft.config.block_size)
+    if graphs is None:
+        graphs = rt.device.type == "cuda"
+    decoder = None
+    if graphs:
+        from pdflash.offload.graphs import GraphedDecoder
+
+        decoder = GraphedDecoder.shared(rt, len(prompt) + max_new_tokens)
+        decoder.prepare(len(prompt), tokens=range(1, block + 1) if auto else sorted({1, block}))
     oracle = None
     if acceptance is not None:
-        oracle = make_oracle(rt.model, prompt, max_new_tokens, acceptance, reference=reference,
-                             eos_token_ids=eos, seed=seed)
         if reference is None:
+            reference = oracle_reference(rt, prompt, max_new_tokens, block, decoder=decoder, eos_token_ids=eos)
             rt.reset_cache()
             fam = rt.family
             if rt.cache.capacity >= fam.num_layers * fam.num_experts:
                 rt.preload()  # an all-resident cache starts warm, as after loading
+        oracle = make_oracle(rt.model, prompt, max_new_tokens, acceptance, reference=reference,
+                             eos_token_ids=eos, seed=seed, refresh_window=4 * block)
     route_ahead = None
     if predictor not in (None, "none"):
         fam = rt.family
@@ -116,14 +187,22 @@ def speculative_on_runtime(
     generator = None
     if temperature > 0:
         generator = torch.Generator(device=rt.device).manual_seed(seed)
+    planner = make_planner(rt, block, use_confidence=oracle is None) if auto else None
+
+    def moved_bytes() -> float:
+        return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
+
     try:
         return speculative_generate(
             rt.model, draft, prompt, max_new_tokens, block_size=block, temperature=temperature,
             generator=generator, eos_token_ids=eos, route_ahead=route_ahead, oracle=oracle, on_step=on_step,
+            planner=planner, moved_bytes=moved_bytes, decoder=decoder,
         )
     finally:
         if route_ahead is not None:
             route_ahead.close()
+        if planner is not None:
+            rt.remove_routing_observer(planner.on_routed)
 
 
 def generate_with_draft(
@@ -133,12 +212,14 @@ def generate_with_draft(
     draft_dir: str | Path,
     max_new_tokens: int,
     block_size: int | None = None,
+    auto: bool = False,
     predictor: str | None = "previous",
     acceptance: float | None = None,
     temperature: float = 0.0,
     seed: int = 0,
     on_step: Callable | None = None,
     on_verify: Callable[[StepInfo], None] | None = None,
+    graphs: bool | None = None,
 ) -> tuple[object, dict]:
     """``pdflash generate --draft``: returns (a GenerationResult as plain decoding returns it,
     extra report fields).
@@ -166,9 +247,10 @@ def generate_with_draft(
             d = decode_s[0]
             on_step(TokenStep(info.generated - 1, info.committed[-1], d, (info.generated - 1) / d if d > 0 else None))
 
-    res = speculative_on_runtime(rt, draft, input_ids, max_new_tokens, block_size=block_size, predictor=predictor,
+    res = speculative_on_runtime(rt, draft, input_ids, max_new_tokens, block_size=AUTO if auto else block_size,
+                                 predictor=predictor,
                                  acceptance=acceptance, temperature=temperature, seed=seed, eos_token_ids=eos,
-                                 on_step=step_hook)
+                                 on_step=step_hook, graphs=graphs)
     n = len(res.token_ids)
     st = res.stats
     gen = GenerationResult(
@@ -183,7 +265,10 @@ def generate_with_draft(
     )
     extra = {
         "draft": str(draft_dir),
-        "block_size": st.block_size,
+        "block_size": AUTO if auto else st.block_size,
+        "max_block_size": st.block_size,
+        "block_histogram": st.block_histogram(),
+        "bytes_per_committed_token": st.bytes_per_committed_token,
         "verify_steps": st.verify_steps,
         "acceptance_length": st.acceptance_length,
         "acceptance_per_position": st.acceptance_per_position,
@@ -191,6 +276,8 @@ def generate_with_draft(
         "verify_ms": st.verify_seconds * 1e3,
         "route_ahead": res.route_ahead,
     }
+    if res.planner is not None:
+        extra["planner"] = res.planner
     if res.oracle is not None:
         extra.update(res.oracle)
     return gen, extra

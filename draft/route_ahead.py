@@ -59,13 +59,17 @@ class _RouterBank:
     """All target routers stacked, to route one batch of hidden states through every layer at once."""
 
     def __init__(self, target: nn.Module):
+        from pdflash.offload.family import family_of
+
         layers = decoder_layers(target)
-        self.top_k = int(target.config.num_experts_per_tok)
-        routers = [layer.mlp.router for layer in layers]
+        self.family = family_of(target)
+        self.top_k = self.family.top_k
+        linears = [self.family.router_linear(layer) for layer in layers]
         norms = [layer.post_attention_layernorm for layer in layers]
         with torch.no_grad():
-            self.weight = torch.stack([r.weight.detach().float() for r in routers])  # [L, E, H]
-            self.bias = torch.stack([r.bias.detach().float() for r in routers])  # [L, E]
+            self.weight = torch.stack([w.detach().float() for w, _ in linears])  # [L, E, H]
+            self.bias = torch.stack([b.detach().float() if b is not None else torch.zeros(w.shape[0], device=w.device)
+                                     for w, b in linears])  # [L, E] (zeros: a router without bias)
             self.norm_w = torch.stack([n.weight.detach().float() for n in norms])  # [L, H]
         self.eps = float(getattr(norms[0], "variance_epsilon", getattr(norms[0], "eps", 1e-5)))
 
@@ -77,7 +81,7 @@ class _RouterBank:
         sel = torch.tensor(layers, device=self.weight.device)
         x = x.to(self.weight.device)[None] * self.norm_w[sel][:, None, :]  # [l, T, H]
         logits = torch.einsum("lth,leh->lte", x, self.weight[sel]) + self.bias[sel][:, None, :]
-        return torch.topk(logits, self.top_k, dim=-1).indices
+        return self.family.select(logits)
 
 
 def window_for_cache(cache_slots: int, num_experts: int, top_k: int, block_size: int) -> int:
@@ -103,6 +107,9 @@ class Predictor:
 
     def verify_hooks(self, target: nn.Module, submit: Callable[[ExpertSets], None]) -> list:
         return []
+
+    def layer_start(self, layer: int, hidden: torch.Tensor, submit: Callable[[ExpertSets], None]) -> None:
+        """Layer ``layer`` of the verify pass starts with ``hidden`` (the graphed decoder's hook)."""
 
     def observe(self, used: dict[int, torch.Tensor]) -> None:
         """Routing of the last target forward (prefill or verify): layer -> [T, k]."""
@@ -143,23 +150,23 @@ class LookaheadPredictor(Predictor):
         self.bank = _RouterBank(target)
         self.depth = depth
 
+    def layer_start(self, layer: int, hidden: torch.Tensor, submit: Callable[[ExpertSets], None]) -> None:
+        ahead = list(range(layer + 1, min(self.bank.weight.shape[0], layer + 1 + self.depth)))
+        if not ahead:
+            return
+        ids = self.bank.route(hidden.reshape(-1, hidden.shape[-1]), ahead).cpu()  # [d, T, k]
+        submit({l: set(ids[j].reshape(-1).tolist()) for j, l in enumerate(ahead)})
+
     def verify_hooks(self, target: nn.Module, submit: Callable[[ExpertSets], None]) -> list:
         layers = decoder_layers(target)
-        n = len(layers)
 
         def make(layer: int):
-            ahead = list(range(layer + 1, min(n, layer + 1 + self.depth)))
-
             def hook(module, args, kwargs):
-                if not ahead:
-                    return
-                h = args[0] if args else kwargs["hidden_states"]
-                ids = self.bank.route(h.reshape(-1, h.shape[-1]), ahead).cpu()  # [d, T, k]
-                submit({l: set(ids[j].reshape(-1).tolist()) for j, l in enumerate(ahead)})
+                self.layer_start(layer, args[0] if args else kwargs["hidden_states"], submit)
 
             return hook
 
-        return [layers[i].register_forward_pre_hook(make(i), with_kwargs=True) for i in range(n)]
+        return [layers[i].register_forward_pre_hook(make(i), with_kwargs=True) for i in range(len(layers))]
 
 
 class UnionPredictor(Predictor):
@@ -186,6 +193,10 @@ class UnionPredictor(Predictor):
 
     def verify_hooks(self, target, submit):
         return [h for p in self.parts for h in p.verify_hooks(target, submit)]
+
+    def layer_start(self, layer, hidden, submit):
+        for p in self.parts:
+            p.layer_start(layer, hidden, submit)
 
     def observe(self, used):
         for p in self.parts:
@@ -365,14 +376,18 @@ class RouteAhead:
             yield
         self.predictor.observe(self.tap.take())
 
+    def _pace(self, layer: int) -> None:
+        if self.window is not None:
+            self._horizon = max(self._horizon, layer + self.window)
+            self._flush()
+
     def _pacing_hooks(self) -> list:
         if self.window is None:
             return []
 
         def make(layer: int):
             def hook(module, args):
-                self._horizon = max(self._horizon, layer + self.window)
-                self._flush()
+                self._pace(layer)
 
             return hook
 
@@ -390,6 +405,50 @@ class RouteAhead:
         used = self.tap.take()
         self.report.add(self._predicted, union_experts(used))
         self.predictor.observe(used)
+
+    # -- the graphed decoder's forwards (pdflash.offload.graphs): no module hooks run there ---------
+    @contextmanager
+    def _routed(self, rt) -> Iterator[ExpertSets]:
+        used: ExpertSets = {}
+
+        def observer(layer: int, experts: list[int]) -> None:
+            used.setdefault(layer, set()).update(experts)
+
+        rt.add_routing_observer(observer)
+        try:
+            yield used
+        finally:
+            rt.remove_routing_observer(observer)
+
+    @staticmethod
+    def _as_rows(used: ExpertSets) -> dict[int, torch.Tensor]:
+        """Per-layer unions as one-row index tensors (what ``Predictor.observe`` reads; the last
+        B rows of a forward of T <= B tokens are all of it)."""
+        return {l: torch.tensor([sorted(s)], dtype=torch.long) for l, s in used.items()}
+
+    @contextmanager
+    def prefill_on(self, decoder) -> Iterator[None]:
+        """:meth:`prefill` for a forward of a ``GraphedDecoder`` (its runtime's routing observer)."""
+        with self._routed(decoder.rt) as used:
+            yield
+        self.predictor.observe(self._as_rows(used))
+
+    @contextmanager
+    def verify_on(self, decoder) -> Iterator[None]:
+        """:meth:`verify` for a forward of a ``GraphedDecoder``: pacing and lookahead through its
+        ``layer_hooks``, the experts used through its runtime's routing observer."""
+        def hook(layer: int, hidden: torch.Tensor) -> None:
+            self._pace(layer)
+            self.predictor.layer_start(layer, hidden, self._add)
+
+        decoder.layer_hooks.append(hook)
+        try:
+            with self._routed(decoder.rt) as used:
+                yield
+        finally:
+            decoder.layer_hooks.remove(hook)
+        self.report.add(self._predicted, used)
+        self.predictor.observe(self._as_rows(used))
 
     def close(self) -> None:
         self.tap.close()

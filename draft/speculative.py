@@ -18,7 +18,7 @@ cached; the target cache and the draft context both hold ``start`` positions):
 Greedy output is token-for-token the target's own greedy output: every committed token is the
 target's argmax given the committed prefix, computed in the verify forward.
 
-The target is any ``GptOssForCausalLM``-like module: a plain transformers model, or the offload
+The target is a transformers MoE causal LM of a supported family (gpt-oss, Qwen3-MoE): a plain model, or the offload
 runtime's model (the same module with its experts swapped). The target's KV cache is a
 ``DynamicCache`` without a config, so every layer keeps full length and can be cropped at any
 length; sliding-window layers still attend only within their window through the attention mask.
@@ -39,6 +39,7 @@ from torch import nn
 from pdflash import GenerationInterrupted, PdflashError
 from pdflash.draft.model import DFlashDraftModel
 from pdflash.draft.oracle import OracleProposer
+from pdflash.draft.planner import BlockPlanner
 from pdflash.draft.route_ahead import RouteAhead
 from pdflash.draft.taps import FeatureTap
 from pdflash.offload.prompt import chunked_prefill
@@ -81,6 +82,77 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra)
 
 
+class _ModuleTarget:
+    """The target module itself: a DynamicCache, forward hooks for the draft's features."""
+
+    def __init__(self, target: nn.Module, layer_ids: Sequence[int]):
+        self.target = target
+        self.cache = new_target_cache()
+        self.taps = FeatureTap(target, layer_ids) if layer_ids else None
+
+    def _capture(self):
+        return self.taps.capture() if self.taps is not None else nullcontext()
+
+    def _take(self):
+        return self.taps.take() if self.taps is not None else None
+
+    def prefill(self, ids: list[int], route_ahead: RouteAhead | None):
+        """The prompt in chunks through the KV cache (bounded memory); the last position's logits
+        and every position's tapped features."""
+        device = _device_of(self.target)
+        feats = []
+
+        def run(chunk: torch.Tensor, start: int) -> torch.Tensor:
+            with self._capture():
+                out = target_forward(self.target, chunk, start, self.cache, logits_to_keep=1)
+            f = self._take()
+            if f is not None:
+                feats.append(f)
+            return out
+
+        with route_ahead.prefill() if route_ahead else nullcontext():
+            logits = chunked_prefill(run, torch.tensor([ids], device=device))
+        return logits[0, -1], (torch.cat(feats, dim=1) if feats else None)
+
+    def verify(self, block: torch.Tensor, start: int, route_ahead: RouteAhead | None):
+        with self._capture(), (route_ahead.verify() if route_ahead else nullcontext()):
+            vlogits = target_forward(self.target, block, start, self.cache)[0]  # [b, V]
+        return vlogits, self._take()
+
+    def commit(self, length: int) -> None:
+        crop_cache(self.cache, length)
+
+    def close(self) -> None:
+        if self.taps is not None:
+            self.taps.close()
+
+
+class _DecoderTarget:
+    """A ``pdflash.offload.graphs.GraphedDecoder``: static KV cache, every block length replayed
+    as CUDA graphs (or the same segments run eagerly)."""
+
+    def __init__(self, decoder, layer_ids: Sequence[int]):
+        self.decoder = decoder
+        decoder.tap_layers = list(layer_ids)
+
+    def prefill(self, ids: list[int], route_ahead: RouteAhead | None):
+        with (route_ahead.prefill_on(self.decoder) if route_ahead else nullcontext()):
+            logits, features = self.decoder.prefill_with_features(ids)
+        return logits[0], features
+
+    def verify(self, block: torch.Tensor, start: int, route_ahead: RouteAhead | None):
+        if start != self.decoder.length:
+            raise RuntimeError(f"verify block at {start} but the decoder holds {self.decoder.length} positions")
+        with (route_ahead.verify_on(self.decoder) if route_ahead else nullcontext()):
+            return self.decoder.forward(block[0].tolist())
+
+    def commit(self, length: int) -> None:
+        self.decoder.truncate(length)
+
+    def close(self) -> None:
+        self.decoder.tap_layers = []
+
+
 def _device_of(target: nn.Module) -> torch.device:
     return target.model.embed_tokens.weight.device
 
@@ -115,6 +187,53 @@ def greedy_generate(
         logits = target_forward(target, torch.tensor([[tok]], device=device), pos, cache, logits_to_keep=1)
         pos += 1
     return out
+
+
+@torch.no_grad()
+def verify_sweep(
+    target: nn.Module,
+    input_ids: Sequence[int],
+    guess: Sequence[int],
+    max_new_tokens: int,
+    block_size: int,
+    *,
+    decoder=None,
+    eos_token_ids: Sequence[int] = (),
+) -> list[int]:
+    """The greedy continuation as verify passes compute it (oracle mode's reference).
+
+    Lossless speculative decoding with ``guess`` (e.g. a plain greedy continuation) as the draft:
+    blocks of ``block_size`` tokens through the same target path a speculative run uses
+    (``decoder``, a fresh ``GraphedDecoder``, or ``target``'s own forward), keeping each block's
+    argmaxes up to its first refused guess. Where a block and a single-token step round a near tie
+    apart, this follows the block.
+    """
+    if block_size < 1:
+        raise PdflashError(f"block_size must be at least 1, got {block_size}")
+    tgt = _ModuleTarget(target, []) if decoder is None else _DecoderTarget(decoder, [])
+    device = _device_of(target)
+    eos = set(eos_token_ids)
+    prompt = list(input_ids)
+    try:
+        last, _ = tgt.prefill(prompt, None)
+        out = [int(last.argmax())]
+        while out[-1] not in eos and len(out) < max_new_tokens:
+            start = len(prompt) + len(out) - 1
+            b = min(block_size, max_new_tokens - len(out))
+            tail = list(guess[len(out): len(out) + b - 1])
+            tail += [out[-1]] * (b - 1 - len(tail))
+            block = torch.tensor([[out[-1]] + tail], device=device)
+            vlogits, _ = tgt.verify(block, start, None)
+            n_acc, nxt = accept_greedy(block[0, 1:], vlogits)
+            new = tail[:n_acc] + [nxt]
+            tgt.commit(start + len(new))
+            for tok in new:
+                out.append(tok)
+                if tok in eos or len(out) == max_new_tokens:
+                    break
+        return out
+    finally:
+        tgt.close()
 
 
 # -- acceptance rules ---------------------------------------------------------------------------
@@ -184,6 +303,7 @@ class StepInfo:
     draft_seconds: float
     verify_seconds: float
     route_ahead_submitted: int  # (layer, expert) pairs sent to the prefetcher this step
+    predicted_seconds: float | None = None  # the block planner's prediction of this step (auto)
 
 
 @dataclass
@@ -199,6 +319,8 @@ class SpeculativeStats:
     decode_seconds: float = 0.0  # first token -> last token (oracle refreshes excluded)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    blocks: dict[int, int] = field(default_factory=dict)  # verified block length -> steps
+    decode_bytes: float | None = None  # bytes over the link between the first and the last token
 
     def __post_init__(self) -> None:
         if not self.drafted_per_position:
@@ -208,6 +330,7 @@ class SpeculativeStats:
     def record(self, drafted: int, accepted: int) -> None:
         self.verify_steps += 1
         self.committed_tokens += accepted + 1
+        self.blocks[drafted + 1] = self.blocks.get(drafted + 1, 0) + 1
         for i in range(drafted):
             self.drafted_per_position[i] += 1
         for i in range(accepted):
@@ -223,9 +346,21 @@ class SpeculativeStats:
         """Fraction of the blocks that drafted position i in which position i was accepted."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
+    def block_histogram(self) -> dict[str, int]:
+        return {str(b): n for b, n in sorted(self.blocks.items())}
+
+    @property
+    def bytes_per_committed_token(self) -> float | None:
+        """Link bytes of the decode phase per token committed by verify steps (None unmeasured)."""
+        if self.decode_bytes is None or not self.committed_tokens:
+            return None
+        return self.decode_bytes / self.committed_tokens
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "block_size": self.block_size,
+            "block_histogram": self.block_histogram(),
+            "bytes_per_committed_token": self.bytes_per_committed_token,
             "verify_steps": self.verify_steps,
             "committed_tokens": self.committed_tokens,
             "acceptance_length": self.acceptance_length,
@@ -243,6 +378,7 @@ class SpeculativeResult:
     stats: SpeculativeStats
     route_ahead: dict[str, Any] | None = None
     oracle: dict[str, Any] | None = None  # present (with "oracle_acceptance") only in oracle mode
+    planner: dict[str, Any] | None = None  # the block planner's report (--block-size auto)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -256,6 +392,8 @@ class SpeculativeResult:
             out["route_ahead"] = self.route_ahead
         if self.oracle is not None:
             out.update(self.oracle)
+        if self.planner is not None:
+            out["planner"] = self.planner
         return out
 
 
@@ -287,6 +425,9 @@ def speculative_generate(
     route_ahead: RouteAhead | None = None,
     oracle: OracleProposer | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
+    planner: BlockPlanner | None = None,
+    moved_bytes: Callable[[], float] | None = None,
+    decoder=None,
 ) -> SpeculativeResult:
     """Generate up to ``max_new_tokens`` after ``input_ids`` with draft-then-verify steps.
 
@@ -294,6 +435,11 @@ def speculative_generate(
     speculative sampling (``generator`` on the target's device makes it reproducible).
     ``block_size`` may lower the draft's trained block size (1 = no proposals, plain decoding
     through the verify path). ``oracle`` switches on oracle-acceptance mode (greedy only).
+    ``planner`` (a :class:`~pdflash.draft.planner.BlockPlanner`, ``--block-size auto``) picks each
+    step's block length in 1 .. its ``max_block``; ``block_size`` is then ignored.
+    ``moved_bytes`` (cumulative link bytes) measures the decode phase's bytes per committed token.
+    ``decoder`` (a ``GraphedDecoder`` over ``target``'s runtime, holding prompt + max_new_tokens
+    positions) runs the prefill and every verify block instead of ``target``'s own forward.
     """
     if not input_ids:
         raise PdflashError("the prompt is empty; give at least one token")
@@ -303,76 +449,99 @@ def speculative_generate(
         raise PdflashError(f"temperature must be >= 0, got {temperature}")
     if oracle is not None and temperature > 0:
         raise PdflashError("oracle-acceptance mode (--draft-acceptance) needs greedy decoding (--temperature 0)")
-    b_max = check_block_size(block_size, draft.config.block_size)
+    if planner is not None:
+        b_max = check_block_size(planner.max_block, draft.config.block_size)
+    else:
+        b_max = check_block_size(block_size, draft.config.block_size)
     greedy = temperature == 0
     device = _device_of(target)
     stats = SpeculativeStats(block_size=b_max)
-    cache = new_target_cache()
     draft.reset_context()
     eos = set(eos_token_ids)
     tokens = list(input_ids)
     generated: list[int] = []
-    taps = FeatureTap(target, draft.config.target_layer_ids)
+    layer_ids = draft.config.target_layer_ids
+    tgt = _ModuleTarget(target, layer_ids) if decoder is None else _DecoderTarget(decoder, layer_ids)
     try:
         # Prefill: target over the prompt; logits of the last position only, features of all.
         t0 = time.perf_counter()
-
-        def prefill_chunk(chunk: torch.Tensor, at: int) -> torch.Tensor:
-            with taps.capture():
-                out = target_forward(target, chunk, at, cache, logits_to_keep=1)
-            draft.append_context(taps.take())
-            return out
-
-        with route_ahead.prefill() if route_ahead else nullcontext():
-            logits = chunked_prefill(prefill_chunk, torch.tensor([tokens], device=device))
+        last_logits, features = tgt.prefill(tokens, route_ahead)
+        pending = [features]  # target features not yet in the draft's context (appended before a draft)
         if greedy:
-            first = int(logits[0, -1].argmax())
+            first = int(last_logits.argmax())
         else:
-            first = int(torch.multinomial(_probs(logits[0, -1], temperature), 1, generator=generator))
+            first = int(torch.multinomial(_probs(last_logits, temperature), 1, generator=generator))
         tokens.append(first)
         generated.append(first)
         _sync(device)
         stats.prefill_seconds = time.perf_counter() - t0
         done = first in eos
         t_decode = time.perf_counter()
+        bytes_at_start = moved_bytes() if moved_bytes is not None else None
         refresh_at_start = oracle.refresh_seconds if oracle else 0.0
 
         step = 0
         while not done and len(generated) < max_new_tokens:
             start = len(tokens) - 1
-            b = min(b_max, max_new_tokens - len(generated))  # one verify commits at most b tokens
+            limit = min(b_max, max_new_tokens - len(generated))  # one verify commits at most b tokens
+            if planner is not None:
+                planner.begin_step()
+                b = planner.plan_draft(limit)
+            else:
+                b = limit
             n = b - 1
-            # 1. draft
+            plain_step = planner is not None and n == 0  # no draft, no route-ahead: plain decoding
+            # 1. draft (a block of b; the planner may verify fewer of its proposals)
             t_draft = time.perf_counter()
             refresh_before = oracle.refresh_seconds if oracle else 0.0
-            if route_ahead is not None:
+            if route_ahead is not None and not plain_step:
                 route_ahead.begin_step()
             proposals = torch.empty(0, dtype=torch.long, device=device)
             draft_probs = None
+            confidence = None
             if n:
+                draft.append_context(torch.cat(pending, dim=1) if len(pending) > 1 else pending[0])
+                pending = []
                 hidden = draft(draft.block_ids(tokens[-1], b, device), start)  # [1, b, H]
                 if route_ahead is not None:
                     route_ahead.after_draft(hidden)
                 dlogits = draft.lm_head(hidden[:, 1:])[0]  # [n, V]
                 if greedy:
                     proposals = dlogits.argmax(-1)
+                    if planner is not None:
+                        confidence = torch.softmax(dlogits.float(), -1).amax(-1).tolist()
                 else:
                     draft_probs = _probs(dlogits, temperature)
                     proposals = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
+                    if planner is not None:
+                        confidence = draft_probs.gather(1, proposals[:, None])[:, 0].tolist()
                 if oracle is not None:
                     proposals = torch.tensor(oracle.propose(tokens, n), dtype=torch.long, device=device)
             _sync(device)
             draft_s = time.perf_counter() - t_draft - ((oracle.refresh_seconds - refresh_before) if oracle else 0.0)
+            if planner is not None and n:
+                b = planner.choose(b, confidence, draft_s).block
+                n = b - 1
+                proposals = proposals[:n]
+                if draft_probs is not None:
+                    draft_probs = draft_probs[:n]
+                if confidence is not None:
+                    confidence = confidence[:n]
 
             # 2. verify
             t_verify = time.perf_counter()
             block = torch.cat((torch.tensor([tokens[-1]], device=device), proposals))[None]  # [1, b]
-            with taps.capture(), (route_ahead.verify() if route_ahead else nullcontext()):
-                vlogits = target_forward(target, block, start, cache)[0]  # [b, V]
-            features = taps.take()  # [1, b, K*H]
+            vlogits, features = tgt.verify(block, start, None if plain_step else route_ahead)  # [b, V], [1, b, K*H]
 
             # 3. accept
-            if greedy:
+            if oracle is not None:
+                best = vlogits.argmax(-1).tolist()
+                oracle.observe(len(tokens), block[0].tolist(), best)
+                n_acc = 0
+                while n_acc < min(n, oracle.limit()) and int(proposals[n_acc]) == best[n_acc]:
+                    n_acc += 1
+                nxt = best[n_acc]
+            elif greedy:
                 n_acc, nxt = accept_greedy(proposals, vlogits)
             else:
                 if draft_probs is None:
@@ -380,13 +549,18 @@ def speculative_generate(
                 n_acc, nxt = accept_sampling(proposals, draft_probs, _probs(vlogits, temperature), generator)
 
             # 4. commit
-            crop_cache(cache, start + n_acc + 1)
-            draft.append_context(features[:, : n_acc + 1])
+            tgt.commit(start + n_acc + 1)
+            pending.append(features[:, : n_acc + 1])
             new = proposals[:n_acc].tolist() + [nxt]
             _sync(device)
             verify_s = time.perf_counter() - t_verify
 
             stats.record(n, n_acc)
+            predicted = None
+            if planner is not None:
+                choice = planner.current()
+                predicted = choice.predicted_seconds if choice is not None else None
+                planner.end_step(b, n_acc, len(new), draft_s + verify_s, confidence, draft_s if n else 0.0)
             stats.draft_seconds += draft_s
             stats.verify_seconds += verify_s
             for i, tok in enumerate(new):
@@ -401,20 +575,26 @@ def speculative_generate(
                 on_step(StepInfo(
                     step=step, block_size=b, accepted=n_acc, committed=new, generated=len(generated),
                     draft_seconds=draft_s, verify_seconds=verify_s,
-                    route_ahead_submitted=route_ahead.submitted_last_step if route_ahead else 0,
+                    route_ahead_submitted=route_ahead.submitted_last_step if route_ahead and not plain_step else 0,
+                    predicted_seconds=predicted,
                 ))
         _sync(device)
         stats.decode_seconds = time.perf_counter() - t_decode - (
             (oracle.refresh_seconds - refresh_at_start) if oracle else 0.0)
+        if bytes_at_start is not None:
+            stats.decode_bytes = moved_bytes() - bytes_at_start
+        if pending:  # after the timings: the draft's context ends holding every committed token but the last
+            draft.append_context(torch.cat(pending, dim=1))
     except KeyboardInterrupt:
         raise GenerationInterrupted(generated) from None
     finally:
-        taps.close()
+        tgt.close()
     return SpeculativeResult(
         token_ids=generated,
         stats=stats,
         route_ahead=route_ahead.report.to_dict() if route_ahead is not None else None,
         oracle=oracle.report() if oracle is not None else None,
+        planner=planner.to_dict() if planner is not None else None,
     )
 
 
@@ -427,11 +607,14 @@ def make_oracle(
     reference: Sequence[int] | None = None,
     eos_token_ids: Sequence[int] = (),
     seed: int = 0,
+    refresh_window: int | None = None,
 ) -> OracleProposer:
     """An :class:`OracleProposer` over the target's greedy continuation of ``input_ids``.
 
     ``reference`` (generated ids of a plain greedy run already made, e.g. the baseline arm of a
-    benchmark) saves computing it again. Divergences are repaired by fresh greedy runs.
+    benchmark, or better :func:`verify_sweep`'s) saves computing it again. A reference cut short
+    by a divergence is extended by fresh greedy runs, ``refresh_window`` tokens at a time (None:
+    to the end).
     """
     prompt = list(input_ids)
     cont = list(reference) if reference is not None else greedy_generate(target, prompt, max_new_tokens, eos_token_ids)
@@ -440,4 +623,4 @@ def make_oracle(
         return greedy_generate(target, tokens, more, eos_token_ids) if more > 0 else []
 
     vocab = int(target.config.vocab_size)
-    return OracleProposer(prompt + cont, acceptance, vocab, seed=seed, refresh=refresh)
+    return OracleProposer(prompt + cont, acceptance, vocab, seed=seed, refresh=refresh, refresh_window=refresh_window)

@@ -1,8 +1,8 @@
-"""Forward hooks on a gpt-oss-style target: context features for the draft, chosen experts per layer.
+"""Forward hooks on a MoE target: context features for the draft, chosen experts per layer.
 
-The target is a ``GptOssForCausalLM``-like module (``target.model.layers[i]`` decoder layers, each
-with ``mlp.router``); the offloaded runtime's model is the same module with its experts swapped, so
-the hooks work on both. Hooks only record while a ``capture()`` block is open.
+The target is a transformers MoE causal LM of a supported family (``target.model.layers[i]``
+decoder layers; the family adapter, ``family_of(target)``, names each layer's router); the
+offloaded runtime's model is the same module with its experts swapped, so the hooks work on both. Hooks only record while a ``capture()`` block is open.
 
 Feature index convention: the draft's feature for target layer ``i`` is the *output* of decoder
 layer ``i``, which is ``hidden_states[i + 1]`` of transformers' ``output_hidden_states=True``
@@ -25,7 +25,7 @@ def decoder_layers(target: nn.Module) -> nn.ModuleList:
     try:
         return target.model.layers
     except AttributeError:
-        raise PdflashError("the target has no .model.layers decoder stack; pass a GptOssForCausalLM-like model") from None
+        raise PdflashError("the target has no .model.layers decoder stack; pass a transformers MoE causal LM (gpt-oss, Qwen3-MoE)") from None
 
 
 def _first_tensor(output) -> torch.Tensor:
@@ -84,21 +84,26 @@ class FeatureTap:
 class RouterTap:
     """Records the expert indices [T, top_k] each layer's router chose during ``capture()``.
 
-    Hooks ``layer.mlp.router``; in transformers 5.x the router returns (logits, scores, indices).
-    A router that returns only logits is read as top-k of them.
+    Hooks the family's router module of each layer (gpt-oss ``mlp.router``, Qwen3-MoE
+    ``mlp.gate``); in transformers 5.x a router returns (logits, scores, indices). A router that
+    returns only logits is read through the family's selection (``select``).
     """
 
     def __init__(self, target: nn.Module):
+        from pdflash.offload.family import family_of
+
         layers = decoder_layers(target)
-        self.top_k = int(target.config.num_experts_per_tok)
-        self.num_experts = int(target.config.num_local_experts)
+        self.family = family_of(target)
+        self.top_k = self.family.top_k
+        self.num_experts = self.family.num_experts
         self._indices: dict[int, torch.Tensor] = {}
         self._active = False
         self._handles = []
         for i, layer in enumerate(layers):
-            router = getattr(getattr(layer, "mlp", None), "router", None)
-            if router is None:
-                raise PdflashError(f"target layer {i} has no mlp.router; route-ahead needs a gpt-oss-style MoE target")
+            try:
+                router = self.family.router(layer)
+            except AttributeError:
+                raise PdflashError(f"target layer {i} has no router where a {self.family.name} layer has one") from None
             self._handles.append(router.register_forward_hook(self._hook(i)))
 
     def _hook(self, layer: int):
@@ -110,7 +115,7 @@ class RouterTap:
             if ints:
                 idx = ints[-1]
             else:
-                idx = torch.topk(_first_tensor(output), self.top_k, dim=-1).indices
+                idx = self.family.select(_first_tensor(output))
             self._indices[layer] = idx.reshape(-1, idx.shape[-1])
 
         return hook

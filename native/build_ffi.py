@@ -1,12 +1,12 @@
-"""cffi API-mode build of the native scheduler.
+"""cffi API-mode build of the native library: the scheduler (pf_sched) and the CPU expert kernel (pf_cpu).
 
 Used by setuptools (``cffi_modules`` in setup.py) and by ``pdflash build-native``;
 runnable alone: ``python native/build_ffi.py [--debug] [--sanitize KIND]``
 builds ``_pf_sched*.so`` next to this file.
 
-The cdef is read from pf_sched.h itself (with the include guards and
-preprocessor lines dropped), so the header stays the single description of
-the C API.
+The cdef is read from pf_sched.h and pf_cpu.h themselves (with the include
+guards and preprocessor lines dropped), so the headers stay the single
+description of the C API.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import sys
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HEADER = os.path.join(HERE, "pf_sched.h")
-SOURCE = os.path.join(HERE, "pf_sched.c")
+HEADERS = [os.path.join(HERE, "pf_sched.h"), os.path.join(HERE, "pf_cpu.h")]
+SOURCES = [os.path.join(HERE, "pf_sched.c"), os.path.join(HERE, "pf_cpu.c")]
 
 
 def _cdef_from_header() -> str:
-    text = open(HEADER).read()
+    text = "\n".join(open(h).read() for h in HEADERS)
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     lines = []
     for line in text.splitlines():
@@ -51,10 +51,10 @@ def make_builder(debug: bool = False, sanitize: str | None = None) -> FFI:
     ffi.cdef(_cdef_from_header())
     ffi.set_source(
         "pdflash.native._pf_sched",
-        '#include "pf_sched.h"',
-        sources=[SOURCE],
+        '#include "pf_sched.h"\n#include "pf_cpu.h"',
+        sources=SOURCES,
         include_dirs=[HERE],
-        libraries=["dl"],
+        libraries=["dl", "m"],
         extra_compile_args=cflags,
         extra_link_args=ldflags,
     )

@@ -42,13 +42,16 @@ Checkpoints
     Checkpoint(path)           validate a Hugging Face checkpoint directory (config.json, model.safetensors
                                or shards + index): PdflashError with one line for each kind of problem
     ModelPreset.from_name("tiny" | "gpt-oss-20b")
-    write_checkpoint(out_dir, preset, *, mxfp4=False, seed=0, dtype="bfloat16", max_shard_bytes=4 GiB,
+    write_checkpoint(out_dir, preset, *, mxfp4=False, quant=None, seed=0, dtype="bfloat16", max_shard_bytes=4 GiB,
                      progress=False) -> Path       seeded synthetic checkpoint in the real format
+    SyntheticCheckpoint(preset, *, quant=None, seed=0)   the same weights generated in memory
     dequantize(blocks, scales, dtype) -> weight [..., in, out];  quantize(weight) -> (blocks, scales)
 
 Model families
-    A family adapter (gpt_oss.GptOssFamily) knows the tensor names, the packed expert layout and the
-    expert maths, and builds the library's own model with its experts swapped (family.find_family).
+    A family adapter (gpt_oss.GptOssFamily, qwen3_moe.Qwen3MoeFamily; the seam is family.ModelFamily)
+    knows the tensor names, where expert pieces are stored, the packed expert layout, the routing and
+    the expert maths, and builds the library's own model with its experts swapped (family.find_family;
+    family.family_of for a loaded model).
 """
 
 from pdflash.offload.checkpoint import Checkpoint
@@ -57,7 +60,7 @@ from pdflash.offload.generate import GenerationResult, StepInfo, decode_one_toke
 from pdflash.offload.mxfp4 import dequantize, quantize
 from pdflash.offload.prefetch import ExpertPrefetcher
 from pdflash.offload.runtime import OffloadedModel, RoutingRecord, load_tokenizer, min_cache_experts
-from pdflash.offload.synthetic import write_checkpoint
+from pdflash.offload.synthetic import SyntheticCheckpoint, write_checkpoint
 
 __all__ = [
     "Checkpoint",
@@ -68,6 +71,7 @@ __all__ = [
     "PRESETS",
     "RoutingRecord",
     "StepInfo",
+    "SyntheticCheckpoint",
     "decode_one_token",
     "dequantize",
     "generate",

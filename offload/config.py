@@ -1,9 +1,11 @@
-"""Shapes of the synthetic gpt-oss checkpoints (``pdflash make-synthetic --preset NAME``).
+"""Shapes of the synthetic checkpoints (``pdflash make-synthetic --preset NAME``).
 
-A preset is the architecture only; ``hf_config`` turns it into the config.json
-dict of a real ``GptOssForCausalLM`` checkpoint (the legacy ``rope_theta`` /
-``rope_scaling`` spelling of openai/gpt-oss-20b, which every transformers
-version reads).
+A preset is the architecture only, in one model family (``family``: a config.json model_type,
+"gpt_oss" or "qwen3_moe"); ``hf_config`` asks that family's adapter (offload/family.py) for the
+config.json dict of a real checkpoint of that shape (for gpt-oss the legacy ``rope_theta`` /
+``rope_scaling`` spelling of openai/gpt-oss-20b, which every transformers version reads).
+Field names follow gpt-oss's config; for Qwen3-MoE ``num_local_experts`` is ``num_experts``
+and ``intermediate_size`` is ``moe_intermediate_size``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|message|>"
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """One gpt-oss architecture. E = experts per layer, H = hidden, I = expert intermediate."""
+    """One MoE architecture. E = experts per layer, H = hidden, I = expert intermediate."""
 
     name: str
     num_hidden_layers: int
@@ -39,12 +41,19 @@ class ModelPreset:
     swiglu_limit: float = 7.0
     router_logit_std: float = 1.5  # std of router logits for a unit-RMS input: routing spread, not degenerate
     layer_types: tuple[str, ...] = ()
+    family: str = "gpt_oss"  # config.json model_type of the family
+    norm_topk_prob: bool = True  # qwen3_moe: renormalise the top-k routing weights
+    fp8_block: int = 128  # qwen3_moe FP8 checkpoints: weight_block_size (square blocks)
+    dense_intermediate_size: int = 0  # qwen3_moe: intermediate_size of dense MLP layers (none here)
 
     def __post_init__(self):
-        if self.hidden_size % 32 or self.intermediate_size % 32:
+        if self.family == "gpt_oss" and (self.hidden_size % 32 or self.intermediate_size % 32):
             raise PdflashError(f"preset {self.name}: hidden and intermediate sizes must be multiples of 32 (MXFP4 blocks)")
-        if not self.layer_types:  # gpt-oss alternates sliding and full attention, sliding first
-            types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers))
+        if not self.layer_types:
+            if self.family == "gpt_oss":  # gpt-oss alternates sliding and full attention, sliding first
+                types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers))
+            else:
+                types = ("full_attention",) * self.num_hidden_layers
             object.__setattr__(self, "layer_types", types)
 
     @classmethod
@@ -54,57 +63,24 @@ class ModelPreset:
         except KeyError:
             raise PdflashError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}", exit_code=2) from None
 
-    def hf_config(self, special_ids: dict[str, int], *, dtype: str = "bfloat16", mxfp4: bool = False) -> dict:
-        """config.json of a GptOssForCausalLM checkpoint with this shape.
+    @property
+    def quant_formats(self) -> tuple[str, ...]:
+        """Quantized expert formats a synthetic checkpoint of this preset can be written in."""
+        return {"gpt_oss": ("mxfp4",), "qwen3_moe": ("fp8",)}.get(self.family, ())
+
+    def hf_config(self, special_ids: dict[str, int], *, dtype: str = "bfloat16", mxfp4: bool = False, quant: str | None = None) -> dict:
+        """config.json of a checkpoint of this shape in its family.
 
         special_ids: {special token: id} of the checkpoint's tokenizer (SPECIAL_TOKENS).
+        quant: None (dense), "mxfp4" (gpt_oss) or "fp8" (qwen3_moe); ``mxfp4=True`` is quant="mxfp4".
         """
-        ids = special_ids
-        cfg = {
-            "architectures": ["GptOssForCausalLM"],
-            "model_type": "gpt_oss",
-            "attention_bias": True,
-            "attention_dropout": 0.0,
-            "bos_token_id": ids["<|startoftext|>"],
-            "eos_token_id": ids["<|return|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-            "experts_per_token": self.num_experts_per_tok,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "hidden_size": self.hidden_size,
-            "initial_context_length": self.rope_scaling.get("original_max_position_embeddings", 4096),
-            "initializer_range": 0.02,
-            "intermediate_size": self.intermediate_size,
-            "layer_types": list(self.layer_types),
-            "max_position_embeddings": self.max_position_embeddings,
-            "num_attention_heads": self.num_attention_heads,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_key_value_heads": self.num_key_value_heads,
-            "num_local_experts": self.num_local_experts,
-            "output_router_logits": False,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_scaling": dict(self.rope_scaling) or None,
-            "rope_theta": self.rope_theta,
-            "router_aux_loss_coef": 0.9,
-            "sliding_window": self.sliding_window,
-            "swiglu_limit": self.swiglu_limit,
-            "tie_word_embeddings": False,
-            "torch_dtype": dtype,
-            "use_cache": True,
-            "vocab_size": self.vocab_size,
-        }
-        if mxfp4:
-            cfg["quantization_config"] = {
-                "modules_to_not_convert": [
-                    "model.layers.*.self_attn",
-                    "model.layers.*.mlp.router",
-                    "model.embed_tokens",
-                    "lm_head",
-                ],
-                "quant_method": "mxfp4",
-            }
-        return cfg
+        from pdflash.offload.family import family_class
+
+        quant = "mxfp4" if mxfp4 else quant
+        if quant is not None and quant not in self.quant_formats:
+            raise PdflashError(f"preset {self.name} ({self.family}) has no {quant} format; choose "
+                               f"{' or '.join(self.quant_formats) or 'a dense checkpoint'}")
+        return family_class(self.family).synthetic_config(self, special_ids, dtype=dtype, quant=quant)
 
 
 def _yarn(factor: float, original: int) -> dict:
@@ -155,5 +131,70 @@ PRESETS: dict[str, ModelPreset] = {
         max_position_embeddings=131072,
         rope_theta=150000.0,
         rope_scaling=_yarn(32.0, 4096),
+    ),
+    # Qwen3-MoE with every module type of Qwen3-30B-A3B (qk-norm, GQA, softmax -> top-k ->
+    # renormalised routing, per-expert SiLU-gated MLPs), small enough for CPU tests.
+    "qwen3-tiny": ModelPreset(
+        name="qwen3-tiny",
+        family="qwen3_moe",
+        num_hidden_layers=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        hidden_size=64,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=0,
+        vocab_size=384,
+        tokenizer_vocab=384,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        fp8_block=32,
+        dense_intermediate_size=128,
+    ),
+    # Qwen/Qwen3-30B-A3B: 48 layers, 128 experts, top-8, hidden 2048, expert intermediate 768,
+    # GQA 32 / 4 heads of 128, qk-norm (Qwen/Qwen3-30B-A3B-FP8: 128 x 128 FP8 blocks).
+    "qwen3-30b-a3b": ModelPreset(
+        name="qwen3-30b-a3b",
+        family="qwen3_moe",
+        num_hidden_layers=48,
+        num_local_experts=128,
+        num_experts_per_tok=8,
+        hidden_size=2048,
+        intermediate_size=768,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        sliding_window=0,
+        vocab_size=151936,
+        tokenizer_vocab=1024,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        fp8_block=128,
+        dense_intermediate_size=6144,
+    ),
+    # Qwen/Qwen3-Coder-30B-A3B-Instruct: the same shape, a 256k context (rope theta 1e7).
+    "qwen3-coder-30b-a3b": ModelPreset(
+        name="qwen3-coder-30b-a3b",
+        family="qwen3_moe",
+        num_hidden_layers=48,
+        num_local_experts=128,
+        num_experts_per_tok=8,
+        hidden_size=2048,
+        intermediate_size=768,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        sliding_window=0,
+        vocab_size=151936,
+        tokenizer_vocab=1024,
+        max_position_embeddings=262144,
+        rope_theta=10000000.0,
+        rms_norm_eps=1e-6,
+        fp8_block=128,
+        dense_intermediate_size=6144,
     ),
 }

@@ -18,15 +18,26 @@ batched (so every cache size gives the same output):
 - the fused MXFP4 kernels (mxfp4_triton.py) for up to FUSED_MAX_TOKENS tokens on CUDA
   (decode, verify blocks): one program per (token, expert) pair and feature tile;
 - otherwise (prefill, the CPU, dense experts) one matmul per expert over its tokens in
-  token order, mirroring transformers' GptOssExperts loop, so outputs are bit-identical to
-  the library's CPU path.
+  token order, mirroring the library's own per-expert loop (the family's kernel: weights and
+  apply), so outputs are bit-identical to the library's CPU path.
+
+CPU experts (``cpu``, a CpuExpertRunner over the host store): experts chosen by
+``cpu_mode`` are computed by the native CPU kernel straight from host memory instead of
+being fetched: "all" computes every routed expert there (the cache is not used); "auto"
+asks ``placer`` (the cost model) which non-resident experts to compute on the CPU and which
+to fetch. On CUDA the CPU work runs in a helper thread (the kernel releases the GIL) while
+the device computes the resident and fetched experts; its results join in the same
+reduction. CPU results are float32, scaled by the routing weight, then stored like the
+device's.
 
 Shape legend: T tokens, K experts per token, H hidden, E experts per layer.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -47,6 +58,10 @@ class OffloadedExperts(nn.Module):
         cache: ExpertCache,
         kernel,
         on_routed: Callable[[int, list[int]], None],
+        cpu=None,
+        cpu_mode: str = "off",
+        placer=None,
+        cpu_pool: ThreadPoolExecutor | None = None,
     ):
         super().__init__()
         self.layer = layer
@@ -54,6 +69,10 @@ class OffloadedExperts(nn.Module):
         self.cache = cache
         self.kernel = kernel
         self.on_routed = on_routed
+        self.cpu = cpu  # CpuExpertRunner or None
+        self.cpu_mode = cpu_mode if cpu is not None else "off"
+        self.placer = placer  # callable(layer, misses, positions, K, device) -> experts to compute on the CPU
+        self.cpu_pool = cpu_pool  # one helper thread (CUDA): CPU experts overlap the device's work
         self.calls = 0
 
     def extra_repr(self) -> str:
@@ -83,6 +102,11 @@ class OffloadedExperts(nn.Module):
         w_flat = w.reshape(-1)
         out_dtype = torch.promote_types(self.kernel.dtype, w.dtype)
         contrib = torch.empty((T * K, H), dtype=out_dtype, device=dev)  # weighted output per (t, k)
+
+        if self.cpu_mode == "all":  # every routed expert on the CPU, nothing fetched
+            self._store_cpu(contrib, self._cpu_compute(x, w_flat, K, experts, positions), dev)
+            out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)
+            return out.reshape(shape)
         fused = self.kernel.fused(dev) if T <= FUSED_MAX_TOKENS else None
         if fused is not None:
             x = x.contiguous()
@@ -107,9 +131,21 @@ class OffloadedExperts(nn.Module):
         for e in experts:
             s = cache.lookup(layer, e)
             (hits.append((e, s)) if s is not None else misses.append(e))
+        cpu_job, cpu_list = None, []
+        if self.cpu_mode == "auto" and misses and self.placer is not None:
+            on_cpu = set(self.placer(layer, misses, positions, K, dev))
+            if on_cpu:
+                misses = [e for e in misses if e not in on_cpu]
+                cpu_list = sorted(on_cpu)
+                if self.cpu_pool is not None and dev.type == "cuda":  # overlaps the fetches and the device's compute
+                    x_host = x.to("cpu", non_blocking=False)
+                    w_host = w_flat.to("cpu", non_blocking=False)
+                    cpu_job = self.cpu_pool.submit(self._cpu_compute, x_host, w_host, K, cpu_list, positions)
         for e in misses:  # submitted before the hits compute, so the link starts at once
             f = cache.request(layer, e)
             (pending.append((e, f)) if f is not None else waiting.append(e))
+        if cpu_list and cpu_job is None:  # CPU device: computed here while the fetches cross the link
+            cpu_job = self._cpu_compute(x, w_flat, K, cpu_list, positions)
         done_slots = []
         if hits:
             compute(hits)
@@ -136,6 +172,32 @@ class OffloadedExperts(nn.Module):
                     if f is None:
                         raise PdflashError(f"layer {layer}: no expert cache slot could be freed")
                 pending.append((waiting.popleft(), f))
+        if cpu_job is not None:
+            self._store_cpu(contrib, cpu_job.result() if hasattr(cpu_job, "result") else cpu_job, dev)
         cache.end_layer()
         out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
         return out.reshape(shape)
+
+    def _cpu_compute(self, x: torch.Tensor, w_flat: torch.Tensor, K: int, experts: list[int],
+                     positions: dict[int, list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+        """The native kernel on the host for ``experts``: [(positions, weighted float32 outputs)].
+        Runs in the helper thread on CUDA (x and w_flat are host copies then)."""
+        t0 = time.perf_counter()
+        xh = x if x.device.type == "cpu" else x.to("cpu")
+        wh = w_flat.to("cpu", torch.float32)
+        lc = self.cache.stats.layers[self.layer]
+        out = []
+        for e in experts:
+            pos = positions[e]
+            tok = torch.tensor([p // K for p in pos])
+            y = self.cpu.run(self.layer, e, xh.index_select(0, tok))
+            y.mul_(wh[torch.tensor(pos)].unsqueeze(-1))
+            out.append((pos, y))
+            lc.cpu += 1
+        self.cache.stats.cpu_seconds += time.perf_counter() - t0
+        return out
+
+    @staticmethod
+    def _store_cpu(contrib: torch.Tensor, results: list[tuple[list[int], torch.Tensor]], dev: torch.device) -> None:
+        for pos, y in results:
+            contrib.index_copy_(0, torch.tensor(pos).to(dev, non_blocking=True), y.to(dev, contrib.dtype, non_blocking=True))

@@ -14,17 +14,18 @@ sliding window, RMSNorm, YaRN rotary, router, KV cache); only each layer's
 
 from __future__ import annotations
 
-import inspect
+import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdflash import PdflashError
-from pdflash.offload.family import FLOAT_DTYPES, ModelFamily, TensorSpec
+from pdflash.offload.family import FLOAT_DTYPES, ExpertSource, ModelFamily, TensorSpec
 from pdflash.offload.host_store import ExpertLayout
 from pdflash.offload.mxfp4 import dequantize, dequantize_rows
+
+FP4_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # RMS of a uniform random E2M1 code
 
 _EXPERT_PREFIX = "model.layers.{}.mlp.experts."
 
@@ -63,6 +64,7 @@ _POSITIVE_FIELDS = ("num_hidden_layers", "num_local_experts", "num_experts_per_t
 
 class GptOssFamily(ModelFamily):
     name = "gpt_oss (GptOssForCausalLM)"
+    model_type = "gpt_oss"
 
     @classmethod
     def matches(cls, config: dict) -> bool:
@@ -90,6 +92,7 @@ class GptOssFamily(ModelFamily):
         if method not in (None, "mxfp4"):
             raise PdflashError(f"config.json: quantization {method!r} is not supported; pdflash reads bf16/fp32 or mxfp4 experts")
         self.quantized = method == "mxfp4"
+        self.expert_format = "mxfp4" if self.quantized else "dense"
         self.num_layers = int(c.num_hidden_layers)
         self.num_experts = int(c.num_local_experts)
         self.top_k = int(c.num_experts_per_tok)
@@ -99,6 +102,56 @@ class GptOssFamily(ModelFamily):
             raise PdflashError("config.json: MXFP4 experts need hidden_size and intermediate_size divisible by 32")
         if not 0 < self.top_k <= self.num_experts:
             raise PdflashError(f"config.json: num_experts_per_tok={self.top_k} must be in [1, num_local_experts={self.num_experts}]")
+
+    @classmethod
+    def synthetic_config(cls, preset, special_ids: dict[str, int], *, dtype: str = "bfloat16", quant: str | None = None) -> dict:
+        """config.json of a GptOssForCausalLM checkpoint of ``preset``'s shape (MXFP4 experts with quant="mxfp4")."""
+        ids = special_ids
+        cfg = {
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "attention_bias": True,
+            "attention_dropout": 0.0,
+            "bos_token_id": ids["<|startoftext|>"],
+            "eos_token_id": ids["<|return|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            "experts_per_token": preset.num_experts_per_tok,
+            "head_dim": preset.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": preset.hidden_size,
+            "initial_context_length": preset.rope_scaling.get("original_max_position_embeddings", 4096),
+            "initializer_range": 0.02,
+            "intermediate_size": preset.intermediate_size,
+            "layer_types": list(preset.layer_types),
+            "max_position_embeddings": preset.max_position_embeddings,
+            "num_attention_heads": preset.num_attention_heads,
+            "num_experts_per_tok": preset.num_experts_per_tok,
+            "num_hidden_layers": preset.num_hidden_layers,
+            "num_key_value_heads": preset.num_key_value_heads,
+            "num_local_experts": preset.num_local_experts,
+            "output_router_logits": False,
+            "rms_norm_eps": preset.rms_norm_eps,
+            "rope_scaling": dict(preset.rope_scaling) or None,
+            "rope_theta": preset.rope_theta,
+            "router_aux_loss_coef": 0.9,
+            "sliding_window": preset.sliding_window,
+            "swiglu_limit": preset.swiglu_limit,
+            "tie_word_embeddings": False,
+            "torch_dtype": dtype,
+            "use_cache": True,
+            "vocab_size": preset.vocab_size,
+        }
+        if quant == "mxfp4":
+            cfg["quantization_config"] = {
+                "modules_to_not_convert": [
+                    "model.layers.*.self_attn",
+                    "model.layers.*.mlp.router",
+                    "model.embed_tokens",
+                    "lm_head",
+                ],
+                "quant_method": "mxfp4",
+            }
+        return cfg
 
     # -- checkpoint ------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -128,12 +181,36 @@ class GptOssFamily(ModelFamily):
     def _expert_piece_shapes(self) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
         return expert_pieces(self.hidden, self.inter, self.quantized)
 
-    def expert_sources(self, layer: int) -> dict[str, str]:
-        return {piece: _EXPERT_PREFIX.format(layer) + piece for piece, _, _ in self._expert_piece_shapes()}
+    def expert_sources(self, layer: int) -> dict[str, ExpertSource]:
+        """Every piece is one stacked [E, ...] tensor."""
+        return {piece: ExpertSource(stacked=_EXPERT_PREFIX.format(layer) + piece) for piece, _, _ in self._expert_piece_shapes()}
 
     def expert_layout(self, stored_dtypes: dict[str, torch.dtype]) -> ExpertLayout:
         spec = [(piece, shape, stored_dtypes[piece]) for piece, shape, _ in self._expert_piece_shapes()]
         return ExpertLayout.build(spec, quantized=self.quantized)
+
+    def init_rule(self, name: str, preset) -> tuple[str, float, float]:
+        H, I = preset.hidden_size, preset.intermediate_size
+        if name.endswith("_blocks"):
+            return "bytes", 0.0, 0.0
+        if name.endswith("_scales"):  # power-of-two scale so the weight std is about 1/sqrt(fan_in)
+            fan_in = H if "gate_up" in name else I
+            return "scales", 127 + round(math.log2(1.0 / (math.sqrt(fan_in) * FP4_RMS))), 0.0
+        if "layernorm" in name or name == "model.norm.weight":
+            return "normal", 1.0, 0.1
+        if name == "model.embed_tokens.weight" or name.endswith("sinks"):
+            return "normal", 0.0, 1.0
+        if name.endswith("router.weight"):
+            return "normal", 0.0, preset.router_logit_std / math.sqrt(H)
+        if name.endswith("router.bias"):
+            return "normal", 0.0, 0.1
+        if name.endswith("bias"):
+            return "normal", 0.0, 0.02
+        if name.endswith("experts.down_proj"):
+            return "normal", 0.0, 1.0 / math.sqrt(I)
+        if name.endswith("o_proj.weight"):
+            return "normal", 0.0, 1.0 / math.sqrt(preset.num_attention_heads * preset.head_dim)
+        return "normal", 0.0, 1.0 / math.sqrt(H)  # q/k/v, lm_head, gate_up
 
     # -- model -----------------------------------------------------------------------
     def build(
@@ -164,22 +241,64 @@ class GptOssFamily(ModelFamily):
             raise PdflashError(f"internal: weights did not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
         return finish_loaded_model(model, device)
 
-    def expert_kernel(self, layout: ExpertLayout, dtype: torch.dtype, alpha: float, limit: float) -> "GptOssExpertKernel":
+    def expert_kernel(self, layout: ExpertLayout, dtype: torch.dtype, original: nn.Module) -> "GptOssExpertKernel":
+        alpha, limit = _swiglu_constants(original)
         return GptOssExpertKernel(layout, dtype, alpha, limit)
 
-    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.model.layers)
+    def cpu_unsupported_reason(self, layout: ExpertLayout, dtype: torch.dtype) -> str | None:
+        from pdflash.offload.cpu_compute import unsupported_reason
 
-    def router_topk(self, model: nn.Module, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        block = model.model.layers[layer]
-        x = block.post_attention_layernorm(hidden)
-        router = block.mlp.router
-        logits = F.linear(x, router.weight, router.bias)  # [T, E]
-        return torch.topk(logits, self.top_k, dim=-1).indices  # [T, K]
+        return unsupported_reason(layout, dtype)
 
-    def cache_kwarg(self, model: nn.Module) -> str:
-        params = inspect.signature(model.forward).parameters
-        return "cache" if "cache" in params else "past_key_values"
+    def cpu_runner(self, host, original: nn.Module, threads: int | None, dtype: torch.dtype):
+        from pdflash.offload.cpu_compute import CpuExpertRunner
+
+        alpha, limit = _swiglu_constants(original)
+        return CpuExpertRunner(host, alpha, limit, threads=threads, dtype=dtype)
+
+    def library_class(self) -> type[nn.Module]:
+        from transformers import GptOssForCausalLM
+
+        return GptOssForCausalLM
+
+    def reference_load_kwargs(self) -> dict:
+        if not self.quantized:
+            return {}
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+    def library_expert_state(self, load: Callable[[str], torch.Tensor], layer: int, device: torch.device,
+                             dtype: torch.dtype, dequant_device: torch.device) -> dict[str, torch.Tensor]:
+        """The four GptOssExperts parameters of one layer, in transformers' layout, on ``device``:
+        gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H].
+        MXFP4 blocks [E, out, in/32, 16] + scales [E, out, in/32] are dequantized on ``dequant_device``."""
+        src = {piece: s.stacked for piece, s in self.expert_sources(layer).items()}
+        prefix = _EXPERT_PREFIX.format(layer)
+        out = {}
+        for proj in ("gate_up_proj", "down_proj"):
+            if self.quantized:
+                blocks = load(src[f"{proj}_blocks"]).to(dequant_device)
+                scales = load(src[f"{proj}_scales"]).to(dequant_device)
+                w = dequantize(blocks, scales, dtype)  # [E, in, out]
+                del blocks, scales
+            else:
+                w = load(src[proj]).to(dequant_device, dtype)
+            out[prefix + proj] = w.to(device)
+            out[prefix + proj + "_bias"] = load(src[f"{proj}_bias"]).to(device, dtype)
+        return out
+
+    def router(self, layer: nn.Module) -> nn.Module:
+        return layer.mlp.router
+
+    def select(self, logits: torch.Tensor) -> torch.Tensor:
+        """gpt-oss routes to the top-k router logits (softmax over the k afterwards)."""
+        return torch.topk(logits, self.top_k, dim=-1).indices
+
+
+def _swiglu_constants(original: nn.Module) -> tuple[float, float]:
+    """gpt-oss's clamped SwiGLU constants (alpha, limit) of the library's experts module."""
+    return float(getattr(original, "alpha", 1.702)), float(getattr(original, "limit", 7.0))
 
 
 class GptOssExpertKernel:

@@ -14,9 +14,11 @@ outputs (sync, fetch, compute). On CUDA each segment is captured once as a CUDA 
 every step; elsewhere (and for prefill, T > 1) the same segment functions run eagerly, which is
 how the CPU tests check this file against the ordinary forward.
 
-The modules are transformers' own (GptOssRMSNorm, GptOssAttention with its eager attention and
-sinks, GptOssTopKRouter); this file only orders their calls as GptOssModel.forward and
-GptOssDecoderLayer.forward do, with a static KV cache: every layer keeps all positions up to
+The modules are transformers' own (for gpt-oss: GptOssRMSNorm, GptOssAttention with its eager
+attention and sinks, GptOssTopKRouter; for Qwen3-MoE: qk-normed eager attention and
+Qwen3MoeTopKRouter); the family adapter's ``pre_experts`` is a layer up to its experts and its
+``layer_types`` / ``sliding_window`` the attention kinds, and this file orders the calls as the
+library's Model.forward and DecoderLayer.forward do, with a static KV cache: every layer keeps all positions up to
 ``max_len`` and an additive mask hides future positions (and, on sliding layers, those outside
 the window). A graphed step attends to the first B positions, B the smallest of min_bucket,
 2 min_bucket, 4 min_bucket, ... (capped at ``max_len``) that holds the step's position: shapes are
@@ -25,7 +27,15 @@ decoder sized for a long one does not pay for the whole cache every step. Eager 
 (prefill) attend only to the positions written so far.
 
 Module hooks do not run inside replayed graphs, so the runtime's layer hooks (prefetcher, cache
-bookkeeping) are called explicitly, in the same order.
+bookkeeping) are called explicitly, in the same order, followed by ``layer_hooks`` (route-ahead's
+pacing and lookahead in speculative decoding).
+
+Blocks: ``forward(ids)`` runs T tokens at the current length (a speculative verify pass, or a
+draft-free plain step at T = 1); graphs are captured per (key-length bucket, T), so each block
+length a run uses replays its own graphs. It returns every position's logits and, for the layers
+named in ``tap_layers``, their outputs (the draft's context features). ``truncate(n)`` drops the
+positions from n on (rejected proposals): the static cache keeps their values, but every later
+forward masks positions it has not written and overwrites them.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from pdflash.offload.prompt import chunked_prefill
 
 class StaticKV:
     """Key / value buffers of every layer, [1, kv_heads, max_len, head_dim], zero-initialised
-    (masked positions must hold finite values). ``update`` is what GptOssAttention calls: it writes
+    (masked positions must hold finite values). ``update`` is what the library's attention calls: it writes
     the new keys / values at ``self.positions`` and returns the first ``self.visible`` positions
     (a graphed step: its bucket; an eager forward: the positions written so far, so a prefill
     costs what it costs without a static cache)."""
@@ -66,7 +76,7 @@ def _cache_kw(attn: nn.Module) -> str:
     for name in ("cache", "past_key_values", "past_key_value"):
         if name in params:
             return name
-    raise PdflashError("this transformers version's GptOssAttention takes no KV cache argument pdflash knows")
+    raise PdflashError(f"this transformers version's {type(attn).__name__} takes no KV cache argument pdflash knows")
 
 
 class GraphedDecoder:
@@ -78,15 +88,26 @@ class GraphedDecoder:
     """
 
     MIN_BUCKET = 256
+    @classmethod
+    def shared(cls, rt, max_len: int) -> "GraphedDecoder":
+        """One graphed decoder per (runtime, max_len), kept on the runtime: its captured graphs
+        (which read only its own static tensors; experts run outside them) serve every run of
+        that length instead of being captured again."""
+        per_rt = rt.__dict__.setdefault("_graphed_decoders", {})
+        dec = per_rt.get(int(max_len))
+        if dec is None:
+            dec = per_rt[int(max_len)] = cls(rt, max_len=max_len, graphs=True)
+        return dec
 
     def __init__(self, rt, max_len: int, graphs: bool | None = None, min_bucket: int | None = None):
         model = rt.model
         cfg = model.config
         self.rt = rt
         self.model = model
-        self.layers = list(model.model.layers)
-        self.layer_types = list(cfg.layer_types)
-        self.window = int(cfg.sliding_window or 0)
+        self.family = rt.family
+        self.layers = self.family.decoder_layers(model)
+        self.layer_types = self.family.layer_types(cfg)
+        self.window = self.family.sliding_window(cfg)
         self.device = rt.device
         self.dtype = rt.dtype
         self.max_len = int(max_len)
@@ -110,10 +131,17 @@ class GraphedDecoder:
         self.cos, self.sin = cos, sin
         self.key_pos = torch.arange(self.max_len, device=dev)  # [max_len]
         self.length = 0  # positions written so far
-        self._steps: dict[int, list] = {}  # key-length bucket -> captured graphs and their static tensors
-        # decode-step static inputs
-        self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self._steps: dict[tuple[int, int], list] = {}  # (key-length bucket, T) -> captured graphs and static tensors
+        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # T -> static (ids [1, T], positions [T])
+        self.ids, self.pos = self._static_inputs(1)  # decode-step static inputs
+        self.tap_layers: list[int] = []  # layers whose outputs forward() returns as features
+        self.layer_hooks: list = []  # fn(layer, hidden after attention), called before each layer's experts
+
+    def _static_inputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if T not in self._inputs:
+            self._inputs[T] = (torch.zeros((1, T), dtype=torch.long, device=self.device),
+                               torch.zeros(T, dtype=torch.long, device=self.device))
+        return self._inputs[T]
 
     # -- segments ---------------------------------------------------------------------
     def _masks(self, pos: torch.Tensor, n_keys: int) -> dict[str, torch.Tensor]:
@@ -136,30 +164,33 @@ class GraphedDecoder:
         return x, pe, self._masks(pos, n_keys)
 
     def _pre_experts(self, i: int, x: torch.Tensor, pe, masks):
-        """Layer i up to its router: returns (residual after attention, normed MLP input [T, H],
-        router scores, router indices)."""
-        layer = self.layers[i]
-        a = layer.input_layernorm(x)
-        a, _ = layer.self_attn(hidden_states=a, position_embeddings=pe, attention_mask=masks[self.layer_types[i]],
-                               **{self.cache_kw: self.kv})
-        x = x + a
-        m = layer.post_attention_layernorm(x)
-        flat = m.reshape(-1, m.shape[-1])
-        routed = layer.mlp.router(flat)
-        return x, flat, routed[-2], routed[-1]
+        """Layer i up to its experts (the family's segment): returns (residual after attention,
+        normed MLP input [T, H], routing weights, router indices)."""
+        return self.family.pre_experts(self.layers[i], x, pe, masks[self.layer_types[i]], self.kv, self.cache_kw)
 
     def _experts(self, i: int, x, flat, scores, indices) -> torch.Tensor:
         """Layer i's experts, eagerly. The runtime's layer-start hook runs first, explicitly; its
         lookahead sees the residual stream after layer i's attention (the ordinary forward gives
         it the stream entering the layer)."""
         self.rt.prefetcher.on_layer_start(i, x)
+        for hook in self.layer_hooks:
+            hook(i, x)
         return self.layers[i].mlp.experts(flat, indices, scores)
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()  # [1, V]
+    def _head(self, x: torch.Tensor, last: bool = True) -> torch.Tensor:
+        """Logits, float32: of the last position [1, V], or of every position [T, V]."""
+        if last:
+            return self.model.lm_head(self.model.model.norm(x[:, -1:]))[:, -1].float()
+        return self.model.lm_head(self.model.model.norm(x))[0].float()
+
+    def _features(self, outputs: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        if not self.tap_layers:
+            return None
+        return torch.cat([outputs[i] for i in self.tap_layers], dim=-1)  # [1, T, K*H]
 
     # -- eager (prefill, CPU) ------------------------------------------------------------
-    def _forward_eager(self, ids: torch.Tensor) -> torch.Tensor:
+    def _forward_eager(self, ids: torch.Tensor, last: bool = True):
+        """T tokens at the current length -> (logits, tapped layer outputs or None)."""
         T = ids.shape[1]
         if self.length + T > self.max_len:
             raise PdflashError(f"the sequence would reach {self.length + T} positions; this decoder holds {self.max_len}")
@@ -168,11 +199,14 @@ class GraphedDecoder:
         self.kv.visible = self.length + T  # only the positions written so far
         self.rt.begin_forward(T)
         x, pe, masks = self._embed(ids.to(self.device), pos, self.length + T)
+        taps = {}
         for i in range(len(self.layers)):
             x, flat, scores, indices = self._pre_experts(i, x, pe, masks)
             x = x + self._experts(i, x, flat, scores, indices).view_as(x)
+            if i in self.tap_layers:
+                taps[i] = x
         self.length += T
-        return self._head(x)
+        return self._head(x, last), self._features(taps)
 
     # -- graphed decode -------------------------------------------------------------------
     def bucket(self, n: int) -> int:
@@ -182,17 +216,19 @@ class GraphedDecoder:
             b *= 2
         return min(b, self.max_len)
 
-    def _capture(self, bucket: int) -> list:
-        """Capture the decode segments for one key-length bucket (static inputs self.ids / self.pos)."""
+    def _capture(self, bucket: int, T: int) -> list:
+        """Capture the segments of a T-token step for one key-length bucket (static inputs
+        ``_static_inputs(T)``)."""
         n = len(self.layers)
         H = self.model.config.hidden_size
-        e_in = [torch.zeros((1, H), dtype=self.dtype, device=self.device) for _ in range(n)]  # experts outputs
+        ids, pos = self._static_inputs(T)
+        e_in = [torch.zeros((T, H), dtype=self.dtype, device=self.device) for _ in range(n)]  # experts outputs
         segs = []
 
         def seg0():
-            self.kv.positions = self.pos
+            self.kv.positions = pos
             self.kv.visible = bucket
-            x, pe, masks = self._embed(self.ids, self.pos, bucket)
+            x, pe, masks = self._embed(ids, pos, bucket)
             return (pe, masks) + self._pre_experts(0, x, pe, masks)
 
         def make_mid(i, prev):
@@ -217,7 +253,7 @@ class GraphedDecoder:
                     fn = make_mid(i, outs[-1])
                 else:
                     last = outs[-1]
-                    fn = (lambda last=last: self._head(last["x"] + e_in[n - 1].view_as(last["x"])))
+                    fn = (lambda last=last: self._head(last["x"] + e_in[n - 1].view_as(last["x"]), last=T == 1))
                 fn()  # warm-up outside the graph (allocations, lazy inits)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
@@ -235,45 +271,74 @@ class GraphedDecoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return [segs, outs, e_in]
 
-    def _decode_graphed(self, token_id: int) -> torch.Tensor:
-        # Static inputs first: a capture's warm-up runs the segments eagerly and writes this
-        # position's keys / values, which the replay below then overwrites.
-        self.ids.fill_(int(token_id))
-        self.pos.fill_(self.length)
-        bucket = self.bucket(self.length + 1)
-        if bucket not in self._steps:
-            self._steps[bucket] = self._capture(bucket)
-        segs, outs, e_in = self._steps[bucket]
+    def _step_graphed(self, tokens: list[int]):
+        """Replay the T-token step's graphs at the current length -> (logits, features)."""
+        T = len(tokens)
+        if self.length + T > self.max_len:
+            raise PdflashError(f"the sequence would reach {self.length + T} positions; this decoder holds {self.max_len}")
+        # Static inputs first: a capture's warm-up runs the segments eagerly and writes these
+        # positions' keys / values, which the replay below then overwrites.
+        ids, pos = self._static_inputs(T)
+        if T == 1:
+            ids.fill_(int(tokens[0]))
+            pos.fill_(self.length)
+        else:
+            ids.copy_(torch.tensor([tokens], dtype=torch.long))
+            pos.copy_(torch.arange(self.length, self.length + T))
+        bucket = self.bucket(self.length + T)
+        if (bucket, T) not in self._steps:
+            self._steps[(bucket, T)] = self._capture(bucket, T)
+        segs, outs, e_in = self._steps[(bucket, T)]
         n = len(self.layers)
-        self.kv.positions = self.pos
+        self.kv.positions = pos
         self.kv.visible = bucket
-        self.rt.begin_forward(1)
+        self.rt.begin_forward(T)
+        taps = {}
         for i in range(n):
             segs[i].replay()
             o = outs[i]
             e_in[i].copy_(self._experts(i, o["x"], o["flat"], o["scores"], o["indices"]).view_as(e_in[i]))
+            if i in self.tap_layers:
+                taps[i] = o["x"] + e_in[i].view_as(o["x"])
         segs[n].replay()
-        self.length += 1
-        return outs[n]["logits"].clone()
+        self.length += T
+        return outs[n]["logits"].clone(), self._features(taps)
 
     # -- public ----------------------------------------------------------------------------
-    def prepare(self, length: int | None = None) -> None:
-        """Capture now (else on first use) the graphs of the bucket that decoding at ``length``
-        positions (default: the current length) uses; a no-op without graphs."""
+    def prepare(self, length: int | None = None, tokens=(1,)) -> None:
+        """Capture now (else on first use) the graphs of the bucket that a step of each T in
+        ``tokens`` at ``length`` positions (default: the current length) uses; a no-op without
+        graphs."""
         if not self.graphs:
             return
-        at = min(self.length if length is None else int(length), self.max_len - 1)
-        bucket = self.bucket(at + 1)
-        if bucket not in self._steps:
-            self.pos.fill_(max(at, self.length))  # the warm-up writes only a position not yet used
-            self._steps[bucket] = self._capture(bucket)
+        for T in tokens:
+            at = min(self.length if length is None else int(length), self.max_len - T)
+            bucket = self.bucket(at + T)
+            if (bucket, T) not in self._steps:
+                ids, pos = self._static_inputs(T)
+                start = max(at, self.length)  # the warm-up writes only positions not yet used
+                pos.copy_(torch.arange(start, start + T))
+                self._steps[(bucket, T)] = self._capture(bucket, T)
 
     def prefill(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Start a sequence: run the prompt, return the last position's logits [1, V] (float32)."""
+        return self.prefill_with_features(ids)[0]
+
+    def prefill_with_features(self, ids: list[int] | torch.Tensor):
+        """:meth:`prefill`, also returning the ``tap_layers`` outputs [1, T, K*H] (or None)."""
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
         self.length = 0
+        feats = []  # every chunk's tapped outputs: the draft needs all the prompt's positions
+
+        def run(chunk: torch.Tensor, start: int) -> torch.Tensor:
+            logits, f = self._forward_eager(chunk)
+            if f is not None:
+                feats.append(f)
+            return logits
+
         with torch.inference_mode():
-            return chunked_prefill(lambda chunk, start: self._forward_eager(chunk), ids)
+            logits = chunked_prefill(run, ids)
+        return logits, (torch.cat(feats, dim=1) if feats else None)
 
     def decode(self, token_id: int) -> torch.Tensor:
         """Feed one token; returns its next-token logits [1, V] (float32)."""
@@ -281,5 +346,20 @@ class GraphedDecoder:
             raise PdflashError(f"the sequence reached {self.max_len} positions, the most this decoder holds")
         with torch.inference_mode():
             if self.graphs:
-                return self._decode_graphed(token_id)
-            return self._forward_eager(torch.tensor([[int(token_id)]]))
+                return self._step_graphed([int(token_id)])[0]
+            return self._forward_eager(torch.tensor([[int(token_id)]]))[0]
+
+    def forward(self, tokens: list[int]):
+        """Feed T tokens at the current length (a verify block); returns (logits [T, V] float32,
+        ``tap_layers`` outputs [1, T, K*H] or None). Graphed when the decoder is, eager otherwise."""
+        tokens = [int(t) for t in tokens]
+        with torch.inference_mode():
+            if self.graphs:
+                return self._step_graphed(tokens)
+            return self._forward_eager(torch.tensor([tokens]), last=False)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions (drop rejected proposals)."""
+        if not 0 <= length <= self.length:
+            raise PdflashError(f"cannot truncate {self.length} positions to {length}")
+        self.length = int(length)

@@ -2,7 +2,8 @@
 
 One uint8 tensor ``buf`` [L * E, expert_bytes] holds all experts (row = layer * E +
 expert). A row is the concatenation of the expert's pieces (for gpt-oss MXFP4:
-gate_up blocks, scales, bias, down blocks, scales, bias), each starting at a
+gate_up blocks, scales, bias, down blocks, scales, bias; for Qwen3-MoE: gate_up, down, and
+their FP8 scale grids), each starting at a
 16-byte aligned offset so ``row[off:off + nbytes].view(dtype).view(shape)``
 reinterprets it without a copy. The same layout is used by the device cache slots,
 so one expert crosses the link as one contiguous copy.
@@ -133,12 +134,21 @@ class HostStore:
         lo = layer * self.num_experts
         rows = self.buf[lo : lo + self.num_experts]
         for p in self.layout.pieces:
+            if p.name not in tensors:
+                continue  # filled expert by expert (fill_piece)
             t = tensors[p.name]
             if tuple(t.shape) != (self.num_experts, *p.shape) or t.dtype != p.dtype:
                 raise PdflashError(
                     f"layer {layer} {p.name}: expected {p.dtype} {(self.num_experts, *p.shape)}, got {t.dtype} {tuple(t.shape)}"
                 )
             rows[:, p.offset : p.offset + p.nbytes].copy_(t.contiguous().view(torch.uint8).view(self.num_experts, p.nbytes))
+
+    def fill_piece(self, layer: int, expert: int, name: str, t: torch.Tensor) -> None:
+        """Copy one piece of one expert (a checkpoint that stores experts separately)."""
+        p = self.layout.piece(name)
+        if tuple(t.shape) != p.shape or t.dtype != p.dtype:
+            raise PdflashError(f"layer {layer} expert {expert} {p.name}: expected {p.dtype} {p.shape}, got {t.dtype} {tuple(t.shape)}")
+        self.row(layer, expert)[p.offset : p.offset + p.nbytes].copy_(t.contiguous().view(torch.uint8).view(-1))
 
     def expert_tensor(self, layer: int, expert: int, name: str) -> torch.Tensor:
         """One piece of one expert as a view of the host row (for checks and references)."""

@@ -4,7 +4,8 @@
         out = rt.forward(input_ids, cache=rt.new_kv_cache())
         print(rt.stats()["exposed_fetch_seconds"])
 
-``rt.model`` is the library's own model (transformers GptOssForCausalLM) with each
+``rt.model`` is the library's own model (transformers GptOssForCausalLM or Qwen3MoeForCausalLM, as
+the checkpoint's family adapter ``rt.family`` builds it) with each
 layer's experts swapped for :class:`OffloadedExperts`; it is used like the
 library model, with its own KV cache (DynamicCache, cropping included).
 ``rt.scheduler`` is the one native Scheduler that moves every expert byte,
@@ -26,6 +27,7 @@ from pdflash import PdflashError
 from pdflash.native import Band, Scheduler, SchedulerError
 from pdflash.offload.cache import EVICTION_POLICIES, ExpertCache
 from pdflash.offload.checkpoint import Checkpoint
+from pdflash.offload.cpu_compute import resolve_mode
 from pdflash.offload.experts import OffloadedExperts
 from pdflash.offload.host_store import HostStore
 from pdflash.offload.prefetch import ExpertPrefetcher
@@ -119,20 +121,37 @@ class OffloadedModel:
         preload: bool = False,
         progress: bool = False,
         trace: int = 0,
+        cpu_experts: str = "off",
+        cpu_threads: int | None = None,
     ) -> "OffloadedModel":
         """Validate and load a checkpoint; experts go to (pinned) host memory, the rest to ``device``.
+
+        ``model_dir``: a checkpoint directory, or an open checkpoint object such as an in-memory
+        ``synthetic.SyntheticCheckpoint`` (left open: its owner closes it after the model).
 
         Cache size: ``expert_cache_experts`` slots, else as many as fit in ``expert_cache_mib``,
         else every expert (all resident). Fewer than min(E, block_tokens * top_k) is an error.
         ``link_gbps`` simulates a host->device link of that speed on the CPU (memcpy backend).
         ``preload`` copies every expert that fits before returning (statistics start at zero).
         ``trace`` > 0 keeps that many ended transfers for ``rt.scheduler.drain_trace()``.
+
+        ``cpu_experts``: "off" (every expert through the cache), "all" (every routed expert
+        computed on the CPU by the native kernel from host memory; nothing is fetched, the
+        cache keeps its minimum size and ``preload`` copies nothing) or "auto" (on CUDA, and
+        on the CPU device with a simulated link, the per-layer placement decision of
+        offload/cost.py: each non-resident expert fetched or computed on the CPU so that the
+        layer ends soonest, hot CPU experts still cached in the background band; "all" on the
+        CPU device otherwise). "auto" falls back to "off" where the kernel cannot read the experts (the
+        reason is in ``stats()["cpu_experts"]``); "all" is an error there.
+        ``cpu_threads``: the kernel's threads (default: the cores this process may use).
         """
         self = object.__new__(cls)
         self._closed = True
         self.scheduler = None
         self.host = None
         self.cache = None
+        self.cpu = None
+        self._cpu_pool = None
         dev = resolve_device(device)
         if eviction not in EVICTION_POLICIES:
             raise PdflashError(f"unknown eviction policy {eviction!r}: choose one of {', '.join(EVICTION_POLICIES)}",
@@ -144,39 +163,58 @@ class OffloadedModel:
             raise PdflashError("--link-gbps simulates a link for --device cpu only; on CUDA the real PCIe link is used")
         if block_tokens < 1:
             raise PdflashError(f"block_tokens must be at least 1, got {block_tokens}")
-        ckpt = Checkpoint(model_dir)
+        owned = isinstance(model_dir, (str, Path))  # else an open checkpoint object (synthetic.SyntheticCheckpoint)
+        ckpt = Checkpoint(model_dir) if owned else model_dir
         try:
             self._load(ckpt, dev, dtype, expert_cache_mib, expert_cache_experts, block_tokens, eviction, link_gbps,
                        workers, chunk_mib, lookahead_depth, history_depth, route_ahead_priority, background_priority, progress,
-                       trace)
+                       trace, resolve_mode(cpu_experts), cpu_threads)
         except BaseException:
             self._release()
             raise
         finally:
-            ckpt.close()
+            if owned:
+                ckpt.close()
         if preload:
             self.preload()
         return self
 
     def _load(self, ckpt, dev, dtype, cache_mib, cache_experts, block_tokens, eviction, link_gbps, workers, chunk_mib,
-              lookahead_depth, history_depth, route_ahead_priority, background_priority, progress, trace=0) -> None:
+              lookahead_depth, history_depth, route_ahead_priority, background_priority, progress, trace=0,
+              cpu_mode="off", cpu_threads=None) -> None:
         fam = ckpt.family
+        self._background_priority = background_priority
         self.path = ckpt.path
         self.family = fam
         self.device = dev
         self.dtype = resolve_dtype(dtype, ckpt.stored_dtype)
         L, E, K = fam.num_layers, fam.num_experts, fam.top_k
 
-        # expert layout from the stored dtypes (every layer must agree)
-        stored = {piece: ckpt.dtype(name) for piece, name in fam.expert_sources(0).items()}
-        for layer in range(1, L):
-            for piece, name in fam.expert_sources(layer).items():
-                if ckpt.dtype(name) != stored[piece]:
-                    raise PdflashError(f"{ckpt.path}: {name} is {ckpt.dtype(name)} but layer 0 stores {piece} as {stored[piece]}")
+        # expert layout from the stored dtypes (every layer and expert must agree)
+        stored = {piece: ckpt.dtype(src.first_name()) for piece, src in fam.expert_sources(0).items()}
+        for layer in range(L):
+            for piece, src in fam.expert_sources(layer).items():
+                for name in src.names():
+                    if ckpt.dtype(name) != stored[piece]:
+                        raise PdflashError(f"{ckpt.path}: {name} is {ckpt.dtype(name)} but layer 0 stores {piece} as {stored[piece]}")
         layout = fam.expert_layout(stored)
+
+        reason = fam.cpu_unsupported_reason(layout, self.dtype)
+        if cpu_mode == "auto":  # CPU device: all, unless a simulated link makes the placement meaningful
+            cpu_mode = "all" if dev.type == "cpu" and link_gbps is None else "auto"
+            if reason is not None:
+                cpu_mode = "off"
+        elif cpu_mode == "all" and reason is not None:
+            raise PdflashError(f"--cpu-experts all: {reason}")
+        if cpu_mode == "all" and (lookahead_depth or history_depth):
+            raise PdflashError("--cpu-experts all fetches nothing: drop --lookahead-depth / --history-depth")
+        self.cpu_mode = cpu_mode
+        self.cpu_reason = reason if cpu_mode == "off" else None
 
         n_slots = _slot_count(cache_mib, cache_experts, layout.expert_bytes, L * E)
         need = min_cache_experts(E, K, block_tokens)
+        if cpu_mode == "all":
+            n_slots = need  # never used: every expert is computed from host memory
         if n_slots < need:
             asked = f"{cache_mib:g} MiB" if cache_experts is None else f"{cache_experts} experts"
             raise PdflashError(
@@ -198,6 +236,7 @@ class OffloadedModel:
         except SchedulerError as exc:
             raise PdflashError(f"could not start the fetch scheduler: {exc}") from None
         self.cache = ExpertCache(self.host, self.scheduler, dev, n_slots, policy=eviction)
+        self.placer = None
         self.link_gbps = link_gbps
         self.block_tokens = block_tokens
         self._observers: list[Callable[[int, list[int]], None]] = []
@@ -209,8 +248,11 @@ class OffloadedModel:
         def make_experts(i: int, old) -> OffloadedExperts:
             nonlocal kernel
             if kernel is None:
-                kernel = fam.expert_kernel(layout, self.dtype, float(getattr(old, "alpha", 1.702)), float(getattr(old, "limit", 7.0)))
-            return OffloadedExperts(i, E, self.cache, kernel, self._on_routed)
+                kernel = fam.expert_kernel(layout, self.dtype, old)
+                if cpu_mode != "off":
+                    self._start_cpu(cpu_mode, old, cpu_threads)
+            return OffloadedExperts(i, E, self.cache, kernel, self._on_routed, cpu=self.cpu, cpu_mode=self.cpu_mode,
+                                    placer=self.placer, cpu_pool=self._cpu_pool)
 
         self.model = fam.build(dev, self.dtype, ckpt.get, make_experts)
         self._cache_kwarg = fam.cache_kwarg(self.model)
@@ -225,6 +267,31 @@ class OffloadedModel:
         self._eos = _eos_ids(ckpt.path, ckpt.config)
         self._tokenizer = None
         self._closed = False
+
+    def _start_cpu(self, cpu_mode: str, original, cpu_threads: int | None) -> None:
+        """The native CPU kernel over the host store (and, for "auto", the placement decision)."""
+        from pdflash.native import NativeLibraryMissing
+        from pdflash.native.cpu_experts import CpuExpertError
+
+        if cpu_threads is None and self.device.type == "cuda":
+            from pdflash.native.cpu_experts import default_threads
+
+            # beside it run the thread that drives the device and the scheduler's copy workers
+            cpu_threads = max(1, default_threads() - 1 - self.scheduler.workers)
+        try:
+            self.cpu = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
+        except (CpuExpertError, NativeLibraryMissing) as exc:
+            raise PdflashError(f"--cpu-experts {cpu_mode}: {exc}") from None
+        if cpu_mode == "auto":
+            from concurrent.futures import ThreadPoolExecutor
+
+            from pdflash.offload.cpu_compute import CpuPlacement
+
+            self.cpu.calibrate()
+            if self.device.type == "cuda":  # the CPU experts overlap the device's work
+                self._cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="pdflash-cpu-experts")
+            self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
+                                       background_band=self._background_priority)
 
     # -- hooks -----------------------------------------------------------------------
     def _on_forward_start(self, module, args, kwargs):
@@ -302,6 +369,8 @@ class OffloadedModel:
         With ``zero_stats`` the scheduler's and the cache's statistics start from zero afterwards.
         """
         self._check_open()
+        if self.cpu_mode == "all":  # nothing is ever read from the cache
+            return 0
         keys = [(layer, e) for layer in range(self.family.num_layers) for e in range(self.family.num_experts)]
         n = self.cache.fill(keys[: self.cache.capacity])
         if zero_stats:
@@ -315,6 +384,22 @@ class OffloadedModel:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
+
+    @property
+    def cost(self):
+        """The runtime's one cost model (offload/cost.py), made on first use: speculation's block
+        planner and hybrid execution read and feed the same measured rates. It outlives
+        reset_cache(): the rates describe the machine, not a run."""
+        if getattr(self, "_cost", None) is None:
+            from pdflash.offload.cost import CostModel
+
+            self._cost = CostModel.for_runtime(self)
+        return self._cost
+
+    def forget_costs(self) -> None:
+        """Drop the cost model's measurements (the next use starts from its priors, as a fresh
+        process does)."""
+        self._cost = None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -352,7 +437,8 @@ class OffloadedModel:
         return {
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
-            "expert_format": "mxfp4" if self.host.layout.quantized else "dense",
+            "family": self.family.model_type,
+            "expert_format": self.family.expert_format,
             "expert_bytes": self.host.layout.expert_bytes,
             "forwards": fs.forwards,
             "tokens": fs.tokens,
@@ -381,6 +467,18 @@ class OffloadedModel:
                 **self.prefetcher.settings(),
             },
             "demand_fetches": fs.demand_fetches,
+            "cpu_experts": {
+                "mode": self.cpu_mode,
+                "reason_off": self.cpu_reason,
+                "computed": fs.cpu,
+                "seconds": fs.cpu_seconds if ran else None,
+                **(self.cpu.stats() if self.cpu is not None else {}),
+            },
+            "experts_per_token": {
+                "cache": hits / fs.tokens if fs.tokens else None,
+                "fetched": misses / fs.tokens if fs.tokens else None,
+                "cpu": fs.cpu / fs.tokens if fs.tokens else None,
+            },
             "bytes_moved": bytes_moved,
             "bytes_per_token": bytes_moved / fs.tokens if fs.tokens else None,
             "link_busy_seconds": st["link_busy_s"],
@@ -388,7 +486,7 @@ class OffloadedModel:
             "link_gbps": self.link_gbps,
             "bands": bands,
             "per_layer": [
-                {"layer": i, "hits": lc.hits, "misses": lc.misses, "promoted": lc.promoted,
+                {"layer": i, "hits": lc.hits, "misses": lc.misses, "promoted": lc.promoted, "cpu": lc.cpu,
                  "exposed_fetch_seconds": lc.exposed_s if ran else None, "waits": lc.waits}
                 for i, lc in enumerate(fs.layers)
             ],
@@ -418,12 +516,14 @@ class OffloadedModel:
                 raise PdflashError(f"capacity_experts must be between {need} (one layer of a {self.block_tokens}-token "
                                    f"block) and the {self.cache.n_slots} slots allocated at load, got {capacity_experts}")
         self.cache.reset(capacity_experts)
+        if self.cpu is not None:
+            self.cpu.reset_stats()
         self.prefetcher.reset()
         self.last_routing = {}
 
     def close(self) -> None:
         """Terminal and idempotent: stop the scheduler, release pinned host and device memory."""
-        if getattr(self, "_closed", True) and self.scheduler is None:
+        if getattr(self, "_closed", True) and self.scheduler is None and self.cpu is None:
             return
         self._release()
 
@@ -432,6 +532,12 @@ class OffloadedModel:
         if self.scheduler is not None:
             self.scheduler.close()  # joins workers; no copy touches the buffers after this
             self.scheduler = None
+        if self._cpu_pool is not None:
+            self._cpu_pool.shutdown(wait=True)  # no CPU expert reads the host store after this
+            self._cpu_pool = None
+        if self.cpu is not None:
+            self.cpu.close()
+            self.cpu = None
         if self.cache is not None:
             self.cache.close()
         if self.host is not None:
@@ -477,9 +583,20 @@ def _fill_host(host: HostStore, ckpt: Checkpoint, fam, progress: bool) -> None:
                        console=Console(stderr=True), transient=True)
         bar.start()
         task = bar.add_task("layers", total=fam.num_layers)
+    get_many = getattr(ckpt, "get_many", None) or (lambda names: [ckpt.get(n) for n in names])
     try:
         for layer in layers:
-            host.fill_layer(layer, {piece: ckpt.get(name) for piece, name in fam.expert_sources(layer).items()})
+            sources = fam.expert_sources(layer)
+            names = [n for src in sources.values() for n in src.names()]
+            got = dict(zip(names, get_many(names)))  # one layer at a time: memory holds one layer
+            stacked = {piece: got[src.stacked] for piece, src in sources.items() if src.stacked is not None}
+            if stacked:
+                host.fill_layer(layer, stacked)
+            for piece, src in sources.items():
+                for e, expert_names in enumerate(src.per_expert):
+                    parts = [got[n] for n in expert_names]
+                    host.fill_piece(layer, e, piece, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+            del got
             if bar is not None:
                 bar.advance(task)
     finally:

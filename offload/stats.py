@@ -28,6 +28,7 @@ class LayerCounters:
     promoted: int = 0  # misses that were already queued or in flight as a prefetch
     exposed_s: float = 0.0  # blocked waiting for this layer's experts
     waits: int = 0
+    cpu: int = 0  # not resident, computed on the CPU from host memory instead of fetched
 
 
 @dataclass
@@ -46,6 +47,7 @@ class FetchStats:
     evictions: int = 0
     forwards: int = 0
     tokens: int = 0  # tokens processed by forwards (prefill tokens included)
+    cpu_seconds: float = 0.0  # wall time of the CPU expert computations (overlapping device work on CUDA)
 
     def __post_init__(self):
         if not self.layers:
@@ -65,6 +67,10 @@ class FetchStats:
     @property
     def misses(self) -> int:
         return sum(lc.misses for lc in self.layers)
+
+    @property
+    def cpu(self) -> int:
+        return sum(lc.cpu for lc in self.layers)
 
     @property
     def exposed_s(self) -> float:

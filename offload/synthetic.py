@@ -1,11 +1,13 @@
-"""Synthetic gpt-oss checkpoints: real file format, seeded random weights.
+"""Synthetic checkpoints of any supported family: real file format, seeded random weights.
 
-``write_checkpoint(out_dir, preset, mxfp4=..., seed=..., dtype=...)`` writes
+``write_checkpoint(out_dir, preset, mxfp4=... | quant=..., seed=..., dtype=...)`` writes
 
-- config.json            a GptOssForCausalLM config (with quantization_config when MXFP4),
+- config.json            the preset family's config (GptOssForCausalLM, Qwen3MoeForCausalLM),
+                         with quantization_config when MXFP4 / FP8,
 - generation_config.json bos / eos / pad ids,
 - model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json,
-  with the tensor names, shapes and dtypes of the real checkpoints (see gpt_oss.py),
+  with the tensor names, shapes and dtypes of the real checkpoints (the family adapter's
+  ``tensor_specs``; each tensor's random values follow its ``init_rule``),
 - tokenizer.json         a byte-level BPE trained in-process on a fixed text,
 - tokenizer_config.json  special tokens and a chat template.
 
@@ -35,9 +37,8 @@ from pdflash.offload.config import SPECIAL_TOKENS, ModelPreset
 from pdflash.offload.family import TensorSpec
 
 CHUNK_ELEMS = 1 << 24  # elements generated per job
-FP4_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # RMS of a uniform random E2M1 code
 
-_ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
+_ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 CHAT_TEMPLATE = (
@@ -70,7 +71,6 @@ The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 10 100 1000 288
 Questions and answers: what is the capital of France? Paris. How many legs has a spider? Eight.
 The weather today is sunny with a light breeze from the west, and tomorrow may bring rain.
 """
-
 
 # -- tokenizer -----------------------------------------------------------------------------
 def build_tokenizer(vocab_size: int):
@@ -109,35 +109,9 @@ def write_tokenizer(out: Path, preset: ModelPreset) -> dict[str, int]:
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return ids
 
-
 # -- random values ---------------------------------------------------------------------------
 def _seed(seed: int, name: str, chunk: int) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode()) * 65_537 + chunk) % (2**63)
-
-
-def _init_rule(name: str, preset: ModelPreset) -> tuple[str, float, float]:
-    """(kind, mean, std) of a tensor by name; kind is 'normal', 'bytes' or 'scales'."""
-    H, I = preset.hidden_size, preset.intermediate_size
-    if name.endswith("_blocks"):
-        return "bytes", 0.0, 0.0
-    if name.endswith("_scales"):  # power-of-two scale so the weight std is about 1/sqrt(fan_in)
-        fan_in = H if "gate_up" in name else I
-        return "scales", 127 + round(math.log2(1.0 / (math.sqrt(fan_in) * FP4_RMS))), 0.0
-    if "layernorm" in name or name == "model.norm.weight":
-        return "normal", 1.0, 0.1
-    if name == "model.embed_tokens.weight" or name.endswith("sinks"):
-        return "normal", 0.0, 1.0
-    if name.endswith("router.weight"):
-        return "normal", 0.0, preset.router_logit_std / math.sqrt(H)
-    if name.endswith("router.bias"):
-        return "normal", 0.0, 0.1
-    if name.endswith("bias"):
-        return "normal", 0.0, 0.02
-    if name.endswith("experts.down_proj"):
-        return "normal", 0.0, 1.0 / math.sqrt(I)
-    if name.endswith("o_proj.weight"):
-        return "normal", 0.0, 1.0 / math.sqrt(preset.num_attention_heads * preset.head_dim)
-    return "normal", 0.0, 1.0 / math.sqrt(H)  # q/k/v, router-free projections from H, lm_head, gate_up
 
 
 def _make_chunk(name: str, rule: tuple[str, float, float], dtype: torch.dtype, seed: int, chunk: int, n: int) -> torch.Tensor:
@@ -150,13 +124,16 @@ def _make_chunk(name: str, rule: tuple[str, float, float], dtype: torch.dtype, s
         vals = np.random.Generator(np.random.SFC64(s)).integers(int(mean) - 1, int(mean) + 1, size=n, dtype=np.uint8, endpoint=True)
         return torch.from_numpy(vals)
     g = torch.Generator().manual_seed(s)
+    if kind == "uniform":  # mean +- std
+        return ((torch.rand(n, generator=g) * 2 - 1) * std + mean).to(dtype)
     x = torch.randn(n, generator=g)
+    if kind == "fp8":  # normal values in FP8's range, stored as float8_e4m3fn
+        return x.mul_(std).clamp_(-448.0, 448.0).to(dtype)
     if std != 1.0:
         x.mul_(std)
     if mean:
         x.add_(mean)
     return x.to(dtype)
-
 
 # -- safetensors streaming --------------------------------------------------------------------
 def _ordered(jobs: list, fn: Callable, workers: int) -> Iterator:
@@ -220,7 +197,6 @@ def write_safetensors(
         tmp.unlink(missing_ok=True)
         raise
 
-
 # -- checkpoint --------------------------------------------------------------------------------
 def _shard_plan(specs: dict[str, TensorSpec], dtypes: dict[str, torch.dtype], max_shard_bytes: int) -> list[list[str]]:
     """Group tensor names into shards in a stable order: embeddings, then layers, then head."""
@@ -242,17 +218,28 @@ def _shard_plan(specs: dict[str, TensorSpec], dtypes: dict[str, torch.dtype], ma
 
 
 def _tensor_dtypes(specs: dict[str, TensorSpec], dtype: torch.dtype) -> dict[str, torch.dtype]:
-    return {n: torch.uint8 if s.dtypes == ("U8",) else dtype for n, s in specs.items()}
+    """Stored dtype of each tensor: bytes and FP8 as the spec says, FP8 scales float32, the rest ``dtype``."""
+    def pick(name: str, spec: TensorSpec) -> torch.dtype:
+        if spec.dtypes == ("U8",):
+            return torch.uint8
+        if spec.dtypes == ("F8_E4M3",):
+            return torch.float8_e4m3fn
+        if name.endswith("weight_scale_inv"):
+            return torch.float32
+        return dtype
+
+    return {n: pick(n, s) for n, s in specs.items()}
 
 
-def checkpoint_bytes(preset: ModelPreset, *, mxfp4: bool = False, dtype: str = "bfloat16") -> int:
+def checkpoint_bytes(preset: ModelPreset, *, mxfp4: bool = False, quant: str | None = None,
+                     dtype: str = "bfloat16") -> int:
     """Bytes of tensor data a checkpoint of ``preset`` holds (what write_checkpoint streams)."""
-    from pdflash.offload.gpt_oss import GptOssFamily
+    from pdflash.offload.family import find_family
 
     if dtype not in _DTYPES:
         raise PdflashError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}", exit_code=2)
-    config = preset.hf_config({tok: i for i, tok in enumerate(SPECIAL_TOKENS)}, dtype=dtype, mxfp4=mxfp4)
-    specs = GptOssFamily(config).tensor_specs()
+    config = preset.hf_config({tok: i for i, tok in enumerate(SPECIAL_TOKENS)}, dtype=dtype, mxfp4=mxfp4, quant=quant)
+    specs = find_family(config, f"preset {preset.name}").tensor_specs()
     dtypes = _tensor_dtypes(specs, _DTYPES[dtype])
     return sum(math.prod(s.shape) * torch.empty((), dtype=dtypes[n]).element_size() for n, s in specs.items())
 
@@ -262,6 +249,7 @@ def write_checkpoint(
     preset: ModelPreset,
     *,
     mxfp4: bool = False,
+    quant: str | None = None,
     seed: int = 0,
     dtype: str = "bfloat16",
     max_shard_bytes: int = 4 << 30,
@@ -270,13 +258,15 @@ def write_checkpoint(
 ) -> Path:
     """Write a complete synthetic checkpoint into out_dir (created if needed); returns its path.
 
-    The free space is checked before anything is written. Weight files of an older checkpoint
-    in out_dir are not removed: write into a new or empty directory (``pdflash make-synthetic``
-    stages its files and refuses a non-empty directory without --force).
+    The preset's family decides the config and the tensors; ``quant`` (or ``mxfp4=True``) picks
+    its quantized expert format: "mxfp4" for gpt_oss, "fp8" for qwen3_moe. The free space is
+    checked before anything is written. Weight files of an older checkpoint in out_dir are not
+    removed: write into a new or empty directory (``pdflash make-synthetic`` stages its files and
+    refuses a non-empty directory without --force).
     """
-    from pdflash.offload.gpt_oss import GptOssFamily
+    from pdflash.offload.family import find_family
 
-    total = checkpoint_bytes(preset, mxfp4=mxfp4, dtype=dtype)
+    total = checkpoint_bytes(preset, mxfp4=mxfp4, quant=quant, dtype=dtype)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise PdflashError(f"{out} exists and is not a directory")
@@ -285,15 +275,15 @@ def write_checkpoint(
         raise PdflashError(f"{out}: the checkpoint needs {total / 1e6:.3g} MB but only {free / 1e6:.3g} MB are free")
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(out, preset)
-    config = preset.hf_config(ids, dtype=dtype, mxfp4=mxfp4)
-    fam = GptOssFamily(config)
+    config = preset.hf_config(ids, dtype=dtype, mxfp4=mxfp4, quant=quant)
+    fam = find_family(config, f"preset {preset.name}")
     specs = fam.tensor_specs()
     dtypes = _tensor_dtypes(specs, _DTYPES[dtype])
     shards = _shard_plan(specs, dtypes, max_shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
-    rules = {n: _init_rule(n, preset) for n in specs}
+    rules = {n: fam.init_rule(n, preset) for n in specs}
     workers = workers or max(1, min(8, (os.cpu_count() or 1)))
 
     def chunk(name: str, c: int, n: int) -> torch.Tensor:
@@ -365,3 +355,96 @@ def random_mxfp4_slots(layout, n: int, seed: int = 0, scales: tuple[int, int] = 
         elif p.name.endswith("_bias"):
             v.copy_(torch.randn(v.shape, generator=g) * bias_std)
     return slots
+
+
+class SyntheticCheckpoint:
+    """A synthetic checkpoint held in memory: the values ``write_checkpoint`` would write (same
+    seeds, same chunks, same bytes), generated when a tensor is read, never stored on disk.
+
+    For shapes whose weights do not fit a disk (Qwen3-30B-A3B in bf16 is 61 GB): pass it to
+    ``OffloadedModel.load`` (or bench/peers.load_transformers_reference) in place of a directory;
+    everything after loading is the same code path. It has the interface of
+    offload/checkpoint.Checkpoint; ``path`` is a temporary directory with config.json,
+    generation_config.json and the tokenizer (no weights), removed by ``close()``. ``get_many``
+    generates several tensors at once on a thread pool (``workers`` threads).
+    """
+
+    synthetic = True
+
+    def __init__(self, preset: ModelPreset, *, mxfp4: bool = False, quant: str | None = None, seed: int = 0,
+                 dtype: str = "bfloat16", workers: int | None = None):
+        import shutil
+        import tempfile
+
+        from pdflash.offload.family import find_family
+
+        if dtype not in _DTYPES:
+            raise PdflashError(f"unsupported dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
+        self.preset = preset
+        self.seed = seed
+        self.path = Path(tempfile.mkdtemp(prefix=f"pdflash-synthetic-{preset.name}-"))
+        self._rmtree = shutil.rmtree
+        try:
+            ids = write_tokenizer(self.path, preset)
+            self.config = preset.hf_config(ids, dtype=dtype, mxfp4=mxfp4, quant=quant)
+            (self.path / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+            gen = {"bos_token_id": ids["<|startoftext|>"], "eos_token_id": [ids["<|return|>"], ids["<|endoftext|>"]],
+                   "pad_token_id": ids["<|endoftext|>"], "do_sample": False}
+            (self.path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+            self.family = find_family(self.config, f"preset {preset.name}")
+        except BaseException:
+            self._rmtree(self.path, ignore_errors=True)
+            raise
+        self.specs = self.family.tensor_specs()
+        self.dtypes = _tensor_dtypes(self.specs, _DTYPES[dtype])
+        self.rules = {n: self.family.init_rule(n, preset) for n in self.specs}
+        self.workers = workers or max(1, min(16, os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="pdflash-synthetic")
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return self.dtypes["model.embed_tokens.weight"]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor, as write_checkpoint would store them."""
+        return sum(math.prod(s.shape) * torch.empty((), dtype=self.dtypes[n]).element_size() for n, s in self.specs.items())
+
+    def dtype(self, name: str) -> torch.dtype:
+        if name not in self.dtypes:
+            raise PdflashError(f"synthetic {self.preset.name}: tensor {name} is missing")
+        return self.dtypes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_many([name])[0]
+
+    def get_many(self, names: list[str]) -> list[torch.Tensor]:
+        """The tensors, their chunks generated in parallel."""
+        jobs, plan = [], []
+        for name in names:
+            self.dtype(name)  # a missing name is a PdflashError
+            numel = math.prod(self.specs[name].shape)
+            starts = list(range(0, numel, CHUNK_ELEMS))
+            plan.append((name, len(starts)))
+            for c, start in enumerate(starts):
+                jobs.append(self._pool.submit(_make_chunk, name, self.rules[name], self.dtypes[name], self.seed, c,
+                                              min(CHUNK_ELEMS, numel - start)))
+        out, i = [], 0
+        for name, n in plan:
+            parts = [jobs[j].result() for j in range(i, i + n)]
+            i += n
+            flat = parts[0] if n == 1 else torch.cat(parts)
+            out.append(flat.view(self.specs[name].shape))
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> "SyntheticCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

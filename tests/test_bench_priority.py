@@ -155,6 +155,12 @@ def test_cli_run_writes_json_png_and_a_verdict(pair, tmp_path):
         assert key in res["machine"]
     for arm in priority.ARMS:
         assert res["summary"][arm]["tokens_per_second"]["n"] == 6
+        hist = res["summary"][arm]["block_histogram"]
+        steps = sum(s["verify_steps"] for s in res["samples"] if s["arm"] == arm)
+        assert sum(hist.values()) == steps and res["summary"][arm]["bytes_per_committed_token"]["n"] == 6
+    assert res["setup"]["block_mode"] == "auto" and "Verify blocks" in proc.stdout
+    assert set(res["summary"]["oracle"]["block_histogram"]) <= {"4", "3", "2", "1"}  # full blocks (the last may be shorter)
+    assert res["summary"]["flat"]["planner_measured_step_ms"]["n"] == 6
     assert res["summary"]["resident"]["on_demand_stall_per_fetch_s"]["mean"] is None
     assert res["checks"]["resident_exposed_fetch_zero"]["ok"] and res["checks"]["exposed_fetch_instrumented"]["ok"]
     dec = res["decision"]

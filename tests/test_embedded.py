@@ -31,6 +31,22 @@ def test_embedded_pair_is_lossless_and_accepts(runtime):
     assert spec.stats.acceptance_length > 1.0  # the draft's proposals are accepted, not just bonus tokens
 
 
+@pytest.mark.parametrize("prompt", [PROMPT, "The river flows"])
+def test_embedded_pair_auto_block_size_is_lossless(runtime, prompt):
+    from pdflash.draft.offloaded import speculative_on_runtime
+
+    draft = load_draft(embedded_draft(), runtime.model)
+    ids = runtime.tokenizer.encode(prompt)
+    runtime.reset_cache()
+    plain = greedy_generate(runtime.model, ids, 40)
+    runtime.reset_cache()
+    spec = speculative_on_runtime(runtime, draft, ids, 40, block_size="auto", eos_token_ids=[])
+    assert spec.token_ids == list(plain)
+    rep = spec.planner
+    assert sum(rep["block_histogram"].values()) == spec.stats.verify_steps
+    assert spec.stats.block_histogram() == rep["block_histogram"] and spec.stats.bytes_per_committed_token is not None
+
+
 def test_embedded_target_is_a_gpt_oss_mxfp4_checkpoint():
     cfg = json.loads((embedded_target() / "config.json").read_text())
     assert cfg["model_type"] == "gpt_oss" and cfg["quantization_config"]["quant_method"] == "mxfp4"

@@ -315,3 +315,19 @@ def test_disk_full_during_download_is_one_clear_error(hub: HubServer, tmp_path: 
     message = str(info.value)
     assert "no space left" in message and "acme/target/model-00001-of-00002.safetensors" in message
     assert "--cache-dir" in message and "\n" not in message
+
+
+def test_models_set_names_the_qwen3_repositories(hub: HubServer, tmp_path: Path):
+    """--models qwen3-coder-30b-a3b fetches Qwen's target and the published DFlash draft by name."""
+    target = hub.add(make_target("Qwen/Qwen3-Coder-30B-A3B-Instruct"))
+    draft = hub.add(make_draft("z-lab/Qwen3-Coder-30B-A3B-DFlash"))
+    dest = tmp_path / "models"
+    proc = run_cli(tmp_path / "home", hub.url, "--models", "qwen3-coder-30b-a3b", "--local-dir", str(dest), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["repos"]["target"]["repo_id"] == target.repo_id and out["repos"]["draft"]["repo_id"] == draft.repo_id
+    assert files_under(dest / "Qwen3-Coder-30B-A3B-Instruct") == {f: target.files[f] for f in TARGET_NEEDED}
+    proc = run_cli(tmp_path / "home", hub.url, "--models", "qwen3-30b-a3b", "--json", HF_HUB_OFFLINE="1")
+    assert proc.returncode == 1 and "Qwen/Qwen3-30B-A3B" in proc.stderr  # no draft published: the target only
+    proc = run_cli(tmp_path / "home", hub.url, "--models", "mixtral")
+    assert proc.returncode == 2 and "qwen3-coder-30b-a3b" in proc.stderr

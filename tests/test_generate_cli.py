@@ -51,11 +51,49 @@ def test_json_output_matches_transformers(ck, run):
 
 
 def test_all_resident_by_default_and_stdin_prompt(ck, run):
-    code, out, err = run("generate", "-", "--model", ck, "--max-new-tokens", 4, "--json", stdin=PROMPT + "\n")
+    code, out, err = run("generate", "-", "--model", ck, "--max-new-tokens", 4, "--json", "--cpu-experts", "off",
+                         stdin=PROMPT + "\n")
     assert code == 0, err
     report = json.loads(out)
     assert report["cache"]["slots"] == TINY.num_hidden_layers * TINY.num_local_experts
     assert report["exposed_fetch_seconds"] == 0.0 and report["cache"]["misses"] == 0  # preloaded
+    assert report["cpu_experts"]["mode"] == "off" and report["experts_per_token"]["cpu"] == 0
+
+
+def test_cpu_device_computes_experts_natively_by_default(ck, run):
+    """On the CPU device, with no cache size or simulated link, every expert is computed by the
+    native kernel from host memory; the greedy tokens are still transformers' own."""
+    from transformers import AutoTokenizer
+
+    code, out, err = run("generate", PROMPT, "--model", ck, "--max-new-tokens", 8, "--json", "--device", "cpu",
+                         "--cpu-threads", 2)
+    assert code == 0, err
+    report = json.loads(out)
+    prompt_ids = AutoTokenizer.from_pretrained(ck)(PROMPT).input_ids
+    assert report["token_ids"] == _reference_tokens(ck, prompt_ids, 8)
+    ce, ept = report["cpu_experts"], report["experts_per_token"]
+    assert ce["mode"] == "all" and ce["threads"] == 2 and ce["computed"] > 0 and ce["seconds"] > 0
+    assert ept["cache"] == ept["fetched"] == 0 and ept["cpu"] > 0 and report["bytes_moved"] == 0
+    # an offload experiment (a cache size) keeps the cache path
+    code, out, err = run("generate", PROMPT, "--model", ck, "--max-new-tokens", 2, "--json", "--device", "cpu",
+                         "--expert-cache-experts", 4)
+    assert code == 0, err
+    assert json.loads(out)["cpu_experts"]["mode"] == "off"
+    code, out, err = run("generate", PROMPT, "--model", ck, "--max-new-tokens", 2, "--device", "cpu",
+                         "--cpu-experts", "all", "--expert-cache-experts", 4, "--no-live")
+    assert code == 0, err
+    assert "experts/token: cache, fetched, cpu" in out
+
+
+def test_cpu_experts_bad_values(ck, run):
+    line = _one_error_line(*run("generate", PROMPT, "--model", ck, "--cpu-experts", "some", "--device", "cpu")[::2])
+    assert "--cpu-experts" in line and "auto" in line
+    line = _one_error_line(*run("generate", PROMPT, "--model", ck, "--cpu-experts", "all", "--lookahead-depth", 1,
+                                "--device", "cpu")[::2])
+    assert "fetches nothing" in line
+    line = _one_error_line(*run("generate", PROMPT, "--model", ck, "--cpu-experts", "all", "--dtype", "float16",
+                                "--device", "cpu")[::2])
+    assert "float16" in line
 
 
 def test_chat_template_and_table_output(ck, run):

@@ -16,9 +16,11 @@ TINY = ModelPreset.from_name("tiny")
 PROMPT = [5, 77, 200, 31, 9, 100, 250, 17, 3, 44, 81, 90]  # longer than the sliding window (8)
 
 
-@pytest.fixture(scope="module", params=[dict(seed=12, dtype="float32"), dict(seed=13, mxfp4=True)], ids=["f32", "mxfp4"])
+@pytest.fixture(scope="module", params=[("tiny", dict(seed=12, dtype="float32")), ("tiny", dict(seed=13, mxfp4=True)),
+                                        ("qwen3-tiny", dict(seed=14, dtype="float32"))], ids=["f32", "mxfp4", "qwen3-f32"])
 def ckpt(request, tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("graphs") / "m", TINY, **request.param)
+    preset, kw = request.param
+    return write_checkpoint(tmp_path_factory.mktemp("graphs") / "m", ModelPreset.from_name(preset), **kw)
 
 
 @pytest.mark.parametrize("slots,prefetch", [(TINY.num_experts_per_tok, {"lookahead_depth": 1}), (None, {})])
@@ -59,7 +61,7 @@ def test_cli_refuses_cuda_graphs_where_they_cannot_run(run, ckpt):
     code, _, err = run("generate", "hi", "--model", str(ckpt), "--device", "cpu", "--no-draft", "--cuda-graphs")
     assert code == 2 and "--cuda-graphs needs --device cuda" in err
     code, _, err = run("generate", "hi", "--cuda-graphs", "--device", "cpu")  # embedded pair: speculative
-    assert code == 2 and "--cuda-graphs applies to plain decoding" in err
+    assert code == 2 and "--cuda-graphs needs --device cuda" in err
 
 
 def test_key_length_buckets():
@@ -84,7 +86,7 @@ def test_cuda_graphs_replay_what_the_segments_compute(ckpt, prepare, min_bucket)
             logits = [dec.prefill(PROMPT)]
             for _ in range(24):  # positions 12..35: keys 13..36
                 logits.append(dec.decode(int(logits[-1].argmax())))
-            return torch.cat(logits), rt.stats()["cache"], sorted(dec._steps)
+            return torch.cat(logits), rt.stats()["cache"], sorted(b for b, _ in dec._steps)
 
         want, want_cache, _ = run(False)
         got, got_cache, buckets = run(True)
@@ -169,3 +171,96 @@ def test_cli_reports_device_out_of_memory_in_one_line(run, ckpt, monkeypatch):
     assert code == 1 and out == ""
     assert err.strip().splitlines() == ["Error: the device ran out of memory (CUDA out of memory. Tried to allocate 2.00 GiB); "
                                         "give a smaller --expert-cache-mib or --max-new-tokens, or free the device"]
+
+
+@pytest.mark.parametrize("slots", [TINY.num_experts_per_tok * 4, None])
+def test_blocks_through_the_segments_match_the_model(ckpt, slots):
+    """A T-token forward of the segmented decoder gives the logits and tapped layer outputs of
+    the ordinary forward over the same block, and truncating drops rejected positions."""
+    from pdflash.draft.speculative import crop_cache, new_target_cache, target_forward
+    from pdflash.draft.taps import FeatureTap
+
+    with OffloadedModel.load(ckpt, expert_cache_experts=slots, block_tokens=4) as rt:
+        kv = new_target_cache()  # full-length layers: croppable
+        taps = FeatureTap(rt.model, [0, 2])
+        dec = GraphedDecoder(rt, max_len=40, graphs=False)
+        dec.tap_layers = [0, 2]
+        with taps.capture():
+            want = target_forward(rt.model, torch.tensor([PROMPT]), 0, kv, logits_to_keep=1)
+        want_f = taps.take()
+        got, got_f = dec.prefill_with_features(PROMPT)
+        torch.testing.assert_close(got, want[:, -1].float(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_f, want_f, rtol=1e-4, atol=1e-4)
+        pos = len(PROMPT)
+        for block, keep in (([7, 8, 9, 10], 2), ([11], 1), ([12, 13, 14], 3), ([15, 16], 1)):
+            with taps.capture():
+                want = target_forward(rt.model, torch.tensor([block]), pos, kv)[0].float()
+            want_f = taps.take()
+            got, got_f = dec.forward(block)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got_f, want_f, rtol=1e-4, atol=1e-4)
+            pos += keep
+            crop_cache(kv, pos)
+            dec.truncate(pos)
+        assert dec.length == pos
+        with pytest.raises(PdflashError, match="truncate"):
+            dec.truncate(pos + 1)
+        taps.close()
+
+
+@pytest.mark.parametrize("predictor", ["previous", "lookahead+draft-router", "none"])
+def test_speculative_decoding_through_the_decoder_is_lossless(tmp_path_factory, predictor):
+    """Speculative decoding with every verify block run by the segmented decoder (the CUDA path,
+    eager here) commits the target's greedy tokens, fixed and auto block sizes, route-ahead on."""
+    from pdflash.draft import load_draft, speculative_generate, write_synthetic_draft
+    from pdflash.draft.offloaded import make_planner
+    from pdflash.draft.route_ahead import RouteAhead
+
+    d = tmp_path_factory.mktemp("specgraphs")
+    write_checkpoint(d / "t", TINY, mxfp4=True, dtype="bfloat16")
+    write_synthetic_draft(d / "d", "tiny", target_dir=d / "t", seed=2)
+    with OffloadedModel.load(d / "t", expert_cache_experts=12, block_tokens=4) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=24, eos_token_ids=[]).token_ids
+        draft = load_draft(d / "d", rt.model)
+        for auto in (False, True):
+            rt.reset_cache()
+            from pdflash.draft.speculative import make_oracle
+
+            oracle = make_oracle(rt.model, PROMPT, 24, 0.8, reference=want, seed=3)
+            ra = None if predictor == "none" else RouteAhead(rt.model, predictor, rt.prefetcher.prefetch_experts,
+                                                               block_size=4, window_layers=2)
+            planner = make_planner(rt, 4, use_confidence=False) if auto else None
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 24, graphs=False)
+            try:
+                res = speculative_generate(rt.model, draft, PROMPT, 24, block_size=4, oracle=oracle, route_ahead=ra,
+                                           planner=planner, decoder=dec)
+            finally:
+                if ra is not None:
+                    ra.close()
+                if planner is not None:
+                    rt.remove_routing_observer(planner.on_routed)
+            assert res.token_ids == want and oracle.divergences == 0
+            assert res.stats.acceptance_length > 1.0
+            if ra is not None:
+                assert res.route_ahead["steps"] > 0 and res.route_ahead["used"] > 0
+            assert not rt.stats()["errors"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("block_size", ["auto", 4, 2])
+def test_cuda_graphed_speculative_decoding_is_lossless(tmp_path_factory, block_size):
+    """On a GPU: verify blocks replayed as CUDA graphs per block length commit the greedy tokens
+    of the graphed plain decoder (float32: no rounding ties between block shapes)."""
+    from pdflash.draft import load_draft, speculative_on_runtime, write_synthetic_draft
+
+    d = tmp_path_factory.mktemp("cudaspec")
+    write_checkpoint(d / "t", TINY, seed=21, dtype="float32")
+    write_synthetic_draft(d / "d", "tiny", target_dir=d / "t", seed=2)
+    with OffloadedModel.load(d / "t", device="cuda", expert_cache_experts=12, block_tokens=4) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=24, eos_token_ids=[], cuda_graphs=True).token_ids
+        rt.reset_cache()
+        draft = load_draft(d / "d", rt.model)
+        res = speculative_on_runtime(rt, draft, PROMPT, 24, block_size=block_size, acceptance=0.8, reference=want,
+                                     eos_token_ids=[], graphs=True)
+        assert res.token_ids == want and res.oracle["oracle_divergences"] == 0
+        assert not rt.stats()["errors"]

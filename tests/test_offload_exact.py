@@ -97,6 +97,60 @@ def test_logits_bit_identical_prefill(ckpts):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("level", ["auto", "scalar"])
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_cpu_experts_all_matches_transformers(ckpts, reference, name, level, monkeypatch):
+    """Every expert computed by the native CPU kernel from host memory (nothing fetched): the
+    greedy tokens are transformers' own, at the best dispatch level and the portable one."""
+    if level != "auto":
+        monkeypatch.setenv("PDFLASH_CPU_LEVEL", level)
+    path = ckpts[name.replace("-as-f32", "")]
+    dtype = CHECKPOINTS[name][1]
+    with OffloadedModel.load(path, dtype=dtype, cpu_experts="all", cpu_threads=2) as rt:
+        res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
+        assert res.token_ids == reference[name]
+        st = rt.stats()
+        assert st["cpu_experts"]["mode"] == "all" and st["cpu_experts"]["level"] != "unknown"
+        assert st["cache"]["hits"] == st["cache"]["misses"] == 0 and st["bytes_moved"] == 0
+        routed = st["cpu_experts"]["computed"]
+        assert NEW * L <= routed <= st["tokens"] * L * K  # at least one expert per layer and forward
+        assert st["experts_per_token"]["cpu"] == routed / st["tokens"]
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_hybrid_placement_matches_transformers(ckpts, reference, name):
+    """cpu_experts="auto" behind a slow simulated link: each layer's misses split between the
+    link and the native CPU kernel by the cost model, hot CPU experts cached in the background
+    band; the greedy tokens stay transformers' own."""
+    path = ckpts[name.replace("-as-f32", "")]
+    dtype = CHECKPOINTS[name][1]
+    with OffloadedModel.load(path, dtype=dtype, cpu_experts="auto", expert_cache_experts=6, link_gbps=0.01,
+                             cpu_threads=2) as rt:
+        res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
+        assert res.token_ids == reference[name]
+        st = rt.stats()
+        assert st["cpu_experts"]["mode"] == "auto" and st["cpu_experts"]["computed"] > 0
+        assert rt.placer.decisions > 0 and rt.cost.to_dict()["host_path"]
+        assert rt.placer.background > 0 and st["prefetch"]["issued"].get("background", 0) >= rt.placer.background
+        assert st["cpu_experts"]["gbps"] is not None  # the kernel's rate, kept current
+        per_layer_cpu = sum(lc["cpu"] for lc in st["per_layer"])
+        assert per_layer_cpu == st["cpu_experts"]["computed"]
+
+
+def test_cpu_experts_prefill_logits_bit_identical_bf16(ckpts):
+    """A bf16 model's rounding is reproduced step by step: prefill logits equal transformers'."""
+    from transformers import GptOssForCausalLM
+
+    for name in ("dense-bf16", "mxfp4-bf16"):
+        ref = GptOssForCausalLM.from_pretrained(ckpts[name], dtype=torch.bfloat16)
+        ids = torch.tensor([PROMPT])
+        with torch.no_grad():
+            want = ref(ids).logits
+        with OffloadedModel.load(ckpts[name], cpu_experts="all") as rt:
+            got = rt.forward(ids).logits
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.gpu
 def test_cuda_matches_transformers_on_cuda(ckpts):
     """On CUDA the kernels differ from the library's (cuBLAS shapes, the fused MXFP4 decode
@@ -116,3 +170,131 @@ def test_cuda_matches_transformers_on_cuda(ckpts):
             assert torch.allclose(got_logits, want_logits, atol=0.1, rtol=0.05)
             tokens[slots] = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
     assert tokens[K] == tokens[K + 3] == tokens[None]
+
+
+# -- Qwen3-MoE ---------------------------------------------------------------------------------
+# The reference is transformers' Qwen3MoeForCausalLM with eager attention (pdflash's choice for
+# this family: see offload/qwen3_moe.py) and its default experts implementation; FP8 checkpoints
+# are dequantized by transformers' own FP8 loader on the CPU.
+QWEN = ModelPreset.from_name("qwen3-tiny")
+QE, QK, QL = QWEN.num_local_experts, QWEN.num_experts_per_tok, QWEN.num_hidden_layers
+QWEN_CHECKPOINTS = {  # name -> (write_checkpoint kwargs, compute dtype)
+    "qwen3-bf16": (dict(seed=21), torch.bfloat16),
+    "qwen3-f32": (dict(seed=22, dtype="float32"), torch.float32),
+    "qwen3-fp8": (dict(seed=23, quant="fp8"), torch.bfloat16),
+}
+QWEN_RUNS = [
+    (QK, {}, None),  # the minimum
+    (QK, {"lookahead_depth": 1}, 0.05),
+    (12, {"history_depth": 1, "lookahead_depth": 2}, None),
+    (QL * QE, {}, None),  # all resident
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exact-qwen3")
+    return {name: write_checkpoint(root / name, QWEN, **kw) for name, (kw, _) in QWEN_CHECKPOINTS.items()}
+
+
+def _qwen_reference(path, dtype):
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def qwen_reference(qwen_ckpts):
+    out = {}
+    for name, (_, dtype) in QWEN_CHECKPOINTS.items():
+        model = _qwen_reference(qwen_ckpts[name], dtype)
+        gen = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        out[name] = gen[0, len(PROMPT):].tolist()
+    return out
+
+
+@pytest.mark.parametrize("name", list(QWEN_CHECKPOINTS))
+@pytest.mark.parametrize("slots,prefetch,link", QWEN_RUNS)
+def test_qwen3_greedy_matches_transformers(qwen_ckpts, qwen_reference, name, slots, prefetch, link):
+    dtype = QWEN_CHECKPOINTS[name][1]
+    with OffloadedModel.load(qwen_ckpts[name], dtype=dtype, expert_cache_experts=slots, link_gbps=link, **prefetch) as rt:
+        res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
+        assert res.token_ids == qwen_reference[name]
+        st = rt.stats()
+        assert st["family"] == "qwen3_moe" and st["expert_format"] == ("fp8" if "fp8" in name else "dense")
+        assert st["forwards"] == NEW and st["tokens"] == len(PROMPT) + NEW - 1
+        if slots < QL * QE:
+            assert st["cache"]["evictions"] > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3-bf16", "qwen3-fp8"])
+def test_qwen3_prefill_logits_bit_identical(qwen_ckpts, name):
+    ref = _qwen_reference(qwen_ckpts[name], torch.bfloat16)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = ref(ids).logits
+    with OffloadedModel.load(qwen_ckpts[name], expert_cache_experts=QK) as rt:
+        got = rt.forward(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_qwen3_fp8_expert_is_half_a_bf16_one(qwen_ckpts):
+    """An FP8 expert row carries half the weight bytes of a bf16 one (plus its scale grid)."""
+    with OffloadedModel.load(qwen_ckpts["qwen3-fp8"]) as fp8, OffloadedModel.load(qwen_ckpts["qwen3-bf16"]) as bf16:
+        weights = lambda rt: sum(p.nbytes for p in rt.host.layout.pieces if not p.name.endswith("scale_inv"))  # noqa: E731
+        assert 2 * weights(fp8) == weights(bf16) == 3 * QWEN.hidden_size * QWEN.intermediate_size * 2
+        assert fp8.host.layout.payload_bytes < 0.6 * bf16.host.layout.payload_bytes
+
+
+@pytest.mark.parametrize("name", list(QWEN_CHECKPOINTS))
+def test_qwen3_cpu_experts_all_matches_transformers(qwen_ckpts, qwen_reference, name):
+    """Every routed expert computed on the CPU from the host rows by the family's own kernel
+    (offload/torch_cpu.py; the native kernel computes gpt-oss only): nothing fetched, the greedy
+    tokens are transformers' own."""
+    dtype = QWEN_CHECKPOINTS[name][1]
+    with OffloadedModel.load(qwen_ckpts[name], dtype=dtype, cpu_experts="all") as rt:
+        res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
+        assert res.token_ids == qwen_reference[name]
+        st = rt.stats()
+        assert st["cpu_experts"]["mode"] == "all" and st["cpu_experts"]["level"] == "torch"
+        assert st["cache"]["hits"] == st["cache"]["misses"] == 0 and st["bytes_moved"] == 0
+        assert NEW * QL <= st["cpu_experts"]["computed"] <= st["tokens"] * QL * QK
+
+
+def test_qwen3_cpu_placement_with_a_link_is_exact(qwen_ckpts, qwen_reference):
+    """cpu_experts="auto" with a slow simulated link (1 MB/s): the cost model puts misses on the
+    CPU; the tokens do not depend on where each expert was computed."""
+    with OffloadedModel.load(qwen_ckpts["qwen3-bf16"], cpu_experts="auto", expert_cache_experts=QK, link_gbps=0.001) as rt:
+        assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == qwen_reference["qwen3-bf16"]
+        st = rt.stats()
+        assert st["cpu_experts"]["mode"] == "auto" and st["cpu_experts"]["reason_off"] is None
+        assert st["cpu_experts"]["computed"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3-bf16", "qwen3-fp8"])
+def test_qwen3_cuda_matches_transformers_on_cuda(qwen_ckpts, name):
+    """On CUDA (cuBLAS shapes differ from the library's grouped matmuls): prefill logits close to
+    transformers' (FP8 dequantized by transformers' loader), and the same greedy tokens at every
+    cache size (CUDA graphs of this family: tests/test_graphs.py's qwen3 checkpoint)."""
+    ref = _qwen3_on_cuda(qwen_ckpts[name])
+    ids = torch.tensor([PROMPT], device="cuda")
+    with torch.no_grad():
+        want_logits = ref(ids).logits.float()
+    tokens = {}
+    for slots, kw in ((QK, {"lookahead_depth": 1}), (QK + 3, {}), (None, {})):
+        with OffloadedModel.load(qwen_ckpts[name], device="cuda", expert_cache_experts=slots, **kw) as rt:
+            got_logits = rt.forward(ids).logits.float()
+            assert torch.allclose(got_logits, want_logits, atol=0.1, rtol=0.05)
+            tokens[slots] = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+    assert tokens[QK] == tokens[QK + 3] == tokens[None]
+
+
+def _qwen3_on_cuda(path):
+    from transformers import Qwen3MoeForCausalLM
+
+    from pdflash.offload.checkpoint import Checkpoint
+
+    with Checkpoint(path) as ck:
+        kw = ck.family.reference_load_kwargs()
+    return Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda", attn_implementation="eager", **kw)

@@ -143,14 +143,28 @@ def test_acceptance_bookkeeping_at_oracle_extremes(pair, reference):
     assert none.stats.acceptance_length == 1.0 and none.stats.acceptance_per_position == [0.0, 0.0, 0.0]
 
 
-def test_oracle_mismatch_rate():
+def test_oracle_acceptance_draws():
     ref = list(range(1000))
     oracle = OracleProposer(ref, 0.7, vocab_size=2000, seed=0)
     proposals = oracle.propose(ref[:10], 900)
-    hits = sum(p == r for p, r in zip(proposals, ref[10:910]))
-    assert abs(hits / 900 - 0.7) < 0.05  # binomial sd 0.015
+    assert proposals == ref[10:910]  # every proposal is the reference token; the draws decide
+    assert abs(sum(oracle.draws) / 900 - 0.7) < 0.05  # binomial sd 0.015
+    assert oracle.draws[oracle.limit()] is False and all(oracle.draws[: oracle.limit()])
+    short = oracle.propose(ref[:998], 4)  # past the reference's end: no draw accepts
+    assert short[:2] == [998, 999] and oracle.draws[2:] == [False, False]
     with pytest.raises(PdflashError, match="between 0 and 1"):
         OracleProposer(ref, 1.5, vocab_size=10)
+
+
+def test_oracle_heals_its_reference_from_verify_rows():
+    oracle = OracleProposer([1, 2, 3, 4, 5, 6], 1.0, vocab_size=50)
+    # block [3, 4, 5, 6] after tokens [1, 2, 3]: rows give positions 3, 4, 5, 6
+    oracle.observe(3, [3, 4, 5, 6], [4, 5, 9, 11])  # row 2 differs: position 5 becomes 9, the rest goes
+    assert oracle.reference == [1, 2, 3, 4, 5, 9] and oracle.divergences == 1
+    oracle.observe(6, [9, 7], [7, 8])  # extends the reference (row 1 valid: 7 was confirmed)
+    assert oracle.reference == [1, 2, 3, 4, 5, 9, 7, 8]
+    oracle.observe(6, [9, 1], [7, 8])  # row 1's prefix holds a refused proposal: ignored
+    assert oracle.reference == [1, 2, 3, 4, 5, 9, 7, 8] and oracle.divergences == 1
 
 
 def test_oracle_repairs_a_wrong_reference(pair, reference):

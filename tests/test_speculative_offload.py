@@ -1,4 +1,5 @@
-"""Speculative decoding on the offloaded runtime: lossless greedy for bf16 and MXFP4 targets at
+"""Speculative decoding on the offloaded runtime: lossless greedy for bf16 and MXFP4 gpt-oss targets
+and an FP8 Qwen3-MoE target at
 several block sizes and expert-cache sizes (the minimum included), with route-ahead prefetches
 going through the runtime's prefetcher."""
 
@@ -27,10 +28,13 @@ BLOCK = 4  # the tiny draft's trained block size
 
 
 
-@pytest.fixture(scope="module", params=["bf16", "mxfp4"])
+@pytest.fixture(scope="module", params=["bf16", "mxfp4", "qwen3-fp8"])
 def checkpoint(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(out / "target", ModelPreset.from_name("tiny"), mxfp4=request.param == "mxfp4", dtype="bfloat16")
+    if request.param == "qwen3-fp8":  # same expert counts as "tiny": the cache sizes below apply
+        write_checkpoint(out / "target", ModelPreset.from_name("qwen3-tiny"), quant="fp8", dtype="bfloat16")
+    else:
+        write_checkpoint(out / "target", ModelPreset.from_name("tiny"), mxfp4=request.param == "mxfp4", dtype="bfloat16")
     write_synthetic_draft(out / "draft", "tiny", target_dir=out / "target", seed=2)
     return out
 
@@ -69,6 +73,24 @@ def test_lossless_on_the_offloaded_runtime(checkpoint, slots):
         assert not stats["errors"]
 
 
+@pytest.mark.parametrize("slots", cache_sizes())
+def test_auto_block_size_is_lossless(checkpoint, slots):
+    with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=slots, block_tokens=BLOCK) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+        draft = load_draft(checkpoint / "draft", rt.model)
+        for predictor, acceptance in (("previous", None), ("none", 0.9), ("draft-router", 0.5)):
+            rt.reset_cache()
+            res = speculative_on_runtime(rt, draft, PROMPT, NEW, block_size="auto", predictor=predictor,
+                                         acceptance=acceptance, reference=want, eos_token_ids=[])
+            assert res.token_ids == want, (slots, predictor)
+            rep = res.to_dict()
+            hist = rep["planner"]["block_histogram"]
+            assert rep["block_histogram"] == hist and sum(hist.values()) == res.stats.verify_steps
+            assert all(1 <= int(b) <= BLOCK for b in hist)
+            assert rep["bytes_per_committed_token"] is not None and rep["planner"]["predicted_steps"] > 0
+            assert not rt.stats()["errors"]
+
+
 def test_runtime_helper_oracle_mode_reports_only_the_speculative_run(checkpoint):
     block = draft_block_size(checkpoint / "draft", None)
     with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=12, block_tokens=block) as rt:
@@ -99,3 +121,29 @@ def test_benchmark_runs_every_arm_on_the_same_tokens(tmp_path):
     assert {r["arm"] for r in result["runs"]} == {"plain", "spec:previous", "spec:none"}
     assert all(r["same_tokens_as_plain"] for r in result["runs"])
     assert result["summary"]["spec:previous"]["acceptance_length"] >= 1.0
+
+
+@pytest.mark.parametrize("acceptance", [0.9, 0.5])
+def test_oracle_acceptance_matches_its_expectation_without_repairs(checkpoint, acceptance):
+    """bf16 and MXFP4 targets: the reference comes from the verify path (oracle_reference), so the
+    committed tokens per verify pass follow 1 + P + P^2 + P^3 and nothing is repaired."""
+    from pdflash.draft.offloaded import oracle_reference
+    from pdflash.offload.graphs import GraphedDecoder
+
+    new = 120
+    expect = sum(acceptance ** i for i in range(BLOCK))
+    with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=16, block_tokens=BLOCK) as rt:
+        draft = load_draft(checkpoint / "draft", rt.model)
+        res = speculative_on_runtime(rt, draft, PROMPT, new, block_size=BLOCK, acceptance=acceptance, predictor="none",
+                                     eos_token_ids=[], seed=11)
+        assert res.oracle["oracle_divergences"] == 0 and res.oracle["oracle_refreshes"] == 0
+        # committed per verify pass: mean of ~40-90 draws with sd <= 1.2 -> within 0.45 at > 3 sd
+        assert abs(res.stats.acceptance_length - expect) < 0.45, (res.stats.acceptance_length, expect)
+        # the same through the segmented decoder (the CUDA path, eager here)
+        dec = GraphedDecoder(rt, max_len=len(PROMPT) + new, graphs=False)
+        ref = oracle_reference(rt, PROMPT, new, BLOCK, decoder=dec)
+        rt.reset_cache()
+        oracle = make_oracle(rt.model, PROMPT, new, acceptance, reference=ref, seed=11)
+        got = speculative_generate(rt.model, draft, PROMPT, new, block_size=BLOCK, oracle=oracle, decoder=dec)
+        assert got.token_ids == ref and oracle.divergences == 0 and oracle.refreshes == 0
+        assert abs(got.stats.acceptance_length - expect) < 0.45

@@ -1,0 +1,274 @@
+"""Benchmark of the native CPU expert kernel (native/pf_cpu.c) against the machine's DRAM read bandwidth.
+
+    python benchmarks/bench_cpu_experts.py --out cpu_experts.json          # gpt-oss-20b shape (GPU host)
+    python benchmarks/bench_cpu_experts.py --small --threads 1,2 --json    # a quick run on a small CPU
+
+Workload: ``--experts`` (40) distinct experts of the gpt-oss-20b shape (hidden 2880,
+intermediate 2880: gate_up 2880 -> 5760, down 2880 -> 2880) in MXFP4 (blocks + E8M0 scales +
+bf16 biases, 13.2 MB each), packed one after another in one host buffer as the host store
+holds them; the calls cycle through the experts so every call reads its weights from DRAM
+(40 x 13 MB is far larger than any L3). For each thread count (``--threads``, 8,16) and
+token count (``--tokens``, 1,8,16):
+
+  dram      streaming read of the whole expert buffer by the kernel's own thread pool
+            (pf_cpu_stream_read: each thread one contiguous slice, the widest loads of the
+            level), best of ``--repeats``: the read bandwidth available to those threads.
+  kernel    pf_cpu_expert over the experts in turn, float32 and bf16 inputs; effective
+            bandwidth = weight bytes read / seconds per call (median over the calls), and
+            its ratio to ``dram`` of the same thread count (the aim: >= 70 % at 16 threads
+            for one token).
+  torch     PyTorch's bf16 path for the same expert maths on the same thread count
+            (torch.set_num_threads): weights already dequantized to bf16 (``--torch-experts``
+            distinct ones, 8 by default, 50 MB each), ``x @ W1 + b1 -> SwiGLU -> @ W2 + b2``; its
+            effective bandwidth counts the bf16 bytes it reads, and its time per expert is
+            comparable with the kernel's directly.
+
+With ``--model DIR`` (a checkpoint; ``embedded`` for the embedded model) it measures instead
+generation on the CPU device with ``--cpu-experts off`` (today's path: dequantize, then one
+matmul per expert) and ``all`` (the native kernel), alternating ``--repeats`` times: decode
+tokens per second and the wall time spent inside the experts modules per generated token,
+and whether both produced the same tokens.
+
+Every figure is measured in the same run on the same machine; nothing is assumed. JSON goes
+to stdout with ``--json`` or to ``--out FILE``; a table is printed otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _checkout import import_pdflash  # noqa: E402
+
+import_pdflash()
+
+import torch  # noqa: E402
+
+from pdflash.native.cpu_experts import CpuExperts, ExpertWeights, detect_level  # noqa: E402
+from pdflash.offload.gpt_oss import mxfp4_expert_layout  # noqa: E402
+
+ALPHA, LIMIT = 1.702, 7.0
+
+
+def make_experts(n: int, hidden: int, inter: int, seed: int):
+    """n MXFP4 experts packed in one uint8 buffer (the host store's row layout) and their ExpertWeights."""
+    layout = mxfp4_expert_layout(hidden, inter)
+    buf = torch.empty((n, layout.expert_bytes), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(seed)
+    for p in layout.pieces:
+        view = layout.view(buf, p.name)
+        if p.name.endswith("_blocks"):
+            view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=g))
+        elif p.name.endswith("_scales"):  # typical trained scales: 2^-8 .. 2^0
+            view.copy_(torch.randint(119, 128, view.shape, dtype=torch.uint8, generator=g))
+        else:
+            view.copy_((torch.randn(view.shape, generator=g) * 0.1).to(view.dtype))
+    weights = []
+    for i in range(n):
+        v = lambda name, i=i: layout.view(buf[i], name)  # noqa: E731
+        weights.append(ExpertWeights.mxfp4(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), v("gate_up_proj_bias"),
+                                           v("down_proj_blocks"), v("down_proj_scales"), v("down_proj_bias"),
+                                           alpha=ALPHA, limit=LIMIT))
+    return layout, buf, weights
+
+
+def bench_dram(k: CpuExperts, buf: torch.Tensor, repeats: int) -> dict:
+    k.stream_read(buf)  # first touch
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        k.stream_read(buf)
+        times.append(time.perf_counter() - t0)
+    nbytes = buf.numel()
+    return {"bytes": nbytes, "best_s": min(times), "gbps": nbytes / min(times) / 1e9,
+            "median_gbps": nbytes / statistics.median(times) / 1e9}
+
+
+def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls: int, hidden: int) -> dict:
+    x = torch.randn(tokens, hidden).to(dtype)
+    out = torch.empty(tokens, hidden)
+    n = len(weights)
+    for i in range(min(n, 4)):  # warm-up (scratch buffers, page faults of out)
+        k.forward(weights[i], x, out=out)
+    times = []
+    for i in range(calls):
+        w = weights[i % n]
+        t0 = time.perf_counter()
+        k.forward(w, x, out=out)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    nbytes = weights[0].nbytes
+    return {"tokens": tokens, "x_dtype": str(dtype).replace("torch.", ""), "calls": calls,
+            "weight_bytes": nbytes, "median_ms": med * 1e3, "best_ms": min(times) * 1e3,
+            "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9}
+
+
+def bench_torch(threads: int, tokens_list, n_experts: int, hidden: int, inter: int, calls: int, seed: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(seed)
+    experts = []
+    for _ in range(n_experts):
+        w1 = (torch.randn(hidden, 2 * inter, generator=g) * 0.02).bfloat16()
+        w2 = (torch.randn(inter, hidden, generator=g) * 0.02).bfloat16()
+        b1 = torch.zeros(2 * inter, dtype=torch.bfloat16)
+        b2 = torch.zeros(hidden, dtype=torch.bfloat16)
+        experts.append((w1, b1, w2, b2))
+    nbytes = sum(t.numel() * t.element_size() for t in experts[0])
+
+    def expert(x, w1, b1, w2, b2):
+        gu = x @ w1 + b1
+        gate, up = gu[..., ::2].clamp(max=LIMIT), gu[..., 1::2].clamp(-LIMIT, LIMIT)
+        return ((up + 1) * gate * torch.sigmoid(gate * ALPHA)) @ w2 + b2
+
+    rows = []
+    with torch.inference_mode():
+        for tokens in tokens_list:
+            x = torch.randn(tokens, hidden).bfloat16()
+            for e in experts[:2]:
+                expert(x, *e)
+            times = []
+            for i in range(calls):
+                t0 = time.perf_counter()
+                expert(x, *experts[i % n_experts])
+                times.append(time.perf_counter() - t0)
+            med = statistics.median(times)
+            rows.append({"tokens": tokens, "calls": calls, "weight_bytes": nbytes, "median_ms": med * 1e3,
+                         "gbps": nbytes / med / 1e9})
+    del experts
+    return rows
+
+
+def bench_model(model: str, tokens: int, repeats: int, threads: int | None) -> dict:
+    """generate on the CPU device, cpu_experts off vs all, alternating; experts-module time per token."""
+    from pdflash.offload.experts import OffloadedExperts
+    from pdflash.offload.generate import generate
+    from pdflash.offload.runtime import OffloadedModel
+
+    if model == "embedded":
+        from pdflash.offload.embedded import embedded_target
+
+        model = str(embedded_target())
+    prompt = [5, 77, 200, 31, 9, 100, 250, 17, 3, 44, 81, 90]
+    runs = {"off": [], "all": []}
+    tokens_of = {}
+    for _ in range(repeats):
+        for mode in ("off", "all"):
+            with OffloadedModel.load(model, device="cpu", cpu_experts=mode, cpu_threads=threads) as rt:
+                spent = [0.0]
+
+                def pre(mod, args, kwargs):
+                    mod._t0 = time.perf_counter()
+
+                def post(mod, args, kwargs, out):
+                    spent[0] += time.perf_counter() - mod._t0
+
+                for m in rt.model.modules():
+                    if isinstance(m, OffloadedExperts):
+                        m.register_forward_pre_hook(pre, with_kwargs=True)
+                        m.register_forward_hook(post, with_kwargs=True)
+                vocab = int(rt.config.vocab_size)
+                ids = [t % vocab for t in prompt]
+                generate(rt, ids, max_new_tokens=2, eos_token_ids=[])  # warm-up
+                spent[0] = 0.0
+                res = generate(rt, ids, max_new_tokens=tokens, eos_token_ids=[])
+                runs[mode].append({"tokens_per_second": res.tokens_per_second,
+                                   "experts_ms_per_token": spent[0] / len(res.token_ids) * 1e3,
+                                   "level": rt.cpu.level if rt.cpu is not None else None})
+                tokens_of[mode] = res.token_ids
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    summary = {mode: {"median_tokens_per_second": med([r["tokens_per_second"] for r in rs]),
+                      "median_experts_ms_per_token": med([r["experts_ms_per_token"] for r in rs])} for mode, rs in runs.items()}
+    return {"model": model, "tokens": tokens, "repeats": repeats, "threads": threads, "runs": runs, "summary": summary,
+            "speedup_tokens_per_second": summary["all"]["median_tokens_per_second"] / summary["off"]["median_tokens_per_second"],
+            "speedup_experts_time": summary["off"]["median_experts_ms_per_token"] / summary["all"]["median_experts_ms_per_token"],
+            "same_tokens": tokens_of["off"] == tokens_of["all"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="hidden = intermediate = 512 (a quick CPU run)")
+    ap.add_argument("--hidden", type=int, default=None)
+    ap.add_argument("--inter", type=int, default=None)
+    ap.add_argument("--experts", type=int, default=40, help="distinct MXFP4 experts cycled through")
+    ap.add_argument("--threads", default="8,16", help="comma-separated thread counts")
+    ap.add_argument("--tokens", default="1,8,16", help="comma-separated token counts (1..16)")
+    ap.add_argument("--calls", type=int, default=200, help="timed kernel calls per configuration")
+    ap.add_argument("--repeats", type=int, default=5, help="timed streaming reads per thread count")
+    ap.add_argument("--level", default=None, help="kernel level (default: the best this CPU runs)")
+    ap.add_argument("--torch-experts", type=int, default=8, help="distinct bf16 experts for the PyTorch comparison (0: skip)")
+    ap.add_argument("--torch-calls", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="checkpoint dir (or 'embedded'): generation off vs all on the CPU")
+    ap.add_argument("--gen-tokens", type=int, default=32, help="with --model: tokens generated per run")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    args = ap.parse_args(argv)
+
+    if args.model:
+        threads = int(args.threads.split(",")[0]) if args.threads != "8,16" else None
+        res = bench_model(args.model, args.gen_tokens, args.repeats, threads)
+        text = json.dumps(res, indent=1)
+        if args.out:
+            args.out.write_text(text + "\n")
+        if args.json:
+            print(text)
+        else:
+            for mode, sm in res["summary"].items():
+                print(f"{mode:3s}: {sm['median_tokens_per_second']:.2f} tok/s, experts {sm['median_experts_ms_per_token']:.2f} ms/token")
+            print(f"speedup: {res['speedup_tokens_per_second']:.2f}x tokens/s, {res['speedup_experts_time']:.2f}x experts time; "
+                  f"same tokens: {res['same_tokens']}")
+        return 0
+
+    hidden = args.hidden or (512 if args.small else 2880)
+    inter = args.inter or (512 if args.small else 2880)
+    threads = [int(t) for t in args.threads.split(",") if t]
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    layout, buf, weights = make_experts(args.experts, hidden, inter, args.seed)
+
+    result = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                    "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                    "best_level": detect_level(), "torch": torch.__version__},
+        "shape": {"hidden": hidden, "inter": inter, "experts": args.experts, "expert_bytes": layout.expert_bytes,
+                  "weight_bytes": weights[0].nbytes, "buffer_bytes": buf.numel()},
+        "runs": [],
+    }
+    for n in threads:
+        with CpuExperts(threads=n, level=args.level) as k:
+            dram = bench_dram(k, buf, args.repeats)
+            run = {"threads": n, "level": k.level, "dram": dram, "kernel": []}
+            for t in tokens:
+                for dt in (torch.float32, torch.bfloat16):
+                    r = bench_kernel(k, weights, t, dt, args.calls, hidden)
+                    r["of_dram"] = r["gbps"] / dram["gbps"]
+                    run["kernel"].append(r)
+        if args.torch_experts > 0:
+            run["torch_bf16"] = bench_torch(n, tokens, args.torch_experts, hidden, inter, args.torch_calls, args.seed)
+        result["runs"].append(run)
+
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    if args.json:
+        print(text)
+    elif not args.json:
+        for run in result["runs"]:
+            d = run["dram"]
+            print(f"threads {run['threads']} ({run['level']}): DRAM read {d['gbps']:.1f} GB/s (best of {args.repeats})")
+            for r in run["kernel"]:
+                print(f"  kernel T={r['tokens']:2d} x {r['x_dtype']:8s}: {r['median_ms']:8.3f} ms/expert  "
+                      f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
+            for r in run.get("torch_bf16", []):
+                print(f"  torch bf16 T={r['tokens']:2d}: {r['median_ms']:8.3f} ms/expert  {r['gbps']:6.1f} GB/s (bf16 bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""`pdflash generate` as a new user runs it: the default (speculative, --block-size auto) against
+--no-draft, one fresh process per run, on a set of prompts, in alternating order.
+
+    python benchmarks/bench_default_vs_plain.py --out default_vs_plain.json
+    python benchmarks/bench_default_vs_plain.py --repeats 3 -- --expert-cache-experts 64 --link-gbps 2
+
+Arguments after ``--`` go to both commands (default: the `make demo` setting,
+``--expert-cache-experts 64 --link-gbps 2``). Per prompt and repeat both commands run with
+``--json --max-new-tokens N`` (order alternating by repeat); the ratio is default tokens/s over
+--no-draft tokens/s of the same repeat. Reports per prompt the median ratio, the block lengths
+the planner chose, acceptance, and whether both produced the same tokens; overall the median and
+geometric mean of the per-prompt ratios and the lowest one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = (  # the issue's three, then held-out ones: code the draft did not see, and prose
+    "def fibonacci(n):",
+    "class Parser:",
+    "import os",
+    "def read_config(path):\n    with open(path) as f:",
+    "for i in range(10):",
+    "The river flows",
+    "Once upon a time",
+    "Hello, my name is",
+)
+DEFAULT_ARGS = ["--expert-cache-experts", "64", "--link-gbps", "2"]
+
+
+def run(cmd: list[str]) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = DEFAULT_ARGS
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--pdflash", default=f"{sys.executable} -m pdflash.cli.main", help="How to run pdflash.")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    base = args.pdflash.split()
+    rows = []
+    for pi, prompt in enumerate(PROMPTS[: args.prompts]):
+        for rep in range(args.repeats):
+            arms = ["default", "no-draft"] if rep % 2 == 0 else ["no-draft", "default"]
+            got = {}
+            for arm in arms:
+                cmd = base + ["generate", prompt, "--max-new-tokens", str(args.max_new_tokens), "--json", *extra]
+                if arm == "no-draft":
+                    cmd.append("--no-draft")
+                t0 = time.perf_counter()
+                got[arm] = run(cmd)
+                got[arm]["wall_s"] = time.perf_counter() - t0
+            d, p = got["default"], got["no-draft"]
+            row = {"prompt": prompt, "repeat": rep, "default_tps": d["tokens_per_second"],
+                   "no_draft_tps": p["tokens_per_second"], "ratio": d["tokens_per_second"] / p["tokens_per_second"],
+                   "same_tokens": d["token_ids"] == p["token_ids"], "block_histogram": d.get("block_histogram"),
+                   "acceptance_length": d.get("acceptance_length"), "probes": (d.get("planner") or {}).get("probes"),
+                   "predicted_step_ms": (d.get("planner") or {}).get("predicted_step_ms"),
+                   "measured_step_ms": (d.get("planner") or {}).get("measured_step_ms"),
+                   "bytes_per_committed_token": d.get("bytes_per_committed_token"),
+                   "no_draft_bytes_per_token": p.get("bytes_per_token")}
+            rows.append(row)
+            print(f"{prompt!r} rep {rep}: default {row['default_tps']:.1f} tok/s, --no-draft {row['no_draft_tps']:.1f}, "
+                  f"ratio {row['ratio']:.2f}, blocks {row['block_histogram']}, accept {row['acceptance_length']:.2f}, "
+                  f"same tokens {row['same_tokens']}", file=sys.stderr, flush=True)
+    per_prompt = {}
+    for prompt in dict.fromkeys(r["prompt"] for r in rows):
+        rs = [r for r in rows if r["prompt"] == prompt]
+        per_prompt[prompt] = {"ratio_median": statistics.median(r["ratio"] for r in rs),
+                              "default_tps_median": statistics.median(r["default_tps"] for r in rs),
+                              "no_draft_tps_median": statistics.median(r["no_draft_tps"] for r in rs),
+                              "same_tokens": all(r["same_tokens"] for r in rs)}
+    ratios = [v["ratio_median"] for v in per_prompt.values()]
+    summary = {"median_ratio": statistics.median(ratios),
+               "geomean_ratio": math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
+               "lowest_ratio": min(ratios), "all_same_tokens": all(v["same_tokens"] for v in per_prompt.values())}
+    result = {"command_args": extra, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "per_prompt": per_prompt, "summary": summary, "runs": rows}
+    print("| prompt | default tok/s | --no-draft tok/s | ratio |\n|---|---:|---:|---:|", file=sys.stderr)
+    for prompt, v in per_prompt.items():
+        print(f"| {prompt!r} | {v['default_tps_median']:.1f} | {v['no_draft_tps_median']:.1f} | {v['ratio_median']:.2f} |",
+              file=sys.stderr)
+    print(json.dumps(summary), file=sys.stderr)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Does speculation pay on an offloaded target? Graphed plain decoding against speculative
+decoding with the block planner (``--block-size auto``) and fixed block lengths, in oracle mode at
+several acceptance rates, for bf16 and float32 compute, in one process.
+
+    # on the GPU machine: writes the gpt-oss-20b-shaped MXFP4 pair on first use, then measures
+    python benchmarks/bench_speculation_gpu.py --checkpoint-dir /tmp/pdflash-spec/oss20b --out spec_gpu.json
+
+    # anywhere, the same code paths in seconds (tiny pair, simulated 2 GB/s link)
+    python benchmarks/bench_speculation_gpu.py --preset tiny --device cpu --link-gbps 2 \\
+        --checkpoint-dir /tmp/spec-tiny --tokens 16 --prompts 1 --out /tmp/spec_tiny.json
+
+Per compute dtype the target is loaded once with an expert cache of ``--cache-fraction`` of all
+experts (default 25 %). Per prompt: the oracle's reference continuation for each block length
+used (from the verify path: ``pdflash.draft.offloaded.oracle_reference``), then every arm from a
+cold cache (``reset_cache``) and a cold cost model (``forget_costs``, as a fresh ``pdflash
+generate`` process starts), in an order shuffled per prompt with a fixed seed:
+
+- ``plain``: graphed plain decoding (``generate(..., cuda_graphs=True)``; eager on CPU);
+- ``auto@P``: speculative decoding, block planner, oracle acceptance P, route-ahead ``previous``;
+- ``B<n>@P``: the same with a fixed block length n.
+
+Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
+token, acceptance length, block lengths chosen, bytes over the link per committed token, oracle
+divergences / refreshes (0 expected), the planner's mean predicted and measured step time, and
+whether the tokens equal plain decoding's. The summary gives per dtype and arm the median tokens/s
+and the median same-prompt ratio to ``plain``, and checks the targets of auto against plain:
+P = 0.9 >= 1.6x, P = 0.7 >= 1.2x, P = 0.3 >= 0.97x. One JSON object goes to --out, a markdown
+table to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TARGETS = {0.9: 1.6, 0.7: 1.2, 0.3: 0.97}  # auto / plain, same run (issue: speculation that pays)
+PROMPTS = (
+    "The expert cache keeps the most useful experts on the device and",
+    "def fibonacci(n):\n    ",
+    "Write a short story about a lighthouse keeper who",
+)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def ensure_checkpoint(path: Path, preset: str, draft_preset: str, seed: int) -> float:
+    """Write the synthetic MXFP4 pair unless it is there; returns the seconds spent."""
+    if (path / "config.json").is_file() and (path / "draft" / "config.json").is_file():
+        return 0.0
+    from pdflash.draft import write_synthetic_draft
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.synthetic import write_checkpoint
+
+    t0 = time.perf_counter()
+    _log(f"writing the {preset} MXFP4 checkpoint and its {draft_preset} draft to {path}")
+    write_checkpoint(path, ModelPreset.from_name(preset), mxfp4=True, seed=seed, dtype="bfloat16")
+    write_synthetic_draft(path / "draft", draft_preset, target_dir=path, seed=seed, dtype="bfloat16")
+    return time.perf_counter() - t0
+
+
+def _encode(rt, n: int) -> list[list[int]]:
+    tok = rt.tokenizer
+    return [tok.encode(t) for t in PROMPTS[:n]]
+
+
+def _moved(rt) -> float:
+    return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
+
+
+def run_dtype(args, dtype: str, trained: int) -> list[dict]:
+    from pdflash.draft import load_draft
+    from pdflash.draft.offloaded import oracle_reference, speculative_on_runtime
+    from pdflash.offload.generate import generate
+    from pdflash.offload.graphs import GraphedDecoder
+    from pdflash.offload.runtime import OffloadedModel
+
+    graphs = args.device.startswith("cuda")
+    blocks = sorted({b for b in args.blocks if 1 < b <= trained})
+    cfg = json.loads((args.checkpoint_dir / "config.json").read_text())
+    total = int(cfg["num_hidden_layers"]) * int(cfg["num_local_experts"])
+    slots = max(1, round(args.cache_fraction * total))
+    t0 = time.perf_counter()
+    rt = OffloadedModel.load(args.checkpoint_dir, device=args.device, dtype=dtype, expert_cache_experts=slots,
+                             block_tokens=trained, link_gbps=args.link_gbps, progress=False)
+    _log(f"[{dtype}] loaded in {time.perf_counter() - t0:.1f} s; cache {rt.cache.capacity}/{total} experts")
+    rows: list[dict] = []
+    try:
+        draft = load_draft(args.checkpoint_dir / "draft", rt.model)
+        prompts = _encode(rt, args.prompts)
+        n = args.tokens
+        arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in ["auto"] + [f"B{b}" for b in blocks]]
+        for pi, prompt in enumerate(prompts):
+            refs: dict[int, list[int]] = {}
+            for b in sorted(set(blocks) | {trained}):  # untimed: the reference of each block length
+                rt.reset_cache()
+                dec = GraphedDecoder.shared(rt, len(prompt) + n) if graphs else None
+                if dec is not None:
+                    dec.prepare(len(prompt), tokens=range(1, trained + 1))
+                refs[b] = oracle_reference(rt, prompt, n, b, decoder=dec)
+            rt.reset_cache()  # warm-up of the plain path (allocations, kernels)
+            generate(rt, prompt, max_new_tokens=min(n, 8), eos_token_ids=[], cuda_graphs=graphs)
+            order = arms[:]
+            random.Random(args.seed * 1000 + pi).shuffle(order)
+            plain_tokens = None
+            results = {}
+            for arm in order:
+                rt.reset_cache()
+                rt.forget_costs()
+                if arm == "plain":
+                    res = generate(rt, prompt, max_new_tokens=n, eos_token_ids=[], cuda_graphs=graphs)
+                    st = rt.stats()
+                    row = {"tokens_per_second": res.tokens_per_second, "token_ids": res.token_ids,
+                           "bytes_per_token": st["bytes_moved"] / len(res.token_ids), "hit_rate": st["cache"]["hit_rate"]}
+                    plain_tokens = res.token_ids
+                else:
+                    kind, p = arm.split("@")
+                    block = "auto" if kind == "auto" else int(kind[1:])
+                    ref = refs[trained if block == "auto" else block]
+                    res = speculative_on_runtime(rt, draft, prompt, n, block_size=block, acceptance=float(p),
+                                                 reference=ref, predictor="previous", seed=args.seed + pi,
+                                                 eos_token_ids=[], graphs=graphs)
+                    d = res.to_dict()
+                    st = rt.stats()
+                    row = {k: d.get(k) for k in ("tokens_per_second", "token_ids", "acceptance_length", "block_histogram",
+                                                  "bytes_per_committed_token", "oracle_divergences", "oracle_refreshes",
+                                                  "acceptance_per_position", "draft_ms", "verify_ms", "verify_steps")}
+                    row["hit_rate"] = st["cache"]["hit_rate"]
+                    row["same_tokens_as_reference"] = res.token_ids == ref
+                    if res.planner is not None:
+                        row["planner"] = {k: res.planner[k] for k in ("predicted_step_ms", "measured_step_ms",
+                                                                       "step_time_abs_error_ms", "probes")}
+                        row["cost"] = res.planner["cost"]
+                results[arm] = row
+                _log(f"[{dtype}] prompt {pi} {arm}: {row['tokens_per_second'] or 0:.2f} tok/s"
+                     + (f", accept {row['acceptance_length']:.2f}, blocks {row['block_histogram']}, "
+                        f"repairs {row['oracle_refreshes']}" if arm != "plain" else ""))
+            for arm, row in results.items():
+                row["same_tokens_as_plain"] = row.pop("token_ids") == plain_tokens
+                rows.append({"dtype": dtype, "prompt": pi, "arm": arm, **row})
+    finally:
+        rt.close()
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    out: dict = {}
+    for dtype in sorted({r["dtype"] for r in rows}):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        plain = {r["prompt"]: r["tokens_per_second"] for r in mine if r["arm"] == "plain"}
+        per_arm = {}
+        for arm in dict.fromkeys(r["arm"] for r in mine):
+            rs = [r for r in mine if r["arm"] == arm]
+            tps = [r["tokens_per_second"] for r in rs if r["tokens_per_second"]]
+            ratios = [r["tokens_per_second"] / plain[r["prompt"]] for r in rs
+                      if r["tokens_per_second"] and plain.get(r["prompt"])]
+            hist: dict[str, int] = {}
+            for r in rs:
+                for b, c in (r.get("block_histogram") or {}).items():
+                    hist[b] = hist.get(b, 0) + c
+            s = {
+                "tokens_per_second": statistics.median(tps) if tps else None,
+                "vs_plain": statistics.median(ratios) if ratios else None,
+                "vs_plain_range": [min(ratios), max(ratios)] if ratios else None,
+                "runs": len(rs),
+            }
+            if arm != "plain":
+                acc = [r["acceptance_length"] for r in rs if r.get("acceptance_length")]
+                bpt = [r["bytes_per_committed_token"] for r in rs if r.get("bytes_per_committed_token") is not None]
+                s.update({
+                    "acceptance_length": statistics.median(acc) if acc else None,
+                    "block_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+                    "bytes_per_committed_token": statistics.median(bpt) if bpt else None,
+                    "oracle_refreshes": sum(r.get("oracle_refreshes") or 0 for r in rs),
+                    "oracle_divergences": sum(r.get("oracle_divergences") or 0 for r in rs),
+                })
+            else:
+                bpt = [r["bytes_per_token"] for r in rs]
+                s["bytes_per_token"] = statistics.median(bpt) if bpt else None
+            per_arm[arm] = s
+        checks = {}
+        for p, want in TARGETS.items():
+            got = per_arm.get(f"auto@{p}", {}).get("vs_plain")
+            if got is not None:
+                checks[f"auto@{p}"] = {"target": want, "vs_plain": got, "met": got >= want}
+        out[dtype] = {"arms": per_arm, "targets": checks}
+    return out
+
+
+def markdown(summary: dict) -> str:
+    def f(v, spec=".2f"):
+        return "-" if v is None else format(v, spec)
+
+    lines = []
+    for dtype, s in summary.items():
+        lines += [f"**{dtype}**", "", "| arm | tok/s | vs plain (median, range) | accept len | blocks (B:steps) | MB / committed token | repairs |",
+                  "|---|---:|---:|---:|---|---:|---:|"]
+        for arm, a in s["arms"].items():
+            rng = a["vs_plain_range"]
+            mb = a.get("bytes_per_committed_token", a.get("bytes_per_token"))
+            lines.append(
+                f"| {arm} | {f(a['tokens_per_second'])} | {f(a['vs_plain'])}x"
+                f" ({'-' if rng is None else f'{rng[0]:.2f}-{rng[1]:.2f}'}) | {f(a.get('acceptance_length'))}"
+                f" | {' '.join(f'{b}:{c}' for b, c in (a.get('block_histogram') or {}).items()) or '-'}"
+                f" | {f(None if mb is None else mb / 1e6)} | {a.get('oracle_refreshes', '-')} |")
+        for name, c in s["targets"].items():
+            lines.append(f"\ntarget {name}: {c['vs_plain']:.2f}x against >= {c['target']}x: {'met' if c['met'] else 'NOT met'}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint-dir", type=Path, required=True, help="Target checkpoint (draft in DIR/draft); written if missing.")
+    ap.add_argument("--preset", default="gpt-oss-20b", help="Shape of a checkpoint to write: gpt-oss-20b or tiny.")
+    ap.add_argument("--draft-preset", default=None, help="Draft shape (default: gpt-oss-20b-DFlash, tiny for --preset tiny).")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="Comma-separated compute dtypes, one load each.")
+    ap.add_argument("--acceptance", default="0.9,0.7,0.3", help="Comma-separated oracle acceptance rates P.")
+    ap.add_argument("--blocks", default="2,4,8", help="Fixed block lengths measured next to auto (capped at the draft's).")
+    ap.add_argument("--cache-fraction", type=float, default=0.25)
+    ap.add_argument("--tokens", type=int, default=48, help="Tokens generated per run.")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link.")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    args.acceptance = [float(p) for p in args.acceptance.split(",") if p.strip()]
+    args.blocks = [int(b) for b in args.blocks.split(",") if b.strip()]
+    draft_preset = args.draft_preset or ("tiny" if args.preset == "tiny" else "gpt-oss-20b-DFlash")
+    if not 1 <= args.prompts <= len(PROMPTS):
+        ap.error(f"--prompts must be between 1 and {len(PROMPTS)}")
+    t_start = time.perf_counter()
+    make_s = ensure_checkpoint(args.checkpoint_dir, args.preset, draft_preset, args.seed)
+    from pdflash.draft.config import DFlashConfig
+
+    trained = DFlashConfig.from_dir(args.checkpoint_dir / "draft").block_size
+    rows = []
+    for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+        rows += run_dtype(args, dtype, trained)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    summary = summarise(rows)
+    result = {
+        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                   "draft_preset": draft_preset, "trained_block_size": trained},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "make_checkpoint_seconds": make_s,
+        "wall_seconds": time.perf_counter() - t_start,
+        "summary": summary,
+        "runs": rows,
+        "markdown": markdown(summary),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _log(result["markdown"])
+    _log(f"wrote {args.out} in {result['wall_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""The native CPU expert kernel (``pf_cpu.c``): gpt-oss experts computed on the CPU straight
+from their stored weights (MXFP4 blocks + E8M0 scales, or bf16 / float32 dense weights).
+
+    from pdflash.native.cpu_experts import CpuExperts, ExpertWeights
+    with CpuExperts(threads=8) as k:
+        w = ExpertWeights.mxfp4(gu_blocks, gu_scales, gu_bias, dn_blocks, dn_scales, dn_bias)
+        y = k.forward(w, x)      # x [T, H] float32 or bfloat16, T <= MAX_TOKENS -> y [T, H] float32
+
+``forward`` applies one expert (no routing weight) to up to ``MAX_TOKENS`` tokens; more
+tokens are run in slices of ``MAX_TOKENS``. The call releases the GIL while the C pool
+works. Calls on one ``CpuExperts`` are serialized (one pool); ``close()`` is terminal.
+
+Caller contract: the weight tensors stay alive and unchanged while a call runs (an
+``ExpertWeights`` keeps references to them). The level is the best this CPU runs unless
+``level`` or the environment variable ``PDFLASH_CPU_LEVEL`` (scalar, avx2, avx512,
+avx512_bf16) names a lower one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from pdflash import PdflashError
+from pdflash.native import NativeLibraryMissing
+
+LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+MAX_TOKENS = 16
+
+
+class CpuExpertError(PdflashError):
+    """A CPU expert kernel call was refused (bad weights or input, closed context)."""
+
+
+class CpuLevelUnsupported(CpuExpertError):
+    """The kernel level asked for is not supported by this CPU."""
+
+
+def _load():
+    try:
+        from pdflash.native import _pf_sched  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise NativeLibraryMissing(
+            f"the native library is not built ({exc}); run 'pdflash build-native' or 'pip install -e .'"
+        ) from None
+    if not hasattr(_pf_sched.lib, "pf_cpu_expert"):
+        raise NativeLibraryMissing("the native library predates the CPU expert kernel; run 'pdflash build-native'")
+    return _pf_sched.ffi, _pf_sched.lib
+
+
+def detect_level() -> str:
+    """The best kernel level this CPU runs."""
+    ffi, lib = _load()
+    return LEVELS[lib.pf_cpu_detect()]
+
+
+def supported_levels() -> list[str]:
+    """Every level this CPU runs, lowest first."""
+    return list(LEVELS[: LEVELS.index(detect_level()) + 1])
+
+
+def default_threads() -> int:
+    """Cores this process may run on (the kernel is bandwidth-bound: more threads than cores only add hand-offs)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+_FORMAT = {torch.float32: 0, torch.bfloat16: 1}
+_MXFP4 = 2
+
+
+def _check_tensor(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtypes) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise CpuExpertError(f"{name} must be a torch tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise CpuExpertError(f"{name} must be in host memory, got {t.device}")
+    if t.dtype not in dtypes:
+        raise CpuExpertError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise CpuExpertError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise CpuExpertError(f"{name} must be contiguous")
+
+
+@dataclass
+class ExpertWeights:
+    """One expert's weights as stored (views, no copies). Build with :meth:`mxfp4` or :meth:`dense`.
+
+    MXFP4: blocks [out, in/32, 16] uint8 and scales [out, in/32] uint8 for gate_up (out = 2I,
+    in = H) and down (out = H, in = I). Dense: gate_up [H, 2I] and down [I, H] in bfloat16 or
+    float32 (transformers' layout). Biases [2I] and [H] (float32 or bfloat16, same dtype) or None.
+    ``round_bf16``: round the intermediate results as a bfloat16 model does (see pf_cpu.h).
+    """
+
+    format: int
+    hidden: int
+    inter: int
+    tensors: dict = field(repr=False)
+    alpha: float = 1.702
+    limit: float = 7.0
+    round_bf16: bool = False
+    _struct: object = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def mxfp4(cls, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
+              alpha: float = 1.702, limit: float = 7.0, round_bf16: bool = False) -> "ExpertWeights":
+        if gate_up_blocks.dim() != 3 or down_blocks.dim() != 3:
+            raise CpuExpertError("MXFP4 blocks must be [out, in/32, 16]")
+        two_i, g_h, _ = gate_up_blocks.shape
+        hidden, g_i = down_blocks.shape[0], down_blocks.shape[1]
+        inter = two_i // 2
+        if two_i % 2 or g_h * 32 != hidden or g_i * 32 != inter:
+            raise CpuExpertError(
+                f"MXFP4 shapes do not fit one gpt-oss expert: gate_up {tuple(gate_up_blocks.shape)}, down {tuple(down_blocks.shape)}"
+            )
+        u8 = (torch.uint8,)
+        _check_tensor(gate_up_blocks, "gate_up_blocks", (2 * inter, hidden // 32, 16), u8)
+        _check_tensor(gate_up_scales, "gate_up_scales", (2 * inter, hidden // 32), u8)
+        _check_tensor(down_blocks, "down_blocks", (hidden, inter // 32, 16), u8)
+        _check_tensor(down_scales, "down_scales", (hidden, inter // 32), u8)
+        t = dict(gate_up=gate_up_blocks, gate_up_scales=gate_up_scales, gate_up_bias=gate_up_bias,
+                 down=down_blocks, down_scales=down_scales, down_bias=down_bias)
+        w = cls(_MXFP4, int(hidden), int(inter), t, float(alpha), float(limit), bool(round_bf16))
+        w._check_bias()
+        return w
+
+    @classmethod
+    def dense(cls, gate_up, gate_up_bias, down, down_bias, alpha: float = 1.702, limit: float = 7.0,
+              round_bf16: bool = False) -> "ExpertWeights":
+        if gate_up.dim() != 2 or down.dim() != 2:
+            raise CpuExpertError("dense weights must be gate_up [H, 2I] and down [I, H]")
+        hidden, two_i = gate_up.shape
+        inter = two_i // 2
+        if two_i % 2 or tuple(down.shape) != (inter, hidden):
+            raise CpuExpertError(f"dense shapes do not fit one gpt-oss expert: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
+        if gate_up.dtype not in _FORMAT or down.dtype != gate_up.dtype:
+            raise CpuExpertError(f"dense weights must both be float32 or bfloat16, got {gate_up.dtype} and {down.dtype}")
+        _check_tensor(gate_up, "gate_up", (hidden, 2 * inter), (gate_up.dtype,))
+        _check_tensor(down, "down", (inter, hidden), (gate_up.dtype,))
+        t = dict(gate_up=gate_up, gate_up_scales=None, gate_up_bias=gate_up_bias, down=down, down_scales=None,
+                 down_bias=down_bias)
+        w = cls(_FORMAT[gate_up.dtype], int(hidden), int(inter), t, float(alpha), float(limit), bool(round_bf16))
+        w._check_bias()
+        return w
+
+    def _check_bias(self) -> None:
+        b1, b2 = self.tensors["gate_up_bias"], self.tensors["down_bias"]
+        dts = {b.dtype for b in (b1, b2) if b is not None}
+        if len(dts) > 1 or not dts <= set(_FORMAT):
+            raise CpuExpertError(f"biases must both be float32 or bfloat16, got {sorted(str(d) for d in dts)}")
+        _check_tensor(b1, "gate_up_bias", (2 * self.inter,), tuple(_FORMAT))
+        _check_tensor(b2, "down_bias", (self.hidden,), tuple(_FORMAT))
+
+    @property
+    def bias_format(self) -> int:
+        for name in ("gate_up_bias", "down_bias"):
+            b = self.tensors[name]
+            if b is not None:
+                return _FORMAT[b.dtype]
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads from the weights (blocks, scales, biases)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values() if t is not None)
+
+    def struct(self, ffi):
+        """The pf_cpu_weights struct pointing at the tensors (built once, kept with them)."""
+        if self._struct is None:
+            s = ffi.new("pf_cpu_weights *")
+            s.format = self.format
+            s.bias_format = self.bias_format
+            s.hidden = self.hidden
+            s.inter = self.inter
+            t = self.tensors
+            ptr = lambda name, ctype="void *": ffi.NULL if t[name] is None else ffi.cast(ctype, t[name].data_ptr())  # noqa: E731
+            s.gate_up = ptr("gate_up")
+            s.gate_up_scales = ptr("gate_up_scales", "uint8_t *")
+            s.gate_up_bias = ptr("gate_up_bias")
+            s.down = ptr("down")
+            s.down_scales = ptr("down_scales", "uint8_t *")
+            s.down_bias = ptr("down_bias")
+            s.alpha = self.alpha
+            s.limit = self.limit
+            s.round_bf16 = int(self.round_bf16)
+            self._struct = s
+        return self._struct
+
+
+class CpuExperts:
+    """A pool of ``threads`` threads (the caller included) running the native expert kernel."""
+
+    def __init__(self, threads: int | None = None, level: str | None = None):
+        ffi, lib = _load()
+        self._ffi, self._lib = ffi, lib
+        threads = default_threads() if threads is None else int(threads)
+        if not 1 <= threads <= lib.PF_CPU_MAX_THREADS:
+            raise CpuExpertError(f"threads must be in [1, {lib.PF_CPU_MAX_THREADS}], got {threads}")
+        level = level or os.environ.get("PDFLASH_CPU_LEVEL") or "auto"
+        if level == "auto":
+            code = lib.PF_CPU_LEVEL_AUTO
+        elif level in LEVELS:
+            code = LEVELS.index(level)
+        else:
+            raise CpuExpertError(f"unknown CPU kernel level {level!r}: use auto or one of {', '.join(LEVELS)}")
+        out = ffi.new("pf_cpu **")
+        rc = lib.pf_cpu_create(threads, code, out)
+        if rc == lib.PF_CPU_EUNSUPPORTED:
+            raise CpuLevelUnsupported(f"this CPU cannot run the {level} kernels (best: {detect_level()})")
+        if rc != 0:
+            raise CpuExpertError(f"could not start the CPU expert kernel: {self._strerror(rc)}")
+        self._c = out[0]
+        self.threads = threads
+        self.level = LEVELS[lib.pf_cpu_level(self._c)]
+        self._lock = threading.Lock()  # guards _closed / _active against close() during a call
+        self._idle = threading.Condition(self._lock)
+        self._active = 0
+        self._closed = False
+
+    def _strerror(self, rc: int) -> str:
+        return self._ffi.string(self._lib.pf_cpu_strerror(rc)).decode()
+
+    def forward(self, weights: ExpertWeights, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] (float32 or bfloat16, host, rows contiguous) -> out [T, H] float32 (given or new)."""
+        if not isinstance(weights, ExpertWeights):
+            raise CpuExpertError(f"weights must be an ExpertWeights, got {type(weights).__name__}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != weights.hidden:
+            raise CpuExpertError(f"x must be a [T, {weights.hidden}] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        if x.device.type != "cpu" or x.dtype not in _FORMAT:
+            raise CpuExpertError(f"x must be a float32 or bfloat16 host tensor, got {x.dtype} on {x.device}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        T = x.shape[0]
+        if T < 1:
+            raise CpuExpertError("x has no tokens")
+        if out is None:
+            out = torch.empty((T, weights.hidden), dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (T, weights.hidden) or not out.is_contiguous() or out.device.type != "cpu":
+            raise CpuExpertError(f"out must be a contiguous float32 host tensor of shape {(T, weights.hidden)}")
+        ffi, lib = self._ffi, self._lib
+        s = weights.struct(ffi)
+        c = self._enter()
+        try:
+            for t0 in range(0, T, MAX_TOKENS):
+                n = min(MAX_TOKENS, T - t0)
+                xs, os_ = x[t0 : t0 + n], out[t0 : t0 + n]
+                rc = lib.pf_cpu_expert(c, s, ffi.cast("void *", xs.data_ptr()), _FORMAT[x.dtype], n, x.stride(0),
+                                       ffi.cast("float *", os_.data_ptr()))
+                if rc != 0:
+                    raise CpuExpertError(f"CPU expert kernel: {self._strerror(rc)}")
+        finally:
+            self._leave()
+        return out
+
+    def stream_read(self, buf: torch.Tensor) -> int:
+        """Read a host tensor once with this pool's threads; returns the sum of its 64-bit words
+        (little-endian, modulo 2**64; a trailing partial word zero-padded). For bandwidth measurements."""
+        if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
+            raise CpuExpertError("stream_read needs a contiguous host tensor")
+        ffi, lib = self._ffi, self._lib
+        out = ffi.new("uint64_t *")
+        c = self._enter()
+        try:
+            rc = lib.pf_cpu_stream_read(c, ffi.cast("void *", buf.data_ptr()), buf.numel() * buf.element_size(), out)
+        finally:
+            self._leave()
+        if rc != 0:
+            raise CpuExpertError(f"stream_read: {self._strerror(rc)}")
+        return int(out[0])
+
+    def _enter(self):
+        with self._lock:
+            if self._closed:
+                raise CpuExpertError("the CPU expert kernel is closed; create a new CpuExperts")
+            self._active += 1
+        return self._c
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Terminal and idempotent: waits for calls in progress, then joins the pool and frees it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._active:
+                self._idle.wait()
+            self._lib.pf_cpu_destroy(self._c)
+            self._c = self._ffi.NULL
+
+    def __enter__(self) -> "CpuExperts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # safety net only; close() explicitly
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+__all__ = ["CpuExperts", "CpuExpertError", "CpuLevelUnsupported", "ExpertWeights", "LEVELS", "MAX_TOKENS",
+           "default_threads", "detect_level", "supported_levels"]

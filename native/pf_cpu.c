@@ -1,0 +1,965 @@
+/*
+ * pf_cpu.c: the CPU expert kernel (see pf_cpu.h for the API and its rules).
+ *
+ * Layout of the work:
+ *   prepare   (calling thread) x -> xp: float32 token rows; for MXFP4 gate_up every
+ *             32-element group is reordered [even elements | odd elements], the order in
+ *             which one byte's two nibbles are decoded, so no shuffle is needed per group.
+ *   phase 1   (all threads) each thread computes its range of gate_up outputs for all
+ *             tokens into gu, adds the bias and applies the clamped SwiGLU to its pairs,
+ *             writing h (in the kernel order of the down weights).
+ *   phase 2   (all threads) each thread computes its range of out's features.
+ * Ranges are whole "units" (4 rows for MXFP4, 32 columns for dense weights), so gate /
+ * up pairs never straddle two threads.
+ *
+ * Kernels per level are selected once at create time through function pointers; the
+ * vector variants are compiled with per-function target attributes, so one build runs on
+ * every x86-64 CPU and the level is chosen at run time. Other architectures get the
+ * portable kernels only.
+ */
+#define _GNU_SOURCE
+#include "pf_cpu.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define PF_X86 1
+#include <immintrin.h>
+#else
+#define PF_X86 0
+#endif
+
+#define ALIGN 64
+#define MX_UNIT 4   /* rows per MXFP4 unit */
+#ifndef MX_SUPER
+#define MX_SUPER 8  /* AVX-512: rows per block that all token pairs pass over before the next */
+#endif
+#define DN_UNIT 32  /* columns per dense unit */
+
+static const float FP4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* E8M0 scale s -> 2^(s-127). 2^128 (s = 255) is not a float: its table entry is 2^127 and
+ * the kernels multiply by 2 once more, so w = value * 2^128 as the reference computes it. */
+static float SCALE[256];
+static pthread_once_t scale_once = PTHREAD_ONCE_INIT;
+static void init_scale(void) {
+    for (int s = 0; s < 256; s++) SCALE[s] = ldexpf(1.0f, (s == 255 ? 254 : s) - 127);
+}
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float load_elem(const void *p, int fmt, size_t i) {
+    return fmt == PF_CPU_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* position of element j of an MXFP4-ordered row: [even | odd] within each group of 32 */
+static inline size_t mx_pos(size_t j) {
+    return (j & ~(size_t)31) + ((j & 1) ? 16 : 0) + ((j & 31) >> 1);
+}
+
+/* The AVX-512 kernels read four groups (128 elements, 64 bytes) at once as 16 dwords: nibble
+ * k of dword i is element 8i + k, so the first in/128*128 elements of a row are kept in
+ * chunks of 128 as [k][i] (element 8i + k at 16k + i); the rest per group as mx_pos. */
+static inline size_t mx_pos_chunked(size_t j, size_t in) {
+    if (j < in / 128 * 128) {
+        size_t e = j & 127;
+        return (j & ~(size_t)127) + (e & 7) * 16 + (e >> 3);
+    }
+    return mx_pos(j);
+}
+
+/* ---- kernel signatures ---------------------------------------------------------------
+ * mx_rows: y[t*ys + r] = sum_k W[r][k] x[t][k] for rows r in [r0, r1), tokens 0..T-1.
+ *   blocks/scales: the MXFP4 rows of W (nrows rows of `in` elements, in % 32 == 0);
+ *   xp: T rows of `in` floats in MXFP4 order.
+ * dense_cols: y[t*ys + c] = sum_k x[t][k] W[k][c] for columns c in [c0, c1);
+ *   W [in][ncols] in fmt (PF_CPU_F32 / PF_CPU_BF16); x: T rows of `in` floats.
+ * mx_rows_bf16 (optional): as mx_rows, xp given as bf16 in MXFP4 order. */
+typedef void (*mx_rows_fn)(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
+                           const float *xp, int T, float *y, int ys);
+typedef void (*mx_rows_bf16_fn)(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
+                                const uint16_t *xp, int T, float *y, int ys);
+typedef void (*dense_cols_fn)(const void *w, int fmt, int in, int ncols, int c0, int c1, const float *x, int T,
+                              float *y, int ys);
+
+/* ---- portable kernels ---------------------------------------------------------------- */
+static void mx_rows_scalar(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
+                           const float *xp, int T, float *y, int ys) {
+    const int G = in / 32;
+    (void)nrows;
+    for (int r = r0; r < r1; r++) {
+        float acc[PF_CPU_MAX_TOKENS] = {0};
+        const uint8_t *b = blocks + (size_t)r * G * 16;
+        const uint8_t *s = scales + (size_t)r * G;
+        for (int g = 0; g < G; g++) {
+            float sc = SCALE[s[g]];
+            float two = s[g] == 255 ? 2.0f : 1.0f;
+            float wl[16], wh[16];
+            for (int j = 0; j < 16; j++) {
+                uint8_t v = b[g * 16 + j];
+                wl[j] = FP4[v & 15] * sc * two;
+                wh[j] = FP4[v >> 4] * sc * two;
+            }
+            for (int t = 0; t < T; t++) {
+                const float *xg = xp + (size_t)t * in + (size_t)g * 32;
+                float a = 0.0f;
+                for (int j = 0; j < 16; j++) a += wl[j] * xg[j] + wh[j] * xg[16 + j];
+                acc[t] += a;
+            }
+        }
+        for (int t = 0; t < T; t++) y[(size_t)t * ys + r] = acc[t];
+    }
+}
+
+static void dense_cols_scalar(const void *w, int fmt, int in, int ncols, int c0, int c1, const float *x, int T,
+                              float *y, int ys) {
+    for (int t = 0; t < T; t++) {
+        float *yt = y + (size_t)t * ys;
+        for (int c = c0; c < c1; c++) yt[c] = 0.0f;
+        for (int k = 0; k < in; k++) {
+            float xk = x[(size_t)t * in + k];
+            size_t base = (size_t)k * ncols;
+            if (fmt == PF_CPU_BF16) {
+                const uint16_t *wr = (const uint16_t *)w + base;
+                for (int c = c0; c < c1; c++) yt[c] += xk * bf16_to_f32(wr[c]);
+            } else {
+                const float *wr = (const float *)w + base;
+                for (int c = c0; c < c1; c++) yt[c] += xk * wr[c];
+            }
+        }
+    }
+}
+
+/* sum of the 64-bit words of [p, p + n) (n a multiple of 8) */
+typedef uint64_t (*read_fn)(const uint8_t *p, size_t n);
+
+static uint64_t read_scalar(const uint8_t *p, size_t n) {
+    uint64_t a = 0, b = 0;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        uint64_t x, y;
+        memcpy(&x, p + i, 8);
+        memcpy(&y, p + i + 8, 8);
+        a += x;
+        b += y;
+    }
+    for (; i + 8 <= n; i += 8) {
+        uint64_t x;
+        memcpy(&x, p + i, 8);
+        a += x;
+    }
+    return a + b;
+}
+
+#if PF_X86
+/* ---- AVX2 + FMA ---------------------------------------------------------------------- */
+#define T_AVX2 __attribute__((target("avx2,fma")))
+#define INL static inline __attribute__((always_inline))
+
+/* 8 codes (int32 lanes, 0..15) -> their E2M1 values: magnitude from the low 3 bits, sign bit 3 */
+T_AVX2 INL __m256 fp4_avx2(__m256i code, __m256 mag_lut) {
+    __m256 mag = _mm256_permutevar8x32_ps(mag_lut, code);
+    __m256i sign = _mm256_and_si256(_mm256_slli_epi32(code, 28), _mm256_set1_epi32((int)0x80000000u));
+    return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+}
+
+/* 2 rows (the second clamped to the last row) x TG tokens; results for rows < r_end */
+T_AVX2 INL void mx_block_avx2(const uint8_t *blocks, const uint8_t *scales, int in, int r, int r_end,
+                              const float *xp, int t0, const int TG, float *y, int ys) {
+    const int G = in / 32;
+    const __m256 lut = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256i m4 = _mm256_set1_epi32(15);
+    const uint8_t *bp[2], *sp[2];
+    for (int k = 0; k < 2; k++) {
+        int rr = r + k < r_end ? r + k : r_end - 1;
+        bp[k] = blocks + (size_t)rr * G * 16;
+        sp[k] = scales + (size_t)rr * G;
+    }
+    __m256 acc[2][4];
+#pragma GCC unroll 8
+    for (int k = 0; k < 2; k++)
+#pragma GCC unroll 8
+        for (int t = 0; t < TG; t++) acc[k][t] = _mm256_setzero_ps();
+    const float *x0 = xp + (size_t)t0 * in;
+    for (int g = 0; g < G; g++) {
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            __m256 wl[2], wh[2];
+#pragma GCC unroll 2
+            for (int k = 0; k < 2; k++) {
+                uint8_t s = sp[k][g];
+                __m256 sc = _mm256_set1_ps(SCALE[s] * (s == 255 ? 2.0f : 1.0f));
+                __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp[k] + g * 16 + half * 8)));
+                wl[k] = _mm256_mul_ps(fp4_avx2(_mm256_and_si256(code, m4), lut), sc);
+                wh[k] = _mm256_mul_ps(fp4_avx2(_mm256_srli_epi32(code, 4), lut), sc);
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < TG; t++) {
+                const float *xg = x0 + (size_t)t * in + (size_t)g * 32 + half * 8;
+                __m256 xe = _mm256_loadu_ps(xg), xo = _mm256_loadu_ps(xg + 16);
+#pragma GCC unroll 2
+                for (int k = 0; k < 2; k++) {
+                    acc[k][t] = _mm256_fmadd_ps(wl[k], xe, acc[k][t]);
+                    acc[k][t] = _mm256_fmadd_ps(wh[k], xo, acc[k][t]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++) {
+        if (r + k >= r_end) break;
+#pragma GCC unroll 8
+        for (int t = 0; t < TG; t++) {
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[k][t]), _mm256_extractf128_ps(acc[k][t], 1));
+            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+            y[(size_t)(t0 + t) * ys + r + k] = _mm_cvtss_f32(v);
+        }
+    }
+}
+
+T_AVX2 static void mx_rows_avx2(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
+                                const float *xp, int T, float *y, int ys) {
+    (void)nrows;
+    for (int r = r0; r < r1; r += 2) {
+        for (int t0 = 0; t0 < T; t0 += 4) {
+            switch (T - t0 >= 4 ? 4 : T - t0) {
+            case 4: mx_block_avx2(blocks, scales, in, r, r1, xp, t0, 4, y, ys); break;
+            case 3: mx_block_avx2(blocks, scales, in, r, r1, xp, t0, 3, y, ys); break;
+            case 2: mx_block_avx2(blocks, scales, in, r, r1, xp, t0, 2, y, ys); break;
+            default: mx_block_avx2(blocks, scales, in, r, r1, xp, t0, 1, y, ys); break;
+            }
+        }
+    }
+}
+
+T_AVX2 INL __m256 load8_avx2(const void *w, int fmt, size_t i) {
+    if (fmt == PF_CPU_BF16) {
+        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    }
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+/* 16 columns [c, c+16) x TG tokens */
+T_AVX2 INL void dense_block_avx2(const void *w, int fmt, int in, int ncols, int c, const float *x, int t0,
+                                 const int TG, float *y, int ys) {
+    __m256 acc[4][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < TG; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int k = 0; k < in; k++) {
+        size_t base = (size_t)k * ncols + c;
+        __m256 w0 = load8_avx2(w, fmt, base), w1 = load8_avx2(w, fmt, base + 8);
+#pragma GCC unroll 8
+        for (int t = 0; t < TG; t++) {
+            __m256 xb = _mm256_broadcast_ss(x + (size_t)(t0 + t) * in + k);
+            acc[t][0] = _mm256_fmadd_ps(w0, xb, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(w1, xb, acc[t][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TG; t++) {
+        _mm256_storeu_ps(y + (size_t)(t0 + t) * ys + c, acc[t][0]);
+        _mm256_storeu_ps(y + (size_t)(t0 + t) * ys + c + 8, acc[t][1]);
+    }
+}
+
+T_AVX2 static void dense_cols_avx2(const void *w, int fmt, int in, int ncols, int c0, int c1, const float *x, int T,
+                                   float *y, int ys) {
+    int c = c0;
+    for (; c + 16 <= c1; c += 16) {
+        for (int t0 = 0; t0 < T; t0 += 4) {
+            switch (T - t0 >= 4 ? 4 : T - t0) {
+            case 4: dense_block_avx2(w, fmt, in, ncols, c, x, t0, 4, y, ys); break;
+            case 3: dense_block_avx2(w, fmt, in, ncols, c, x, t0, 3, y, ys); break;
+            case 2: dense_block_avx2(w, fmt, in, ncols, c, x, t0, 2, y, ys); break;
+            default: dense_block_avx2(w, fmt, in, ncols, c, x, t0, 1, y, ys); break;
+            }
+        }
+    }
+    if (c < c1) dense_cols_scalar(w, fmt, in, ncols, c, c1, x, T, y, ys);
+}
+
+T_AVX2 static uint64_t read_avx2(const uint8_t *p, size_t n) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    __m256i a = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, a);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3] + read_scalar(p + i, n - i);
+}
+
+/* ---- AVX-512 ------------------------------------------------------------------------- */
+#define T_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+#define T_BF16 __attribute__((target("avx512f,avx512bf16,avx512vl,avx512bw,avx2,fma")))
+
+/* one group (16 bytes = 32 codes) of one row -> w_lo (even elements), w_hi (odd elements) */
+T_512 INL void mx_decode512(const uint8_t *b, uint8_t s, __m512 lut, __m512 *wl, __m512 *wh) {
+    __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    __m512 sc = _mm512_set1_ps(SCALE[s]);
+    __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(code, _mm512_set1_epi32(15)), lut), sc);
+    __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(code, 4), lut), sc);
+    if (__builtin_expect(s == 255, 0)) {
+        lo = _mm512_mul_ps(lo, _mm512_set1_ps(2.0f));
+        hi = _mm512_mul_ps(hi, _mm512_set1_ps(2.0f));
+    }
+    *wl = lo;
+    *wh = hi;
+}
+
+/* The four E8M0 scales of a chunk as 16 float lanes (lane i: group i / 4). Scales 1..254 are
+ * float exponents as they are; 0 (2^-127, subnormal) and 255 (2^128, past float) are taken
+ * from the table with a second factor of 2 for 255, as the reference computes them. */
+T_512 INL __m512 chunk_scales512(const uint8_t *sp) {
+    uint32_t s4;
+    memcpy(&s4, sp, 4);
+    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    __m512i s = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)s4), shift), _mm512_set1_epi32(255));
+    uint32_t n = ~s4;
+    uint32_t has0 = (s4 - 0x01010101u) & ~s4 & 0x80808080u;
+    uint32_t has255 = (n - 0x01010101u) & ~n & 0x80808080u;
+    if (__builtin_expect((has0 | has255) == 0, 1)) return _mm512_castsi512_ps(_mm512_slli_epi32(s, 23));
+    __m512 v = _mm512_i32gather_ps(s, SCALE, 4);
+    __mmask16 m255 = _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255));
+    return _mm512_mask_mul_ps(v, m255, v, _mm512_set1_ps(2.0f));
+}
+
+/* R rows (clamped to the last) x TG tokens over rows in the chunked order: per chunk, each
+ * lane's unscaled products are summed over its 8 nibbles, then scaled once (an exact power
+ * of two) into the accumulator; the last in % 128 elements go group by group. */
+T_512 INL void mx_block512c(const uint8_t *blocks, const uint8_t *scales, int in, int r, int r_end,
+                            const float *xp, int t0, const int R, const int TG, float *y, int ys) {
+    const int G = in / 32, C = in / 128;
+    const __m512 lut = _mm512_loadu_ps(FP4);
+    const uint8_t *bp[4], *sp[4];
+    for (int k = 0; k < R; k++) {
+        int rr = r + k < r_end ? r + k : r_end - 1;
+        bp[k] = blocks + (size_t)rr * G * 16;
+        sp[k] = scales + (size_t)rr * G;
+    }
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int k = 0; k < R; k++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TG; t++) acc[k][t] = _mm512_setzero_ps();
+    const float *x0 = xp + (size_t)t0 * in;
+    for (int c = 0; c < C; c++) {
+        __m512i v[4];
+        __m512 p[4][4];
+#pragma GCC unroll 4
+        for (int k = 0; k < R; k++) v[k] = _mm512_loadu_si512((const void *)(bp[k] + (size_t)c * 64));
+#pragma GCC unroll 8
+        for (int n = 0; n < 8; n++) {
+            __m512 xv[4];
+#pragma GCC unroll 4
+            for (int t = 0; t < TG; t++) xv[t] = _mm512_loadu_ps(x0 + (size_t)t * in + (size_t)c * 128 + n * 16);
+#pragma GCC unroll 4
+            for (int k = 0; k < R; k++) {
+                __m512 w = _mm512_permutexvar_ps(n ? _mm512_srli_epi32(v[k], 4 * n) : v[k], lut);
+#pragma GCC unroll 4
+                for (int t = 0; t < TG; t++) p[k][t] = n ? _mm512_fmadd_ps(w, xv[t], p[k][t]) : _mm512_mul_ps(w, xv[t]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < R; k++) {
+            __m512 sc = chunk_scales512(sp[k] + (size_t)c * 4);
+#pragma GCC unroll 4
+            for (int t = 0; t < TG; t++) acc[k][t] = _mm512_fmadd_ps(p[k][t], sc, acc[k][t]);
+        }
+    }
+    for (int g = C * 4; g < G; g++) {
+#pragma GCC unroll 4
+        for (int k = 0; k < R; k++) {
+            __m512 wl, wh;
+            mx_decode512(bp[k] + g * 16, sp[k][g], lut, &wl, &wh);
+#pragma GCC unroll 4
+            for (int t = 0; t < TG; t++) {
+                const float *xg = x0 + (size_t)t * in + (size_t)g * 32;
+                acc[k][t] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xg), acc[k][t]);
+                acc[k][t] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xg + 16), acc[k][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < R; k++) {
+        if (r + k >= r_end) break;
+#pragma GCC unroll 4
+        for (int t = 0; t < TG; t++) y[(size_t)(t0 + t) * ys + r + k] = _mm512_reduce_add_ps(acc[k][t]);
+    }
+}
+
+/* xp in the chunked order (mx_pos_chunked). Tokens go in pairs with 4 rows sharing each
+ * token load (measured faster than 2 rows x 4 tokens, which needs more live registers). */
+T_512 static void mx_rows_512(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
+                              const float *xp, int T, float *y, int ys) {
+    (void)nrows;
+    const int RB = MX_SUPER; /* rows whose weights stay in L1 while every token pair passes over them */
+    for (int rb = r0; rb < r1; rb += RB) {
+        int re = rb + RB < r1 ? rb + RB : r1;
+        for (int t0 = 0; t0 < T; t0 += 2) {
+            for (int r = rb; r < re; r += 4) {
+                if (T - t0 >= 2)
+                    mx_block512c(blocks, scales, in, r, re, xp, t0, 4, 2, y, ys);
+                else
+                    mx_block512c(blocks, scales, in, r, re, xp, t0, 4, 1, y, ys);
+            }
+        }
+    }
+}
+
+/* bf16 dot products: the group's 32 decoded weights packed as bf16 [even | odd] (exact:
+ * an E2M1 value times a power of two has at most 2 significant bits) against x in the
+ * same order; vdpbf16ps sums each adjacent pair into float32 lanes. 4 rows x TG tokens. */
+T_BF16 INL void mx_block_bf16(const uint8_t *blocks, const uint8_t *scales, int in, int r, int r_end,
+                              const uint16_t *xp, int t0, const int TG, float *y, int ys) {
+    const int G = in / 32;
+    const __m512 lut = _mm512_loadu_ps(FP4);
+    const uint8_t *bp[4], *sp[4];
+    for (int k = 0; k < 4; k++) {
+        int rr = r + k < r_end ? r + k : r_end - 1;
+        bp[k] = blocks + (size_t)rr * G * 16;
+        sp[k] = scales + (size_t)rr * G;
+    }
+    __m512 acc[4][8];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++)
+#pragma GCC unroll 8
+        for (int t = 0; t < TG; t++) acc[k][t] = _mm512_setzero_ps();
+    const uint16_t *x0 = xp + (size_t)t0 * in;
+    for (int g = 0; g < G; g++) {
+        __m512bh wb[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            __m512 wl, wh;
+            mx_decode512(bp[k] + g * 16, sp[k][g], lut, &wl, &wh);
+            wb[k] = _mm512_cvtne2ps_pbh(wh, wl); /* low half: wl (even elements), high half: wh */
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < TG; t++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x0 + (size_t)t * in + (size_t)g * 32));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) acc[k][t] = _mm512_dpbf16_ps(acc[k][t], wb[k], xv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        if (r + k >= r_end) break;
+#pragma GCC unroll 8
+        for (int t = 0; t < TG; t++) y[(size_t)(t0 + t) * ys + r + k] = _mm512_reduce_add_ps(acc[k][t]);
+    }
+}
+
+T_BF16 static void mx_rows_bf16(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
+                                const uint16_t *xp, int T, float *y, int ys) {
+    (void)nrows;
+    for (int r = r0; r < r1; r += 4) {
+        for (int t0 = 0; t0 < T; t0 += 4) {
+            switch (T - t0 >= 4 ? 4 : T - t0) {
+            case 4: mx_block_bf16(blocks, scales, in, r, r1, xp, t0, 4, y, ys); break;
+            case 3: mx_block_bf16(blocks, scales, in, r, r1, xp, t0, 3, y, ys); break;
+            case 2: mx_block_bf16(blocks, scales, in, r, r1, xp, t0, 2, y, ys); break;
+            default: mx_block_bf16(blocks, scales, in, r, r1, xp, t0, 1, y, ys); break;
+            }
+        }
+    }
+}
+
+T_512 INL __m512 load16_512(const void *w, int fmt, size_t i, __mmask16 m) {
+    if (fmt == PF_CPU_BF16) {
+        __m256i v = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    }
+    return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+}
+
+/* 32 columns [c, c + 32) (masked past c_end) x TG tokens */
+T_512 INL void dense_block512(const void *w, int fmt, int in, int ncols, int c, int c_end, const float *x, int t0,
+                              const int TG, float *y, int ys) {
+    int n0 = c_end - c >= 16 ? 16 : c_end - c;
+    int n1 = c_end - c - 16 >= 16 ? 16 : (c_end - c - 16 > 0 ? c_end - c - 16 : 0);
+    __mmask16 m0 = (__mmask16)((1u << n0) - 1u), m1 = (__mmask16)((1u << n1) - 1u);
+    __m512 acc[8][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < TG; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int k = 0; k < in; k++) {
+        size_t base = (size_t)k * ncols + c;
+        __m512 w0 = load16_512(w, fmt, base, m0), w1 = load16_512(w, fmt, base + 16, m1);
+#pragma GCC unroll 8
+        for (int t = 0; t < TG; t++) {
+            __m512 xb = _mm512_set1_ps(x[(size_t)(t0 + t) * in + k]);
+            acc[t][0] = _mm512_fmadd_ps(w0, xb, acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(w1, xb, acc[t][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TG; t++) {
+        _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * ys + c, m0, acc[t][0]);
+        _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * ys + c + 16, m1, acc[t][1]);
+    }
+}
+
+T_512 static void dense_cols_512(const void *w, int fmt, int in, int ncols, int c0, int c1, const float *x, int T,
+                                 float *y, int ys) {
+    for (int c = c0; c < c1; c += 32) {
+        for (int t0 = 0; t0 < T; t0 += 8) {
+            switch (T - t0 >= 8 ? 8 : T - t0) {
+            case 8: dense_block512(w, fmt, in, ncols, c, c1, x, t0, 8, y, ys); break;
+            case 7: dense_block512(w, fmt, in, ncols, c, c1, x, t0, 7, y, ys); break;
+            case 6: dense_block512(w, fmt, in, ncols, c, c1, x, t0, 6, y, ys); break;
+            case 5: dense_block512(w, fmt, in, ncols, c, c1, x, t0, 5, y, ys); break;
+            case 4: dense_block512(w, fmt, in, ncols, c, c1, x, t0, 4, y, ys); break;
+            case 3: dense_block512(w, fmt, in, ncols, c, c1, x, t0, 3, y, ys); break;
+            case 2: dense_block512(w, fmt, in, ncols, c, c1, x, t0, 2, y, ys); break;
+            default: dense_block512(w, fmt, in, ncols, c, c1, x, t0, 1, y, ys); break;
+            }
+        }
+    }
+}
+T_512 static uint64_t read_512(const uint8_t *p, size_t n) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        a0 = _mm512_add_epi64(a0, _mm512_loadu_si512((const void *)(p + i)));
+        a1 = _mm512_add_epi64(a1, _mm512_loadu_si512((const void *)(p + i + 64)));
+        a2 = _mm512_add_epi64(a2, _mm512_loadu_si512((const void *)(p + i + 128)));
+        a3 = _mm512_add_epi64(a3, _mm512_loadu_si512((const void *)(p + i + 192)));
+    }
+    __m512i a = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));
+    return (uint64_t)_mm512_reduce_add_epi64(a) + read_scalar(p + i, n - i);
+}
+#endif /* PF_X86 */
+
+/* ---- dispatch ------------------------------------------------------------------------ */
+int pf_cpu_detect(void) {
+#if PF_X86
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    int a512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+    if (a512 && __builtin_cpu_supports("avx512bf16")) return PF_CPU_LEVEL_AVX512_BF16;
+    if (a512) return PF_CPU_LEVEL_AVX512;
+    if (avx2) return PF_CPU_LEVEL_AVX2;
+#endif
+    return PF_CPU_LEVEL_SCALAR;
+}
+
+const char *pf_cpu_level_name(int level) {
+    switch (level) {
+    case PF_CPU_LEVEL_SCALAR: return "scalar";
+    case PF_CPU_LEVEL_AVX2: return "avx2";
+    case PF_CPU_LEVEL_AVX512: return "avx512";
+    case PF_CPU_LEVEL_AVX512_BF16: return "avx512_bf16";
+    default: return "unknown";
+    }
+}
+
+const char *pf_cpu_strerror(int code) {
+    switch (code) {
+    case PF_CPU_OK: return "ok";
+    case PF_CPU_EINVAL: return "invalid argument";
+    case PF_CPU_ENOMEM: return "out of memory";
+    case PF_CPU_ETHREAD: return "could not start a worker thread";
+    case PF_CPU_EUNSUPPORTED: return "this CPU does not support the requested kernel level";
+    default: return "unknown error";
+    }
+}
+
+/* ---- the context and its pool --------------------------------------------------------- */
+typedef struct job {
+    const pf_cpu_weights *w;
+    int T;
+    const uint8_t *rbuf; /* phase 3: the buffer, its size (a multiple of 8), per-thread sums */
+    size_t rbytes;
+    uint64_t *rsum;
+    int bf16_x;         /* phase 1 uses the bf16 MXFP4 kernel (xb) */
+    float *out;
+} job;
+
+struct pf_cpu {
+    int level;
+    int threads;
+    mx_rows_fn mx_rows;
+    mx_rows_bf16_fn mx_rows_bf16; /* NULL below PF_CPU_LEVEL_AVX512_BF16 */
+    dense_cols_fn dense_cols;
+    read_fn read;
+    int chunked;                  /* mx_rows reads rows in the chunked order (mx_pos_chunked) */
+
+    pthread_mutex_t call_mu;      /* serializes pf_cpu_expert; guards the scratch buffers */
+
+    pthread_mutex_t mu;           /* guards gen, phase, left, done, stop and the job (written before gen++) */
+    pthread_cond_t work_cv;       /* workers: a new generation or stop */
+    pthread_cond_t done_cv;       /* caller: the job's last phase has ended */
+    uint64_t gen;                 /* incremented each time a phase starts */
+    int phase;                    /* the phase running now */
+    int last_phase;               /* the job ends after this phase */
+    int left;                     /* threads still running the current phase */
+    int done;                     /* the job has ended */
+    int stop;
+    job cur;
+
+    pthread_t *tids;              /* owned; tids[i] runs as thread i + 1 */
+    int started;
+
+    /* scratch, owned, 64-byte aligned, grown under call_mu; sizes in floats */
+    float *xp;   size_t xp_cap;   /* T * H: x in kernel order (float32) */
+    uint16_t *xb; size_t xb_cap;  /* T * H: x in MXFP4 order as bf16 (bf16 kernel only) */
+    float *gu;   size_t gu_cap;   /* T * 2I */
+    float *h;    size_t h_cap;    /* T * I: SwiGLU output in the down weights' kernel order */
+};
+
+struct worker_arg {
+    pf_cpu *c;
+    int idx;
+};
+
+static void split(int n_items, int unit, int nthreads, int idx, int *lo, int *hi) {
+    int units = (n_items + unit - 1) / unit;
+    int a = (int)((long long)units * idx / nthreads), b = (int)((long long)units * (idx + 1) / nthreads);
+    *lo = a * unit < n_items ? a * unit : n_items;
+    *hi = b * unit < n_items ? b * unit : n_items;
+}
+
+/* float32 -> the nearest bfloat16 (ties to even), returned as float32; NaN stays NaN */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* the SwiGLU of a bfloat16 model: every operation's result rounded to bfloat16 */
+static inline float swiglu_bf16(float gate, float up, float alpha, float limit) {
+    gate = gate > limit ? limit : gate;
+    up = up > limit ? limit : (up < -limit ? -limit : up);
+    float ga = round_bf16(gate * alpha);
+    float sg = round_bf16(1.0f / (1.0f + expf(-ga)));
+    float glu = round_bf16(gate * sg);
+    return round_bf16(round_bf16(up + 1.0f) * glu);
+}
+
+static inline float swiglu(float gate, float up, float alpha, float limit) {
+    gate = gate > limit ? limit : gate;                            /* NaN stays NaN, as torch.clamp */
+    up = up > limit ? limit : (up < -limit ? -limit : up);
+    float glu = gate * (1.0f / (1.0f + expf(-(gate * alpha))));
+    return (up + 1.0f) * glu;
+}
+
+static void run_part(pf_cpu *c, int idx, int phase) {
+    const job *j = &c->cur;
+    if (phase == 3) {
+        size_t words = j->rbytes / 8, a = words * idx / c->threads, b = words * (idx + 1) / c->threads;
+        j->rsum[idx] = c->read(j->rbuf + a * 8, (b - a) * 8);
+        return;
+    }
+    const pf_cpu_weights *w = j->w;
+    const int H = w->hidden, I = w->inter, T = j->T, n = c->threads;
+    const int mx = w->format == PF_CPU_MXFP4;
+    int lo, hi;
+    if (phase == 1) {
+        split(2 * I, mx ? MX_UNIT : DN_UNIT, n, idx, &lo, &hi);
+        if (lo >= hi) return;
+        if (mx && j->bf16_x)
+            c->mx_rows_bf16((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xb, T, c->gu, 2 * I);
+        else if (mx)
+            c->mx_rows((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xp, T, c->gu, 2 * I);
+        else
+            c->dense_cols(w->gate_up, w->format, H, 2 * I, lo, hi, c->xp, T, c->gu, 2 * I);
+        for (int t = 0; t < T; t++) {
+            const float *g = c->gu + (size_t)t * 2 * I;
+            float *ht = c->h + (size_t)t * I;
+            for (int k = lo / 2; k < hi / 2; k++) {
+                float gate = g[2 * k], up = g[2 * k + 1], hv;
+                if (w->round_bf16) {
+                    gate = round_bf16(gate);
+                    up = round_bf16(up);
+                    if (w->gate_up_bias) {
+                        gate = round_bf16(gate + round_bf16(load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k)));
+                        up = round_bf16(up + round_bf16(load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k + 1)));
+                    }
+                    hv = swiglu_bf16(gate, up, w->alpha, w->limit);
+                } else {
+                    if (w->gate_up_bias) {
+                        gate += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k);
+                        up += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k + 1);
+                    }
+                    hv = swiglu(gate, up, w->alpha, w->limit);
+                }
+                ht[!mx ? (size_t)k : c->chunked ? mx_pos_chunked((size_t)k, (size_t)I) : mx_pos((size_t)k)] = hv;
+            }
+        }
+    } else {
+        split(H, mx ? MX_UNIT : DN_UNIT, n, idx, &lo, &hi);
+        if (lo >= hi) return;
+        if (mx)
+            c->mx_rows((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->h, T, j->out, H);
+        else
+            c->dense_cols(w->down, w->format, I, H, lo, hi, c->h, T, j->out, H);
+        for (int t = 0; t < T; t++) {
+            float *ot = j->out + (size_t)t * H;
+            if (w->round_bf16) {
+                for (int o = lo; o < hi; o++) {
+                    float v = round_bf16(ot[o]);
+                    if (w->down_bias) v = round_bf16(v + round_bf16(load_elem(w->down_bias, w->bias_format, (size_t)o)));
+                    ot[o] = v;
+                }
+            } else if (w->down_bias) {
+                for (int o = lo; o < hi; o++) ot[o] += load_elem(w->down_bias, w->bias_format, (size_t)o);
+            }
+        }
+    }
+}
+
+/* A thread (under c->mu) has finished its part of the current phase. The last one to finish
+ * starts the next phase at once (a new generation; it carries on without sleeping) or ends
+ * the job; returns 1 if it started a new phase. */
+static int finish_part(pf_cpu *c) {
+    if (--c->left > 0) return 0;
+    if (c->phase < c->last_phase) {
+        c->phase++;
+        c->left = c->threads;
+        c->gen++;
+        pthread_cond_broadcast(&c->work_cv);
+        return 1;
+    }
+    c->done = 1;
+    pthread_cond_signal(&c->done_cv);
+    return 0;
+}
+
+static void *worker_main(void *p) {
+    struct worker_arg a = *(struct worker_arg *)p;
+    free(p);
+    pf_cpu *c = a.c;
+    pthread_mutex_lock(&c->mu);
+    uint64_t seen = 0; /* workers start before the first job: generation 0 is "no job" */
+    for (;;) {
+        while (!c->stop && c->gen == seen) pthread_cond_wait(&c->work_cv, &c->mu);
+        if (c->stop) break;
+        seen = c->gen;
+        int phase = c->phase;
+        pthread_mutex_unlock(&c->mu);
+        run_part(c, a.idx, phase);
+        pthread_mutex_lock(&c->mu);
+        if (finish_part(c)) seen = c->gen - 1; /* it started the next phase: run it too */
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* Run phases first..last of c->cur on every thread (the caller is thread 0); return when the
+ * last phase has ended everywhere. Between phases no thread returns to the caller: the last
+ * thread to finish a phase starts the next. */
+static void run_job(pf_cpu *c, int first, int last) {
+    pthread_mutex_lock(&c->mu);
+    c->phase = first;
+    c->last_phase = last;
+    c->left = c->threads;
+    c->done = 0;
+    c->gen++;
+    if (c->threads > 1) pthread_cond_broadcast(&c->work_cv);
+    uint64_t seen = c->gen - 1;
+    for (;;) {
+        while (!c->done && c->gen == seen) pthread_cond_wait(&c->work_cv, &c->mu);
+        if (c->done) break;
+        seen = c->gen;
+        int phase = c->phase;
+        pthread_mutex_unlock(&c->mu);
+        run_part(c, 0, phase);
+        pthread_mutex_lock(&c->mu);
+        if (finish_part(c)) seen = c->gen - 1;
+        else if (c->phase == c->last_phase) { /* its share of the last phase is done: wait for the rest */
+            while (!c->done) pthread_cond_wait(&c->done_cv, &c->mu);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void stop_workers(pf_cpu *c) {
+    pthread_mutex_lock(&c->mu);
+    c->stop = 1;
+    pthread_cond_broadcast(&c->work_cv);
+    pthread_mutex_unlock(&c->mu);
+    for (int i = 0; i < c->started; i++) pthread_join(c->tids[i], NULL);
+    c->started = 0;
+}
+
+int pf_cpu_create(int threads, int level, pf_cpu **out) {
+    if (!out) return PF_CPU_EINVAL;
+    *out = NULL;
+    if (threads < 1 || threads > PF_CPU_MAX_THREADS) return PF_CPU_EINVAL;
+    int best = pf_cpu_detect();
+    if (level == PF_CPU_LEVEL_AUTO) level = best;
+    if (level < PF_CPU_LEVEL_SCALAR || level > PF_CPU_LEVEL_AVX512_BF16) return PF_CPU_EINVAL;
+    if (level > best) return PF_CPU_EUNSUPPORTED;
+    pthread_once(&scale_once, init_scale);
+
+    pf_cpu *c = calloc(1, sizeof *c);
+    if (!c) return PF_CPU_ENOMEM;
+    c->level = level;
+    c->threads = threads;
+    c->mx_rows = mx_rows_scalar;
+    c->dense_cols = dense_cols_scalar;
+    c->read = read_scalar;
+#if PF_X86
+    if (level >= PF_CPU_LEVEL_AVX2) {
+        c->mx_rows = mx_rows_avx2;
+        c->dense_cols = dense_cols_avx2;
+        c->read = read_avx2;
+    }
+    if (level >= PF_CPU_LEVEL_AVX512) {
+        c->mx_rows = mx_rows_512;
+        c->dense_cols = dense_cols_512;
+        c->read = read_512;
+        c->chunked = 1;
+    }
+    if (level >= PF_CPU_LEVEL_AVX512_BF16) c->mx_rows_bf16 = mx_rows_bf16;
+#endif
+    if (threads > 1) {
+        c->tids = calloc((size_t)threads - 1, sizeof *c->tids);
+        if (!c->tids) {
+            free(c);
+            return PF_CPU_ENOMEM;
+        }
+    }
+    pthread_mutex_init(&c->call_mu, NULL);
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->work_cv, NULL);
+    pthread_cond_init(&c->done_cv, NULL);
+    for (int i = 1; i < threads; i++) {
+        struct worker_arg *a = malloc(sizeof *a); /* owned by the worker once it has started */
+        int rc = ENOMEM;
+        if (a) {
+            a->c = c;
+            a->idx = i;
+            rc = pthread_create(&c->tids[i - 1], NULL, worker_main, a);
+        }
+        if (rc != 0) {
+            free(a);
+            pf_cpu_destroy(c);
+            return rc == ENOMEM ? PF_CPU_ENOMEM : PF_CPU_ETHREAD;
+        }
+        c->started++;
+    }
+    *out = c;
+    return PF_CPU_OK;
+}
+
+void pf_cpu_destroy(pf_cpu *c) {
+    if (!c) return;
+    stop_workers(c);
+    pthread_cond_destroy(&c->done_cv);
+    pthread_cond_destroy(&c->work_cv);
+    pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->call_mu);
+    free(c->tids);
+    free(c->xp);
+    free(c->xb);
+    free(c->gu);
+    free(c->h);
+    free(c);
+}
+
+int pf_cpu_level(const pf_cpu *c) { return c ? c->level : PF_CPU_EINVAL; }
+int pf_cpu_threads(const pf_cpu *c) { return c ? c->threads : PF_CPU_EINVAL; }
+
+/* grow *buf to at least n elements of `size` bytes (contents not kept) */
+static int reserve(void **buf, size_t *cap, size_t n, size_t size) {
+    if (*cap >= n) return 0;
+    size_t bytes = (n * size + ALIGN - 1) / ALIGN * ALIGN;
+    void *p = aligned_alloc(ALIGN, bytes);
+    if (!p) return -1;
+    free(*buf);
+    *buf = p;
+    *cap = n;
+    return 0;
+}
+
+static int check_weights(const pf_cpu_weights *w) {
+    if (!w || w->hidden < 1 || w->inter < 1 || !w->gate_up || !w->down) return 0;
+    if (w->hidden > (1 << 24) || w->inter > (1 << 24)) return 0;
+    if (w->bias_format != PF_CPU_F32 && w->bias_format != PF_CPU_BF16) return 0;
+    if (w->round_bf16 != 0 && w->round_bf16 != 1) return 0;
+    if (w->format == PF_CPU_MXFP4)
+        return w->hidden % 32 == 0 && w->inter % 32 == 0 && w->gate_up_scales && w->down_scales;
+    return w->format == PF_CPU_F32 || w->format == PF_CPU_BF16;
+}
+
+int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_format, int tokens, int x_stride,
+                  float *out) {
+    if (!c || !x || !out || !check_weights(w)) return PF_CPU_EINVAL;
+    if (tokens < 1 || tokens > PF_CPU_MAX_TOKENS || x_stride < w->hidden) return PF_CPU_EINVAL;
+    if (x_format != PF_CPU_F32 && x_format != PF_CPU_BF16) return PF_CPU_EINVAL;
+    const int H = w->hidden, I = w->inter, T = tokens, mx = w->format == PF_CPU_MXFP4;
+    /* bf16 dot products pay off from 3 tokens on; below, the chunked float32 kernel decodes less per weight */
+    const int bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL && tokens >= 3;
+
+    pthread_mutex_lock(&c->call_mu);
+    int bad = reserve((void **)&c->xp, &c->xp_cap, (size_t)T * H, sizeof(float)) ||
+              reserve((void **)&c->gu, &c->gu_cap, (size_t)T * 2 * I, sizeof(float)) ||
+              reserve((void **)&c->h, &c->h_cap, (size_t)T * I, sizeof(float)) ||
+              (bf16_x && reserve((void **)&c->xb, &c->xb_cap, (size_t)T * H, sizeof(uint16_t)));
+    if (bad) {
+        pthread_mutex_unlock(&c->call_mu);
+        return PF_CPU_ENOMEM;
+    }
+    /* x -> kernel order */
+    for (int t = 0; t < T; t++) {
+        if (bf16_x) {
+            const uint16_t *xt = (const uint16_t *)x + (size_t)t * x_stride;
+            uint16_t *dt = c->xb + (size_t)t * H;
+            for (int k = 0; k < H; k++) dt[mx_pos((size_t)k)] = xt[k];
+            continue;
+        }
+        float *dt = c->xp + (size_t)t * H;
+        for (int k = 0; k < H; k++) {
+            float v = load_elem(x, x_format, (size_t)t * x_stride + k);
+            dt[!mx ? (size_t)k : c->chunked ? mx_pos_chunked((size_t)k, (size_t)H) : mx_pos((size_t)k)] = v;
+        }
+    }
+    c->cur = (job){.w = w, .T = T, .bf16_x = bf16_x, .out = out};
+    run_job(c, 1, 2);
+    c->cur = (job){0};
+    pthread_mutex_unlock(&c->call_mu);
+    return PF_CPU_OK;
+}
+
+int pf_cpu_stream_read(pf_cpu *c, const void *buf, size_t nbytes, uint64_t *sum) {
+    if (!c || !buf || !sum) return PF_CPU_EINVAL;
+    uint64_t *parts = calloc((size_t)c->threads, sizeof *parts); /* owned here, one slot per thread */
+    if (!parts) return PF_CPU_ENOMEM;
+    pthread_mutex_lock(&c->call_mu);
+    size_t whole = nbytes / 8 * 8;
+    c->cur = (job){.rbuf = (const uint8_t *)buf, .rbytes = whole, .rsum = parts};
+    run_job(c, 3, 3);
+    c->cur = (job){0};
+    pthread_mutex_unlock(&c->call_mu);
+    uint64_t total = 0;
+    for (int i = 0; i < c->threads; i++) total += parts[i];
+    if (whole < nbytes) { /* the last few bytes, as one zero-padded word */
+        uint64_t tail = 0;
+        memcpy(&tail, (const uint8_t *)buf + whole, nbytes - whole);
+        total += tail;
+    }
+    free(parts);
+    *sum = total;
+    return PF_CPU_OK;
+}

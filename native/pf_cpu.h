@@ -1,0 +1,126 @@
+/*
+ * pf_cpu: gpt-oss expert maths on the CPU, straight from the stored weights.
+ *
+ * For one expert and 1..PF_CPU_MAX_TOKENS tokens routed to it:
+ *   gate_up = x @ W1 + b1            W1: 2I outputs; gate = even outputs, up = odd ones
+ *   gate = min(gate, limit); up = clamp(up, -limit, limit)
+ *   h = (up + 1) * gate * sigmoid(alpha * gate)       [T, I]
+ *   out = h @ W2 + b2                 W2: H outputs        [T, H]
+ * The weights are read where they are stored (the packed host store rows): MXFP4 blocks
+ * and E8M0 scales are decoded in registers, never into a dequantized copy; bf16 and
+ * float32 dense weights are widened in registers. Everything accumulates in float32.
+ * The routing weight of each token is not applied here (the caller scales the rows).
+ * With round_bf16 the intermediate results are rounded to bfloat16 where a bfloat16 model
+ * (transformers' GptOssExperts in bf16) rounds them: each projection's float32 sum, the bias
+ * additions and every SwiGLU step; the output rows are then bf16 values held in float32.
+ *
+ * Work split: the output features of gate_up, then those of down, are divided into
+ * contiguous ranges, one per thread; each thread reads only its slice of the weights and
+ * computes it for all tokens at once, so a call reads each weight byte once whatever the
+ * token count. The two phases are separated by one hand-off (the down projection needs
+ * all of h).
+ *
+ * Threads: a pf_cpu owns a pool of (threads - 1) worker threads; the calling thread is
+ * the pool's thread 0. Idle workers sleep on a condition variable (no spinning).
+ * pf_cpu_expert calls on the same pf_cpu are serialized by a mutex; use one pf_cpu per
+ * concurrent caller to run experts in parallel.
+ *
+ * Ownership: the pf_cpu owns its threads and its scratch buffers (the token rows in
+ * kernel order, gate_up and h: T * (H + 3I) floats, grown on demand, freed by
+ * pf_cpu_destroy). It never owns the weights, x or out: the caller keeps them alive and
+ * unchanged for the duration of the call; out is written, never read, and must not
+ * overlap x or the weights. Nothing is kept after a call returns.
+ *
+ * Errors: functions return PF_CPU_OK (0) or a negative PF_CPU_E* code;
+ * pf_cpu_strerror names it. A failed call writes nothing to out.
+ *
+ * CPU dispatch: the kernels of every level are compiled into the one library; the level
+ * is chosen at pf_cpu_create (PF_CPU_LEVEL_AUTO: the best this CPU runs) and may be
+ * forced lower for testing. Levels: portable C; AVX2 + FMA; AVX-512 (F, BW, VL); AVX512_BF16
+ * (the AVX-512 kernels, plus bf16 dot products for MXFP4 weights when x is given in bf16 and
+ * there are 3 or more tokens: the products are exact, both factors being bf16 values).
+ */
+#ifndef PF_CPU_H
+#define PF_CPU_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#define PF_CPU_MAX_TOKENS 16
+#define PF_CPU_MAX_THREADS 256
+
+/* dispatch levels */
+#define PF_CPU_LEVEL_AUTO -1
+#define PF_CPU_LEVEL_SCALAR 0
+#define PF_CPU_LEVEL_AVX2 1
+#define PF_CPU_LEVEL_AVX512 2
+#define PF_CPU_LEVEL_AVX512_BF16 3
+
+/* element formats */
+#define PF_CPU_F32 0
+#define PF_CPU_BF16 1
+#define PF_CPU_MXFP4 2
+
+/* error codes (negative) */
+#define PF_CPU_OK 0
+#define PF_CPU_EINVAL -1       /* bad argument: NULL pointer, size, format, token count */
+#define PF_CPU_ENOMEM -2       /* a scratch buffer could not be allocated */
+#define PF_CPU_ETHREAD -3      /* a worker thread could not be started */
+#define PF_CPU_EUNSUPPORTED -4 /* the level asked for is not supported by this CPU */
+
+typedef struct pf_cpu pf_cpu;
+
+/* One expert's weights, as stored. Pointers are borrowed for the duration of a call.
+ * MXFP4 (format PF_CPU_MXFP4), output-major as in the checkpoint:
+ *   gate_up: blocks uint8 [2I][H/32][16] (two E2M1 codes a byte, low nibble first),
+ *   gate_up_scales: uint8 [2I][H/32] (E8M0: 2^(s-127)); down: [H][I/32][16], down_scales
+ *   [H][I/32]. H and I must be multiples of 32.
+ * Dense (PF_CPU_BF16 or PF_CPU_F32), input-major as transformers keeps them:
+ *   gate_up [H][2I], down [I][H]; the scale pointers are NULL. Any H, I >= 1.
+ * Biases: [2I] and [H] in bias_format (PF_CPU_F32 or PF_CPU_BF16), or NULL for none. */
+typedef struct pf_cpu_weights {
+    int format;
+    int bias_format;
+    int hidden;                    /* H */
+    int inter;                     /* I */
+    const void *gate_up;
+    const uint8_t *gate_up_scales;
+    const void *gate_up_bias;
+    const void *down;
+    const uint8_t *down_scales;
+    const void *down_bias;
+    float alpha;                   /* gpt-oss: 1.702 */
+    float limit;                   /* gpt-oss: 7.0 */
+    int round_bf16;                /* 1: round like a bfloat16 model (below); 0: float32 throughout */
+} pf_cpu_weights;
+
+/* Best level this CPU (and OS) runs. */
+int pf_cpu_detect(void);
+
+/* Start a context with `threads` threads in all (1..PF_CPU_MAX_THREADS; the caller counts
+ * as one) at `level` (PF_CPU_LEVEL_AUTO or a level <= pf_cpu_detect()). On success *out
+ * owns the pool; release it with pf_cpu_destroy. On failure *out is NULL. */
+int pf_cpu_create(int threads, int level, pf_cpu **out);
+
+/* Stop and join the workers and free everything. Exactly once, when no call is running. */
+void pf_cpu_destroy(pf_cpu *c);
+
+int pf_cpu_level(const pf_cpu *c);
+int pf_cpu_threads(const pf_cpu *c);
+
+/* out[T][H] (float32, row-major) = the expert applied to x[T][H] (x_format PF_CPU_F32
+ * or PF_CPU_BF16, row-major, rows x_stride elements apart, x_stride >= H), 1 <= T <=
+ * PF_CPU_MAX_TOKENS. Blocks (GIL released by the Python binding) until done. */
+int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_format, int tokens,
+                  int x_stride, float *out);
+
+/* Read nbytes at buf once with the pool's threads (each thread one contiguous slice, the
+ * widest loads of the context's level) and store a checksum of the bytes in *sum: the
+ * streaming read bandwidth of the same threads, for comparing the kernel against. Serialized
+ * with pf_cpu_expert. */
+int pf_cpu_stream_read(pf_cpu *c, const void *buf, size_t nbytes, uint64_t *sum);
+
+const char *pf_cpu_strerror(int code);
+const char *pf_cpu_level_name(int level);
+
+#endif /* PF_CPU_H */

@@ -1,0 +1,400 @@
+/*
+ * cpu_stress.c: correctness and concurrency test of pf_cpu (C11 + pthreads).
+ *
+ * Built with pf_cpu.c by `make stress-asan` / `make stress-tsan` (or plainly:
+ * cc -std=c11 -O2 -pthread -Inative native/stress/cpu_stress.c native/pf_cpu.c -lm).
+ *
+ *   cpu_stress [--quick] [--seed N]
+ *
+ * Phases:
+ *   api       caller mistakes give PF_CPU_EINVAL / PF_CPU_EUNSUPPORTED and write nothing;
+ *             create / destroy cycles at every thread count (init / close symmetry).
+ *   levels    every level this CPU runs, 1..5 threads, random MXFP4 / bf16 / f32 experts
+ *             of random sizes (with and without biases, a third rounded like a bf16 model:
+ *             every output a bf16 value), 1..16 tokens in f32 or bf16,
+ *             against a double-precision reference written here from the format's
+ *             definition (E2M1 table, 2^(s-127) scales, clamped SwiGLU).
+ *   shared    several threads call one context at once (calls are serialized) and their
+ *             own contexts, each checking its results; contexts are created and destroyed
+ *             while others run.
+ *
+ * Exit 0 only if every check held; the last line is "cpu_stress: N passed, M failed".
+ */
+#define _GNU_SOURCE
+#include "pf_cpu.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int passed, failed;
+static pthread_mutex_t count_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void count(int ok, const char *what) {
+    pthread_mutex_lock(&count_mu);
+    if (ok)
+        passed++;
+    else {
+        failed++;
+        fprintf(stderr, "FAIL: %s\n", what);
+    }
+    pthread_mutex_unlock(&count_mu);
+}
+#define STR2(x) #x
+#define STR(x) STR2(x)
+#define CHECK(cond) count((cond), #cond " (" __FILE__ ":" STR(__LINE__) ")")
+
+static uint64_t rng_next(uint64_t *s) {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+static float rng_unit(uint64_t *s) { return (float)((rng_next(s) >> 40) * (1.0 / (1ull << 24))) * 2.0f - 1.0f; }
+
+static uint16_t f32_to_bf16(float f) { /* round to nearest even (finite values) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+static float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static const double E2M1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
+
+/* one random expert and its weights widened to double, input-major: w1d [H][2I], w2d [I][H] */
+typedef struct expert {
+    pf_cpu_weights w;
+    void *gate_up, *down, *b1, *b2;       /* owned */
+    uint8_t *s1, *s2;                     /* owned (MXFP4) */
+    double *w1d, *w2d, *b1d, *b2d;        /* owned */
+} expert;
+
+static double elem(const void *p, int fmt, size_t i) {
+    return fmt == PF_CPU_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static void expert_free(expert *e) {
+    free(e->gate_up);
+    free(e->down);
+    free(e->b1);
+    free(e->b2);
+    free(e->s1);
+    free(e->s2);
+    free(e->w1d);
+    free(e->w2d);
+    free(e->b1d);
+    free(e->b2d);
+    memset(e, 0, sizeof *e);
+}
+
+/* MXFP4 matrix out x in (output-major) -> random blocks/scales and the dense [in][out] doubles */
+static void make_mx(uint64_t *rng, int out, int in, uint8_t **blocks, uint8_t **scales, double *dense) {
+    int G = in / 32;
+    *blocks = malloc((size_t)out * G * 16);
+    *scales = malloc((size_t)out * G);
+    for (int r = 0; r < out; r++)
+        for (int g = 0; g < G; g++) {
+            uint8_t s = (uint8_t)(119 + rng_next(rng) % 9);
+            (*scales)[(size_t)r * G + g] = s;
+            for (int j = 0; j < 16; j++) {
+                uint8_t b = (uint8_t)rng_next(rng);
+                (*blocks)[((size_t)r * G + g) * 16 + j] = b;
+                int k = g * 32 + 2 * j;
+                dense[(size_t)k * out + r] = ldexp(E2M1[b & 15], s - 127);
+                dense[(size_t)(k + 1) * out + r] = ldexp(E2M1[b >> 4], s - 127);
+            }
+        }
+}
+
+static void *make_dense(uint64_t *rng, int fmt, size_t n, double scale, double *dense) {
+    void *p = malloc(n * (fmt == PF_CPU_BF16 ? 2 : 4));
+    for (size_t i = 0; i < n; i++) {
+        float v = rng_unit(rng) * (float)scale;
+        if (fmt == PF_CPU_BF16) {
+            ((uint16_t *)p)[i] = f32_to_bf16(v);
+            dense[i] = bf16_to_f32(((uint16_t *)p)[i]);
+        } else {
+            ((float *)p)[i] = v;
+            dense[i] = v;
+        }
+    }
+    return p;
+}
+
+static void expert_make(expert *e, uint64_t *rng, int fmt, int H, int I, int bias_fmt, int with_bias) {
+    memset(e, 0, sizeof *e);
+    e->w1d = malloc(sizeof(double) * H * 2 * I);
+    e->w2d = malloc(sizeof(double) * I * H);
+    e->b1d = calloc(2 * I, sizeof(double));
+    e->b2d = calloc(H, sizeof(double));
+    if (fmt == PF_CPU_MXFP4) {
+        make_mx(rng, 2 * I, H, (uint8_t **)&e->gate_up, &e->s1, e->w1d);
+        make_mx(rng, H, I, (uint8_t **)&e->down, &e->s2, e->w2d);
+    } else {
+        e->gate_up = make_dense(rng, fmt, (size_t)H * 2 * I, 1.0 / sqrt(H), e->w1d);
+        e->down = make_dense(rng, fmt, (size_t)I * H, 1.0 / sqrt(I), e->w2d);
+    }
+    if (with_bias) {
+        e->b1 = make_dense(rng, bias_fmt, 2 * (size_t)I, 1.0, e->b1d);
+        e->b2 = make_dense(rng, bias_fmt, (size_t)H, 1.0, e->b2d);
+    }
+    e->w = (pf_cpu_weights){.format = fmt, .bias_format = bias_fmt, .hidden = H, .inter = I, .gate_up = e->gate_up,
+                            .gate_up_scales = e->s1, .gate_up_bias = e->b1, .down = e->down, .down_scales = e->s2,
+                            .down_bias = e->b2, .alpha = 1.702f, .limit = 7.0f};
+}
+
+/* reference in double; returns 1 if out matches within float32 summation-order error */
+static int expert_check(const expert *e, const void *x, int x_fmt, int T, int stride, const float *out) {
+    const int H = e->w.hidden, I = e->w.inter;
+    double *gu = malloc(sizeof(double) * 2 * I), *h = malloc(sizeof(double) * I), *mag = malloc(sizeof(double) * H);
+    int ok = 1;
+    for (int t = 0; t < T && ok; t++) {
+        for (int c = 0; c < 2 * I; c++) {
+            double a = e->b1d[c];
+            for (int k = 0; k < H; k++) a += elem(x, x_fmt, (size_t)t * stride + k) * e->w1d[(size_t)k * 2 * I + c];
+            gu[c] = a;
+        }
+        double hmax = 0;
+        for (int j = 0; j < I; j++) {
+            double g = gu[2 * j] > 7.0 ? 7.0 : gu[2 * j];
+            double u = gu[2 * j + 1] > 7.0 ? 7.0 : (gu[2 * j + 1] < -7.0 ? -7.0 : gu[2 * j + 1]);
+            h[j] = (u + 1.0) * g / (1.0 + exp(-1.702 * g));
+            hmax = fabs(h[j]) > hmax ? fabs(h[j]) : hmax;
+        }
+        double ymax = 0;
+        for (int o = 0; o < H; o++) {
+            double a = e->b2d[o];
+            for (int j = 0; j < I; j++) a += h[j] * e->w2d[(size_t)j * H + o];
+            mag[o] = a;
+            ymax = fabs(a) > ymax ? fabs(a) : ymax;
+        }
+        /* float32 accumulation of H then I terms, and the rounding of h through gate_up */
+        double tol = 1e-4 * (1.0 + ymax) + 1e-5 * (1.0 + hmax) * I;
+        if (e->w.round_bf16) { /* bf16 steps: about 2^-8 relative each, through both projections */
+            tol = 3e-2 * (1.0 + ymax) + 4e-3 * (1.0 + hmax) * sqrt((double)I);
+            for (int o = 0; o < H; o++) { /* every output is a bf16 value */
+                uint32_t u;
+                memcpy(&u, &out[(size_t)t * H + o], 4);
+                if (u & 0xffffu) {
+                    fprintf(stderr, "  round_bf16: token %d out %d = %g is not a bf16 value\n", t, o, out[(size_t)t * H + o]);
+                    ok = 0;
+                    break;
+                }
+            }
+        }
+        for (int o = 0; o < H; o++) {
+            double err = fabs(out[(size_t)t * H + o] - mag[o]);
+            if (!(err <= tol)) {
+                fprintf(stderr, "  fmt %d H %d I %d T %d: token %d out %d = %g, reference %g (tol %g)\n", e->w.format,
+                        H, I, T, t, o, out[(size_t)t * H + o], mag[o], tol);
+                ok = 0;
+                break;
+            }
+        }
+    }
+    free(gu);
+    free(h);
+    free(mag);
+    return ok;
+}
+
+static void *make_x(uint64_t *rng, int fmt, int T, int stride) {
+    void *x = malloc((size_t)T * stride * (fmt == PF_CPU_BF16 ? 2 : 4));
+    for (size_t i = 0; i < (size_t)T * stride; i++) {
+        float v = rng_unit(rng) * 2.0f;
+        if (fmt == PF_CPU_BF16)
+            ((uint16_t *)x)[i] = f32_to_bf16(v);
+        else
+            ((float *)x)[i] = v;
+    }
+    return x;
+}
+
+/* one random call on c, checked; returns 1 if it matched */
+static int random_call(pf_cpu *c, uint64_t *rng, int small) {
+    static const int fmts[3] = {PF_CPU_MXFP4, PF_CPU_BF16, PF_CPU_F32};
+    int fmt = fmts[rng_next(rng) % 3];
+    int H, I;
+    if (fmt == PF_CPU_MXFP4) {
+        H = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10))); /* 128-element chunks and lone groups */
+        I = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10)));
+    } else {
+        H = 1 + (int)(rng_next(rng) % (small ? 70 : 130));
+        I = 1 + (int)(rng_next(rng) % (small ? 50 : 90));
+    }
+    expert e;
+    expert_make(&e, rng, fmt, H, I, rng_next(rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32, (int)(rng_next(rng) % 4 != 0));
+    e.w.round_bf16 = (int)(rng_next(rng) % 3 == 0);
+    int T = 1 + (int)(rng_next(rng) % PF_CPU_MAX_TOKENS);
+    int xf = rng_next(rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32;
+    int stride = H + (int)(rng_next(rng) % 3);
+    void *x = make_x(rng, xf, T, stride);
+    float *out = malloc(sizeof(float) * T * H);
+    int rc = pf_cpu_expert(c, &e.w, x, xf, T, stride, out);
+    int ok = rc == PF_CPU_OK && expert_check(&e, x, xf, T, stride, out);
+    if (rc != PF_CPU_OK) fprintf(stderr, "  pf_cpu_expert: %s\n", pf_cpu_strerror(rc));
+    free(x);
+    free(out);
+    expert_free(&e);
+    return ok;
+}
+
+static void phase_api(void) {
+    pf_cpu *c = (pf_cpu *)1;
+    CHECK(pf_cpu_create(0, PF_CPU_LEVEL_AUTO, &c) == PF_CPU_EINVAL && c == NULL);
+    CHECK(pf_cpu_create(PF_CPU_MAX_THREADS + 1, PF_CPU_LEVEL_AUTO, &c) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_create(1, 17, &c) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_create(1, PF_CPU_LEVEL_AUTO, NULL) == PF_CPU_EINVAL);
+    if (pf_cpu_detect() < PF_CPU_LEVEL_AVX512_BF16)
+        CHECK(pf_cpu_create(1, pf_cpu_detect() + 1, &c) == PF_CPU_EUNSUPPORTED && c == NULL);
+    for (int n = 1; n <= 6; n++) { /* init / close symmetry, with and without calls */
+        CHECK(pf_cpu_create(n, PF_CPU_LEVEL_AUTO, &c) == PF_CPU_OK && c != NULL);
+        CHECK(pf_cpu_threads(c) == n && pf_cpu_level(c) == pf_cpu_detect());
+        if (n % 2) {
+            uint64_t rng = 77 + n;
+            CHECK(random_call(c, &rng, 1));
+        }
+        pf_cpu_destroy(c);
+    }
+    pf_cpu_destroy(NULL);
+
+    CHECK(pf_cpu_create(2, PF_CPU_LEVEL_SCALAR, &c) == PF_CPU_OK);
+    uint64_t rng = 5;
+    expert e;
+    expert_make(&e, &rng, PF_CPU_MXFP4, 64, 32, PF_CPU_BF16, 1);
+    float x[64 * 2] = {0}, out[64 * 2];
+    for (int i = 0; i < 128; i++) out[i] = 3.0f;
+    CHECK(pf_cpu_expert(NULL, &e.w, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_expert(c, NULL, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_expert(c, &e.w, x, PF_CPU_F32, 0, 64, out) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_expert(c, &e.w, x, PF_CPU_F32, PF_CPU_MAX_TOKENS + 1, 64, out) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_expert(c, &e.w, x, PF_CPU_F32, 1, 63, out) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_expert(c, &e.w, x, PF_CPU_MXFP4, 1, 64, out) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_expert(c, &e.w, x, PF_CPU_F32, 1, 64, NULL) == PF_CPU_EINVAL);
+    pf_cpu_weights bad = e.w;
+    bad.inter = 48; /* not a multiple of 32 */
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    bad = e.w;
+    bad.gate_up_scales = NULL;
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    bad = e.w;
+    bad.round_bf16 = 2;
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    bad = e.w;
+    bad.format = 9;
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    bad = e.w;
+    bad.bias_format = PF_CPU_MXFP4;
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    int untouched = 1;
+    for (int i = 0; i < 128; i++) untouched &= out[i] == 3.0f;
+    CHECK(untouched);
+    CHECK(pf_cpu_expert(c, &e.w, x, PF_CPU_F32, 2, 64, out) == PF_CPU_OK && expert_check(&e, x, PF_CPU_F32, 2, 64, out));
+    CHECK(strcmp(pf_cpu_strerror(PF_CPU_ETHREAD), "unknown error") != 0);
+    CHECK(strcmp(pf_cpu_level_name(PF_CPU_LEVEL_AVX2), "avx2") == 0);
+    expert_free(&e);
+    pf_cpu_destroy(c);
+}
+
+static void phase_levels(int quick, uint64_t seed) {
+    for (int level = PF_CPU_LEVEL_SCALAR; level <= pf_cpu_detect(); level++) {
+        for (int n = 1; n <= 5; n += quick ? 2 : 1) {
+            pf_cpu *c;
+            if (pf_cpu_create(n, level, &c) != PF_CPU_OK) {
+                count(0, "create at a supported level");
+                continue;
+            }
+            uint64_t rng = seed * 1000 + level * 10 + n;
+            int calls = quick ? 6 : 20, good = 0;
+            for (int i = 0; i < calls; i++) good += random_call(c, &rng, quick);
+            char what[96];
+            snprintf(what, sizeof what, "level %s, %d threads: %d/%d calls match", pf_cpu_level_name(level), n, good,
+                     calls);
+            count(good == calls, what);
+            pf_cpu_destroy(c);
+        }
+    }
+}
+
+struct shared_arg {
+    pf_cpu *shared;
+    uint64_t seed;
+    int calls;
+    int good;
+    int total;
+};
+
+static void *shared_worker(void *p) {
+    struct shared_arg *a = p;
+    uint64_t rng = a->seed;
+    for (int i = 0; i < a->calls; i++) {
+        a->good += random_call(a->shared, &rng, 1);
+        a->total++;
+        if (i % 3 == 0) { /* an own context, created and destroyed while the others run */
+            pf_cpu *own;
+            if (pf_cpu_create(1 + (int)(rng_next(&rng) % 3), PF_CPU_LEVEL_AUTO, &own) == PF_CPU_OK) {
+                a->good += random_call(own, &rng, 1);
+                a->total++;
+                pf_cpu_destroy(own);
+            }
+        }
+    }
+    return NULL;
+}
+
+static void phase_shared(int quick, uint64_t seed) {
+    pf_cpu *c;
+    if (pf_cpu_create(3, PF_CPU_LEVEL_AUTO, &c) != PF_CPU_OK) {
+        count(0, "create shared context");
+        return;
+    }
+    enum { NT = 4 };
+    pthread_t tid[NT];
+    struct shared_arg args[NT];
+    for (int i = 0; i < NT; i++) {
+        args[i] = (struct shared_arg){.shared = c, .seed = seed * 31 + i + 1, .calls = quick ? 4 : 12};
+        pthread_create(&tid[i], NULL, shared_worker, &args[i]);
+    }
+    int good = 0, total = 0;
+    for (int i = 0; i < NT; i++) {
+        pthread_join(tid[i], NULL);
+        good += args[i].good;
+        total += args[i].total;
+    }
+    char what[64];
+    snprintf(what, sizeof what, "shared: %d/%d concurrent calls match", good, total);
+    count(good == total && total > 0, what);
+    pf_cpu_destroy(c);
+}
+
+int main(int argc, char **argv) {
+    int quick = 0;
+    uint64_t seed = 1;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick"))
+            quick = 1;
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
+            seed = strtoull(argv[++i], NULL, 10);
+        else {
+            fprintf(stderr, "usage: %s [--quick] [--seed N]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (seed == 0) seed = 1;
+    printf("cpu_stress: best level %s\n", pf_cpu_level_name(pf_cpu_detect()));
+    phase_api();
+    printf("api: %d passed, %d failed\n", passed, failed);
+    phase_levels(quick, seed);
+    printf("levels: %d passed, %d failed\n", passed, failed);
+    phase_shared(quick, seed);
+    printf("cpu_stress: %d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,205 @@
+"""Experts computed on the CPU by the native kernel (native/pf_cpu.c), straight from the host store.
+
+    runner = CpuExpertRunner(host, alpha=1.702, limit=7.0, threads=8)
+    y = runner.run(layer, expert, x_rows)   # x_rows [n, H] host float32 / bfloat16 -> [n, H] float32
+
+Each (layer, expert)'s weights are views of its packed host row (MXFP4 blocks + E8M0 scales,
+or bf16 / float32 dense weights): nothing is dequantized or copied. The runner measures every
+call (bytes of weights read and seconds) and keeps an exponentially weighted rate, the CPU
+side of the placement cost model; ``calibrate()`` measures it once before the first use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from pdflash import PdflashError
+from pdflash.offload.host_store import ExpertLayout, HostStore
+
+CPU_EXPERT_MODES = ("auto", "off", "all")
+_DENSE_DTYPES = (torch.bfloat16, torch.float32)
+_EWMA = 0.2  # weight of the newest measurement in the kept rate
+
+
+def unsupported_reason(layout: ExpertLayout, dtype: torch.dtype) -> str | None:
+    """Why the native kernel cannot compute experts of this layout in this compute dtype (None: it can)."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"the native CPU kernel computes bfloat16 and float32 models, not {str(dtype).replace('torch.', '')}"
+    names = {p.name: p for p in layout.pieces}
+    biases = [names[n].dtype for n in ("gate_up_proj_bias", "down_proj_bias") if n in names]
+    if any(b not in _DENSE_DTYPES for b in biases) or len(set(biases)) > 1:
+        return "the expert biases are stored in a dtype the native CPU kernel does not read (bfloat16 / float32)"
+    if layout.quantized:
+        need = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+        if not all(n in names for n in need):
+            return "the MXFP4 expert layout is not gpt-oss's"
+        return None
+    if "gate_up_proj" not in names or "down_proj" not in names:
+        return "the dense expert layout is not gpt-oss's"
+    if names["gate_up_proj"].dtype not in _DENSE_DTYPES or names["down_proj"].dtype != names["gate_up_proj"].dtype:
+        return f"dense experts stored as {names['gate_up_proj'].dtype} are not read by the native CPU kernel (bfloat16 / float32)"
+    return None
+
+
+class CpuExpertRunner:
+    """The native CPU kernel bound to one host store. Not thread-safe beyond the kernel's own
+    serialization: one runner per computing thread."""
+
+    def __init__(self, host: HostStore, alpha: float, limit: float, threads: int | None = None, level: str | None = None,
+                 dtype: torch.dtype = torch.float32):
+        from pdflash.native.cpu_experts import CpuExperts
+
+        self.host = host
+        self.layout = host.layout
+        self.alpha = float(alpha)
+        self.limit = float(limit)
+        self.round_bf16 = dtype == torch.bfloat16  # a bf16 model rounds every step: so does the kernel then
+        self.kernel = CpuExperts(threads=threads, level=level)
+        self.threads = self.kernel.threads
+        self.level = self.kernel.level
+        self._weights: dict[tuple[int, int], object] = {}
+        self.expert_bytes = self.layout.payload_bytes  # what one call reads from the weights
+        self.rate_bps: float | None = None  # weight bytes per second, kept current (EWMA)
+        self.experts = 0  # (layer, expert) computations
+        self.tokens = 0  # token rows computed (a token counts once per expert)
+        self.seconds = 0.0
+
+    def weights(self, layer: int, expert: int):
+        from pdflash.native.cpu_experts import ExpertWeights
+
+        key = (layer, expert)
+        w = self._weights.get(key)
+        if w is None:
+            row = self.host.row(layer, expert)
+            v = lambda name: self.layout.view(row, name)  # noqa: E731
+            if self.layout.quantized:
+                w = ExpertWeights.mxfp4(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), v("gate_up_proj_bias"),
+                                        v("down_proj_blocks"), v("down_proj_scales"), v("down_proj_bias"),
+                                        alpha=self.alpha, limit=self.limit, round_bf16=self.round_bf16)
+            else:
+                w = ExpertWeights.dense(v("gate_up_proj"), v("gate_up_proj_bias"), v("down_proj"), v("down_proj_bias"),
+                                        alpha=self.alpha, limit=self.limit, round_bf16=self.round_bf16)
+            self._weights[key] = w
+        return w
+
+    def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, H] on the host (float32 or bfloat16) -> the expert's output [n, H] float32 (no routing weight)."""
+        w = self.weights(layer, expert)
+        t0 = time.perf_counter()
+        y = self.kernel.forward(w, x)
+        dt = time.perf_counter() - t0
+        self.experts += 1
+        self.tokens += x.shape[0]
+        self.seconds += dt
+        if dt > 0:
+            passes = -(-x.shape[0] // 16)  # the kernel reads the weights once per 16 tokens
+            r = self.expert_bytes * passes / dt
+            self.rate_bps = r if self.rate_bps is None else (1 - _EWMA) * self.rate_bps + _EWMA * r
+        return y
+
+    def seconds_for(self, tokens: int) -> float | None:
+        """Predicted seconds to compute one expert for ``tokens`` tokens (None before any measurement)."""
+        if not self.rate_bps:
+            return None
+        return self.expert_bytes * -(-max(1, tokens) // 16) / self.rate_bps
+
+    def calibrate(self, repeats: int = 3) -> float:
+        """Time a few one-token calls on real experts (not counted in the statistics); returns bytes/s."""
+        x = torch.zeros((1, self._hidden()), dtype=torch.float32)
+        n = self.host.num_layers * self.host.num_experts
+        best = None
+        for i in range(max(1, repeats)):
+            row = (i * 7919) % n
+            w = self.weights(row // self.host.num_experts, row % self.host.num_experts)
+            t0 = time.perf_counter()
+            self.kernel.forward(w, x)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        self.rate_bps = self.expert_bytes / max(best, 1e-9)
+        return self.rate_bps
+
+    def _hidden(self) -> int:
+        if self.layout.quantized:
+            return self.layout.piece("down_proj_blocks").shape[0]
+        return self.layout.piece("down_proj").shape[1]
+
+    def stats(self) -> dict:
+        return {
+            "threads": self.threads,
+            "level": self.level,
+            "experts": self.experts,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "gbps": self.rate_bps / 1e9 if self.rate_bps else None,
+        }
+
+    def reset_stats(self) -> None:
+        self.experts = 0
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        self.kernel.close()
+        self._weights.clear()
+
+
+class CpuPlacement:
+    """The per-layer decision of hybrid execution (``cpu_experts="auto"`` with a link):
+    ``placer(layer, misses, positions, K, device) -> experts to compute on the CPU``.
+
+    Reads the shared cost model (offload/cost.py): the link rate from the scheduler's own
+    statistics (observed at most every ``observe_every_s``), the CPU kernel's rate (the
+    runner's calibrated, kept-current EWMA, installed as the model's host hook), the layer's
+    in-flight experts and its resident ones. Experts computed on the CPU that are hot (used
+    at least ``hot_uses`` times within the last ``hot_window`` forwards) are still brought
+    into the cache in the background band, so the cache keeps the hot set.
+    """
+
+    def __init__(self, cache, scheduler, runner: CpuExpertRunner, cost, hot_uses: int = 2, hot_window: int = 8,
+                 background_band: int = 2, observe_every_s: float = 0.005):
+        self.cache = cache
+        self.scheduler = scheduler
+        self.runner = runner
+        self.cost = cost
+        self.hot_uses = hot_uses
+        self.hot_window = hot_window
+        self.background_band = background_band
+        self.observe_every_s = observe_every_s
+        self._last_observe = 0.0
+        self._uses: dict[tuple[int, int], deque] = {}  # (layer, expert) -> forwards that needed it off-cache
+        self.decisions = 0
+        self.background = 0  # hot CPU experts queued into the cache
+        cost.set_cpu_expert_rate(runner.seconds_for)
+
+    def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int, device) -> list[int]:
+        now = time.perf_counter()
+        if now - self._last_observe >= self.observe_every_s:
+            self.cost.observe_scheduler(self.scheduler.stats())
+            self._last_observe = now
+        in_flight, missing = 0, {}
+        for e in misses:
+            if self.cache.state_of(layer, e) == "arriving":
+                in_flight += 1
+            else:
+                missing[e] = len(positions[e])
+        miss_set = set(misses)
+        resident = [len(p) for e, p in positions.items() if e not in miss_set]
+        plan = self.cost.place_layer(missing, in_flight=in_flight, resident_tokens=resident)
+        self.decisions += 1
+        forward = self.cache.stats.forwards
+        for e in plan.host:
+            uses = self._uses.setdefault((layer, e), deque(maxlen=self.hot_uses))
+            uses.append(forward)
+            if len(uses) == self.hot_uses and forward - uses[0] < self.hot_window:
+                if self.cache.prefetch(layer, e, self.background_band):
+                    self.background += 1
+        return plan.host
+
+
+def resolve_mode(mode: str) -> str:
+    if mode not in CPU_EXPERT_MODES:
+        raise PdflashError(f"unknown --cpu-experts {mode!r}: use {', '.join(CPU_EXPERT_MODES)}")
+    return mode

@@ -1,0 +1,379 @@
+"""The native CPU expert kernel (native/pf_cpu.c) against transformers' own expert maths.
+
+The reference is transformers' GptOssExperts in float32 with one expert, its weights
+dequantized from MXFP4 by transformers' converter (convert_moe_packed_tensors), routing
+weight 1. Every dispatch level this CPU runs is checked, with 1..16 tokens (and more, which
+the wrapper slices), 1..4 threads, MXFP4 / bf16 / float32 weights, float32 and bf16 inputs,
+and sizes that do not divide evenly among the threads or the vector widths.
+"""
+
+import os
+import shutil
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from pdflash.native import NativeLibraryMissing
+from pdflash.native.cpu_experts import (
+    LEVELS,
+    MAX_TOKENS,
+    CpuExpertError,
+    CpuExperts,
+    CpuLevelUnsupported,
+    ExpertWeights,
+    detect_level,
+    supported_levels,
+)
+
+try:
+    LEVELS_HERE = supported_levels()
+except NativeLibraryMissing:  # pragma: no cover - the build is part of the install
+    pytest.skip("native library not built", allow_module_level=True)
+
+ALPHA, LIMIT = 1.702, 7.0
+
+
+def transformers_expert(w1, b1, w2, b2, x):
+    """transformers' GptOssExperts (float32, one expert, routing weight 1) on x [T, H]."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    H, two_i = w1.shape
+    cfg = GptOssConfig(hidden_size=H, intermediate_size=two_i // 2, num_local_experts=1, num_experts_per_tok=1,
+                       swiglu_limit=LIMIT)
+    m = GptOssExperts(cfg).float()
+    assert m.alpha == pytest.approx(ALPHA) and m.limit == LIMIT
+    with torch.no_grad():
+        m.gate_up_proj.copy_(w1[None].float())
+        m.gate_up_proj_bias.copy_((b1 if b1 is not None else torch.zeros(two_i))[None].float())
+        m.down_proj.copy_(w2[None].float())
+        m.down_proj_bias.copy_((b2 if b2 is not None else torch.zeros(H))[None].float())
+        T = x.shape[0]
+        return m(x.float(), torch.zeros((T, 1), dtype=torch.long), torch.ones((T, 1)))
+
+
+def tf_dequant(blocks, scales):
+    """transformers' MXFP4 converter, float32, [in, out]."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0]
+
+
+def mxfp4_expert(H, I, seed, scale_lo=119, scale_hi=128, bias_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    gb = torch.randint(0, 256, (2 * I, H // 32, 16), dtype=torch.uint8, generator=g)
+    gs = torch.randint(scale_lo, scale_hi, (2 * I, H // 32), dtype=torch.uint8, generator=g)
+    db = torch.randint(0, 256, (H, I // 32, 16), dtype=torch.uint8, generator=g)
+    ds = torch.randint(scale_lo, scale_hi, (H, I // 32), dtype=torch.uint8, generator=g)
+    b1 = torch.randn(2 * I, generator=g).to(bias_dtype) if bias_dtype else None
+    b2 = torch.randn(H, generator=g).to(bias_dtype) if bias_dtype else None
+    w = ExpertWeights.mxfp4(gb, gs, b1, db, ds, b2, alpha=ALPHA, limit=LIMIT)
+    return w, (tf_dequant(gb, gs), b1, tf_dequant(db, ds), b2)
+
+
+def dense_expert(H, I, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(H, 2 * I, generator=g) / H**0.5).to(dtype)
+    w2 = (torch.randn(I, H, generator=g) / I**0.5).to(dtype)
+    b1 = torch.randn(2 * I, generator=g).to(dtype)
+    b2 = torch.randn(H, generator=g).to(dtype)
+    return ExpertWeights.dense(w1, b1, w2, b2, alpha=ALPHA, limit=LIMIT), (w1, b1, w2, b2)
+
+
+def check(y, ref):
+    """float32 results that differ from the reference only by summation order."""
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    tol = 2e-6 * max(1.0, ref.abs().max().item()) * 8
+    err = (y - ref).abs().max().item()
+    assert err <= tol, f"max abs error {err} > {tol} (max |ref| {ref.abs().max().item()})"
+    return err
+
+
+def test_levels_detected():
+    assert LEVELS_HERE[0] == "scalar" and LEVELS_HERE[-1] == detect_level()
+    assert set(LEVELS_HERE) <= set(LEVELS)
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("H,I", [(64, 32), (96, 160), (288, 416)])  # AVX-512 reads 128-element chunks + groups
+def test_mxfp4_matches_transformers(level, threads, H, I):
+    w, (w1, b1, w2, b2) = mxfp4_expert(H, I, seed=H * 7 + I)
+    g = torch.Generator().manual_seed(5)
+    with CpuExperts(threads=threads, level=level) as k:
+        assert k.level == level and k.threads == threads
+        for T in (1, 2, 3, 4, 5, 7, 8, 13, 16):
+            x = torch.randn(T, H, generator=g)
+            check(k.forward(w, x), transformers_expert(w1, b1, w2, b2, x))
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_mxfp4_bf16_input(level, threads):
+    """bf16 hidden states (the bf16 model): at avx512_bf16 the bf16 dot-product kernel runs."""
+    H, I = 96, 96
+    w, (w1, b1, w2, b2) = mxfp4_expert(H, I, seed=3)
+    g = torch.Generator().manual_seed(6)
+    with CpuExperts(threads=threads, level=level) as k:
+        for T in (1, 4, 6, 16):
+            x = torch.randn(T, H, generator=g).bfloat16()
+            check(k.forward(w, x), transformers_expert(w1, b1, w2, b2, x))
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H,I", [(64, 48), (37, 19), (70, 33)])
+def test_dense_matches_transformers(level, dtype, H, I):
+    w, (w1, b1, w2, b2) = dense_expert(H, I, seed=H + I, dtype=dtype)
+    g = torch.Generator().manual_seed(7)
+    for threads in (1, 2, 4):
+        with CpuExperts(threads=threads, level=level) as k:
+            for T in (1, 2, 5, 8, 9, 16):
+                x = torch.randn(T, H, generator=g)
+                check(k.forward(w, x), transformers_expert(w1, b1, w2, b2, x))
+                check(k.forward(w, x.to(dtype)), transformers_expert(w1, b1, w2, b2, x.to(dtype)))
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_without_biases_and_float32_biases(level):
+    H, I = 64, 64
+    with CpuExperts(threads=2, level=level) as k:
+        for bias_dtype in (None, torch.float32):
+            w, (w1, b1, w2, b2) = mxfp4_expert(H, I, seed=9, bias_dtype=bias_dtype)
+            x = torch.randn(5, H)
+            check(k.forward(w, x), transformers_expert(w1, b1, w2, b2, x))
+
+
+def test_many_tokens_are_sliced_and_rows_may_be_strided():
+    H, I = 64, 32
+    w, ref_w = mxfp4_expert(H, I, seed=11)
+    wide = torch.randn(40, H + 24)
+    x = wide[:, 5 : 5 + H]  # rows H + 24 elements apart
+    assert x.stride(0) == H + 24 and x.stride(1) == 1
+    with CpuExperts(threads=3) as k:
+        out = torch.full((40, H), float("nan"))
+        y = k.forward(w, x, out=out)
+        assert y is out
+        check(y, transformers_expert(*ref_w, x))
+        assert x.shape[0] > MAX_TOKENS
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_extreme_scales_follow_the_reference(level):
+    """Scales 0 (weights 2^-127: subnormal) and 255 (2^128: inf) decode as transformers does;
+    the reference's inf / NaN pattern is reproduced (their sums do not depend on order)."""
+    H, I = 160, 160  # one 128-element chunk and one lone group per row
+    g = torch.Generator().manual_seed(12)
+    gb = torch.randint(0, 256, (2 * I, H // 32, 16), dtype=torch.uint8, generator=g)
+    db = torch.randint(0, 256, (H, I // 32, 16), dtype=torch.uint8, generator=g)
+    gs = torch.full((2 * I, H // 32), 127, dtype=torch.uint8)
+    gs[::5, 1] = 0
+    gs[::7, 4] = 0
+    gs[3, 2] = 200  # large finite gate / up values: clamped by the SwiGLU
+    ds = torch.full((H, I // 32), 120, dtype=torch.uint8)
+    ds[1, 0] = 0
+    ds[9, 4] = 0
+    ds[7, 2] = 255
+    ds[11, 4] = 255
+    w = ExpertWeights.mxfp4(gb, gs, None, db, ds, None)
+    w1, w2 = tf_dequant(gb, gs), tf_dequant(db, ds)
+    assert torch.isinf(w2).any() and (w1.abs() < 2.0**-120).logical_and(w1 != 0).any()
+    with CpuExperts(threads=2, level=level) as k:
+        x = torch.randn(3, H, generator=g)
+        y, ref = k.forward(w, x), transformers_expert(w1, None, w2, None, x)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    assert torch.equal(torch.isposinf(y), torch.isposinf(ref)) and torch.equal(torch.isneginf(y), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    assert not fin.all() and fin.any()  # the inf weights of outputs 7 and 11 reach them, and only them
+    check(y[fin], ref[fin])
+
+
+def test_concurrent_callers_share_one_pool():
+    H, I = 64, 96
+    w, ref_w = mxfp4_expert(H, I, seed=13)
+    xs = [torch.randn(1 + i % MAX_TOKENS, H) for i in range(24)]
+    refs = [transformers_expert(*ref_w, x) for x in xs]
+    errors = []
+    with CpuExperts(threads=3) as k:
+
+        def run(ids):
+            try:
+                for i in ids:
+                    check(k.forward(w, xs[i]), refs[i])
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        ts = [threading.Thread(target=run, args=(range(j, 24, 4),)) for j in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    assert not errors, errors
+
+
+def test_argument_errors():
+    H, I = 64, 32
+    w, _ = mxfp4_expert(H, I, seed=1)
+    with pytest.raises(CpuExpertError, match="threads"):
+        CpuExperts(threads=0)
+    with pytest.raises(CpuExpertError, match="unknown CPU kernel level"):
+        CpuExperts(level="sse9")
+    with CpuExperts(threads=2) as k:
+        with pytest.raises(CpuExpertError, match=r"\[T, 64\]"):
+            k.forward(w, torch.randn(2, H + 1))
+        with pytest.raises(CpuExpertError, match="float32 or bfloat16"):
+            k.forward(w, torch.randn(2, H).half())
+        with pytest.raises(CpuExpertError, match="no tokens"):
+            k.forward(w, torch.randn(0, H))
+        with pytest.raises(CpuExpertError, match="out must be"):
+            k.forward(w, torch.randn(2, H), out=torch.empty(2, H, dtype=torch.bfloat16))
+        with pytest.raises(CpuExpertError, match="ExpertWeights"):
+            k.forward({"gate_up": None}, torch.randn(2, H))
+    with pytest.raises(CpuExpertError, match="closed"):
+        k.forward(w, torch.randn(2, H))
+    k.close()  # idempotent
+    gb = torch.zeros(2 * I, H // 32, 16, dtype=torch.uint8)
+    gs = torch.zeros(2 * I, H // 32, dtype=torch.uint8)
+    db = torch.zeros(H, I // 32, 16, dtype=torch.uint8)
+    ds = torch.zeros(H, I // 32, dtype=torch.uint8)
+    with pytest.raises(CpuExpertError, match="do not fit"):
+        ExpertWeights.mxfp4(gb, gs, None, db[:32], ds[:32], None)
+    with pytest.raises(CpuExpertError, match="uint8"):
+        ExpertWeights.mxfp4(gb, gs.float(), None, db, ds, None)
+    with pytest.raises(CpuExpertError, match="biases"):
+        ExpertWeights.mxfp4(gb, gs, torch.zeros(2 * I), db, ds, torch.zeros(H, dtype=torch.bfloat16))
+    with pytest.raises(CpuExpertError, match="shape"):
+        ExpertWeights.mxfp4(gb, gs, torch.zeros(2 * I + 1), db, ds, None)
+    with pytest.raises(CpuExpertError, match="contiguous"):
+        ExpertWeights.dense(torch.zeros(2 * I, H).t(), None, torch.zeros(I, H), None)
+    with pytest.raises(CpuExpertError, match="float32 or bfloat16"):
+        ExpertWeights.dense(torch.zeros(H, 2 * I).half(), None, torch.zeros(I, H).half(), None)
+
+
+def test_c_api_rejects_bad_calls():
+    """The C entry points check their arguments themselves (negative codes, nothing written)."""
+    from pdflash.native import _pf_sched
+
+    ffi, lib = _pf_sched.ffi, _pf_sched.lib
+    out = ffi.new("pf_cpu **")
+    assert lib.pf_cpu_create(0, lib.PF_CPU_LEVEL_AUTO, out) == lib.PF_CPU_EINVAL and out[0] == ffi.NULL
+    assert lib.pf_cpu_create(1, 9, out) == lib.PF_CPU_EINVAL
+    assert lib.pf_cpu_create(2, lib.PF_CPU_LEVEL_SCALAR, out) == 0
+    c = out[0]
+    try:
+        H, I = 64, 32
+        w, _ = mxfp4_expert(H, I, seed=2)
+        s = w.struct(ffi)
+        x = torch.randn(MAX_TOKENS + 1, H)
+        y = torch.full((MAX_TOKENS + 1, H), 7.0)
+        xp, yp = ffi.cast("void *", x.data_ptr()), ffi.cast("float *", y.data_ptr())
+        assert lib.pf_cpu_expert(c, s, xp, lib.PF_CPU_F32, 0, H, yp) == lib.PF_CPU_EINVAL
+        assert lib.pf_cpu_expert(c, s, xp, lib.PF_CPU_F32, MAX_TOKENS + 1, H, yp) == lib.PF_CPU_EINVAL
+        assert lib.pf_cpu_expert(c, s, xp, lib.PF_CPU_F32, 1, H - 1, yp) == lib.PF_CPU_EINVAL
+        assert lib.pf_cpu_expert(c, s, xp, 7, 1, H, yp) == lib.PF_CPU_EINVAL
+        assert lib.pf_cpu_expert(c, s, ffi.NULL, lib.PF_CPU_F32, 1, H, yp) == lib.PF_CPU_EINVAL
+        bad = ffi.new("pf_cpu_weights *", s[0])
+        bad.hidden = H + 16  # MXFP4 needs multiples of 32
+        assert lib.pf_cpu_expert(c, bad, xp, lib.PF_CPU_F32, 1, H + 16, yp) == lib.PF_CPU_EINVAL
+        bad = ffi.new("pf_cpu_weights *", s[0])
+        bad.down_scales = ffi.NULL
+        assert lib.pf_cpu_expert(c, bad, xp, lib.PF_CPU_F32, 1, H, yp) == lib.PF_CPU_EINVAL
+        bad = ffi.new("pf_cpu_weights *", s[0])
+        bad.bias_format = lib.PF_CPU_MXFP4
+        assert lib.pf_cpu_expert(c, bad, xp, lib.PF_CPU_F32, 1, H, yp) == lib.PF_CPU_EINVAL
+        assert torch.all(y == 7.0)  # nothing written by refused calls
+        assert lib.pf_cpu_expert(c, s, xp, lib.PF_CPU_F32, 2, H, yp) == 0
+        assert not torch.all(y[:2] == 7.0) and torch.all(y[2:] == 7.0)
+        assert ffi.string(lib.pf_cpu_strerror(lib.PF_CPU_EUNSUPPORTED)) != b"unknown error"
+    finally:
+        lib.pf_cpu_destroy(c)
+
+
+def test_unsupported_level_is_refused():
+    best = LEVELS.index(detect_level())
+    if best == len(LEVELS) - 1:
+        from pdflash.native import _pf_sched
+
+        ffi, lib = _pf_sched.ffi, _pf_sched.lib
+        out = ffi.new("pf_cpu **")
+        assert lib.pf_cpu_create(1, len(LEVELS), out) == lib.PF_CPU_EINVAL  # past the last level
+        return
+    with pytest.raises(CpuLevelUnsupported, match=LEVELS[best + 1]):
+        CpuExperts(level=LEVELS[best + 1])
+
+
+def test_level_from_environment(monkeypatch):
+    monkeypatch.setenv("PDFLASH_CPU_LEVEL", "scalar")
+    with CpuExperts(threads=1) as k:
+        assert k.level == "scalar"
+    monkeypatch.setenv("PDFLASH_CPU_LEVEL", "bogus")
+    with pytest.raises(CpuExpertError, match="bogus"):
+        CpuExperts(threads=1)
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_c_stress_quick(tmp_path):
+    """native/stress/cpu_stress.c (the Makefile runs it under the sanitizers), built plainly."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    exe = tmp_path / "cpu_stress"
+    native = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
+    subprocess.run([cc, "-std=c11", "-O2", "-pthread", f"-I{native}", "-o", str(exe),
+                    os.path.join(native, "stress", "cpu_stress.c"), os.path.join(native, "pf_cpu.c"), "-lm"],
+                   check=True)
+    out = subprocess.run([str(exe), "--quick", "--seed", "7"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("cpu_stress: ") and last.endswith(" 0 failed") and not last.startswith("cpu_stress: 0 passed")
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_stream_read_checksum(level):
+    """The bandwidth probe really reads every byte: its checksum is the sum of the 64-bit words."""
+    g = torch.Generator().manual_seed(21)
+    for n in (8, 1000, 4096 + 13, 1 << 20):
+        buf = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        padded = torch.cat([buf, torch.zeros(-n % 8, dtype=torch.uint8)])
+        want = sum(int.from_bytes(padded[i : i + 8].numpy().tobytes(), "little") for i in range(0, len(padded), 8)) % 2**64
+        for threads in (1, 3):
+            with CpuExperts(threads=threads, level=level) as k:
+                assert k.stream_read(buf) == want
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("fmt", ["mxfp4", "dense"])
+def test_round_bf16_follows_transformers_in_bf16(level, fmt):
+    """round_bf16: the intermediate roundings of transformers' GptOssExperts run in bfloat16.
+    Every output is a bf16 value, almost all are transformers' own bit for bit (the float32
+    sums differ only in order, so a rounding boundary is rarely crossed), none by more than
+    a few bf16 steps."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    H, I = 160, 96
+    if fmt == "mxfp4":
+        w, (w1, b1, w2, b2) = mxfp4_expert(H, I, seed=31)
+        w = ExpertWeights.mxfp4(*(w.tensors[n] for n in ("gate_up", "gate_up_scales", "gate_up_bias", "down",
+                                                          "down_scales", "down_bias")), round_bf16=True)
+    else:
+        _, (w1, b1, w2, b2) = dense_expert(H, I, seed=32, dtype=torch.bfloat16)
+        w = ExpertWeights.dense(w1, b1, w2, b2, round_bf16=True)
+    cfg = GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=1, num_experts_per_tok=1)
+    m = GptOssExperts(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        m.gate_up_proj.copy_(w1[None])
+        m.gate_up_proj_bias.copy_(b1[None])
+        m.down_proj.copy_(w2[None])
+        m.down_proj_bias.copy_(b2[None])
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(16, H, generator=g).bfloat16()
+    with torch.no_grad():
+        ref = m(x, torch.zeros((16, 1), dtype=torch.long), torch.ones((16, 1), dtype=torch.bfloat16)).float()
+    with CpuExperts(threads=2, level=level) as k:
+        y = k.forward(w, x)
+    assert torch.equal(y, y.bfloat16().float())  # bf16 values
+    same = (y == ref).float().mean().item()
+    ulp = torch.clamp(ref.abs(), min=2.0**-10) * 2.0**-7
+    assert same >= 0.97, same
+    assert ((y - ref).abs() <= 4 * ulp).all()

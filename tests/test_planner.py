@@ -1,0 +1,147 @@
+"""The block planner (--block-size auto): its choices follow measured acceptance and costs."""
+
+import pytest
+
+from pdflash.draft.planner import AcceptanceModel, BlockPlanner, distinct_experts, expected_committed
+from pdflash.offload.cost import CostModel, Ewma
+
+L, E, K = 4, 32, 4
+EXPERT_BYTES = 1_000_000
+
+
+class FakeCache:
+    capacity = 32
+
+    def __init__(self):
+        self.resident = set()
+
+    def state_of(self, layer, expert):
+        return "resident" if (layer, expert) in self.resident else None
+
+
+def planner(link_gbps, max_block=8, **kw):
+    cost = CostModel(EXPERT_BYTES, link_gbps=link_gbps)
+    return BlockPlanner(max_block, cost, num_layers=L, num_experts=E, top_k=K, cache=FakeCache(), **kw)
+
+
+def teach(p, accept_rate, steps=40):
+    """Feed measured steps: forward times flat in B (GPU-like), fetched experts growing with the
+    union of the block's experts, and acceptance at ``accept_rate`` per position."""
+    for i in range(steps):
+        for block in (1, p.max_block):
+            p.begin_step()
+            fetched = L * distinct_experts(block, E, K)
+            p.cost.observe_forward("verify", block, 0.005 + fetched * p.cost.seconds_per_expert_fetch(), fetched)
+            p.cost.observe_forward("draft", block, 0.001)
+            if block > 1:
+                accepted = 0
+                while accepted < block - 1 and (i * 7 + accepted * 3) % 100 < accept_rate * 100:
+                    accepted += 1
+                p.acceptance.record(block - 1, accepted)
+            p._extra.setdefault(block, Ewma()).add(fetched)
+
+
+def test_expected_committed_and_distinct_experts():
+    assert expected_committed([0.5, 0.5, 0.5], 1) == 1.0
+    assert expected_committed([0.5, 0.5, 0.5], 4) == pytest.approx(1.875)
+    assert distinct_experts(1, 32, 4) == pytest.approx(4.0)
+    assert [round(distinct_experts(b, 32, 4), 1) for b in (2, 4)] == [7.5, 13.2]  # the issue's figures
+    assert distinct_experts(8, 32, 4) == pytest.approx(20.9, abs=0.2)
+
+
+def test_acceptance_model_conditional_and_calibration():
+    m = AcceptanceModel(3, prior_mean=0.5, prior_weight=2)
+    assert m.conditional() == [0.5, 0.5, 0.5]
+    for _ in range(18):
+        m.record(3, 3, confidence=[0.95, 0.95, 0.95])
+    for _ in range(18):
+        m.record(3, 0, confidence=[0.05, 0.05, 0.05])
+    cond = m.conditional()
+    assert cond[0] == pytest.approx((18 + 1) / (36 + 2))
+    assert cond[1] > 0.9  # reached only when position 1 was accepted, and always accepted then
+    hi, lo = m.calibrated([0.96, 0.96])[0], m.calibrated([0.04, 0.04])[0]
+    assert hi > 0.9 and lo < 0.1
+
+
+def test_slow_link_and_low_acceptance_choose_plain_decoding():
+    p = planner(link_gbps=0.1)  # 10 ms per expert
+    teach(p, accept_rate=0.2)
+    p.begin_step()
+    assert p.plan_draft(8) == 1
+    assert p.current().block == 1 and p.current().predicted_seconds > 0
+
+
+def test_cheap_link_and_high_acceptance_choose_long_blocks():
+    p = planner(link_gbps=1000)
+    teach(p, accept_rate=0.95)
+    p.begin_step()
+    assert p.plan_draft(8) == 8
+    choice = p.choose(8, None, 0.001)
+    assert choice.block >= 6 and choice.expected_tokens > 4
+
+
+def test_draft_confidence_shortens_the_block():
+    p = planner(link_gbps=2, use_confidence=True)
+    teach(p, accept_rate=0.9)
+    for _ in range(30):  # the draft is right when confident, wrong when not
+        p.acceptance.record(7, 7, confidence=[0.9] * 7)
+        p.acceptance.record(7, 0, confidence=[0.1] * 7)
+    p.begin_step()
+    assert p.plan_draft(8) == 8
+    confident = p.choose(8, [0.9] * 7, 0.001).block
+    unsure = p.choose(8, [0.9, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], 0.001).block
+    assert unsure < confident and unsure <= 2
+
+
+def test_cold_start_measures_plain_then_a_full_block_and_probes():
+    p = planner(link_gbps=2, probe_every=3)
+    p.begin_step()
+    assert p.plan_draft(8) == 1  # nothing measured: a plain step first
+    p.end_step(1, 0, 1, 0.01)
+    p.begin_step()
+    assert p.plan_draft(8) == 8  # then the full block with its draft
+    assert p.choose(8, None, 0.002).block == 8
+    p.end_step(8, 0, 1, 0.5, draft_seconds=0.002)  # slow, and nothing accepted
+    blocks = []
+    for _ in range(11):
+        p.begin_step()
+        b = p.plan_draft(8)
+        if b > 1:
+            b = p.choose(b, None, 0.002).block
+        blocks.append(b)
+        p.end_step(b, 0, 1, 0.01 if b == 1 else 0.5, draft_seconds=0.002 if b > 1 else 0.0)
+    # probes after 3, then 6 plain steps in a row: the interval doubles while plain stays ahead
+    assert [b > 1 for b in blocks] == [False, False, True, False, False, False, False, False, True, False, False], blocks
+    assert blocks[2] == 2  # the cheapest probe: one proposal
+    assert p.report.probes == 2
+    rep = p.to_dict()
+    assert sum(rep["block_histogram"].values()) == 13 and rep["predicted_steps"] >= 11
+
+
+def test_a_plain_step_is_remeasured_among_long_speculative_runs():
+    p = planner(link_gbps=1000, remeasure_plain_every=5)
+    teach(p, accept_rate=0.95)
+    chosen = []
+    for _ in range(12):
+        p.begin_step()
+        b = p.plan_draft(8)
+        chosen.append(b)
+        p.end_step(b, b - 1, b, 0.006 if b == 1 else 0.01, draft_seconds=0.001 if b > 1 else 0.0)
+    assert chosen == [8, 8, 8, 8, 1, 8, 8, 8, 8, 1, 8, 8]
+
+
+def test_route_ahead_set_counts_missing_experts_of_the_latest_steps():
+    p = planner(link_gbps=1)
+    p._extra[1] = Ewma()
+    p._extra[1].add(0.0)
+    p._extra[2] = Ewma()
+    p._extra[2].add(0.0)
+    for experts in ([1, 2], [2, 3]):  # two plain steps, one committed token each
+        p.begin_step()
+        p.on_routed(0, experts)
+        p.on_routed(1, experts)
+        p.end_step(1, 0, 1, 0.01)
+    p.cache.resident = {(0, 2), (1, 2), (1, 3)}
+    assert p.fetch_experts(1) == (1.0, 1.0)  # latest step: (0,3) missing
+    assert p.fetch_experts(2) == (3.0, 3.0)  # both steps: (0,1), (0,3), (1,1) missing
+    assert p.fetch_experts(8) == (3.0, pytest.approx(3.0 * 1))  # no more history: the same set
