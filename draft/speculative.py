@@ -13,7 +13,13 @@ cached; the target cache and the draft context both hold ``start`` positions):
            from the target at the first mismatch (or after the last proposal): n_acc + 1 tokens.
            sampling — see :func:`accept_sampling`.
 4. commit: crop the target cache to start + n_acc + 1 positions (t and the accepted proposals),
-           hand the draft the target features of those same positions.
+           hand the draft the target features of those same positions (appended in one batch
+           right before the next draft forward, so plain steps pay nothing for the draft).
+
+With a block planner (``--block-size auto``, :mod:`pdflash.draft.planner`) B changes per step:
+B = 1 skips the draft (a plain step through the verify path), and after a draft the planner may
+verify fewer of its proposals. With a ``GraphedDecoder`` the target forwards are its static-cache
+segments, replayed as CUDA graphs per block length (``pdflash.offload.graphs``).
 
 Greedy output is token-for-token the target's own greedy output: every committed token is the
 target's argmax given the committed prefix, computed in the verify forward.
