@@ -200,8 +200,9 @@ def _print_summary(report: dict) -> None:
 def _planner_rows(planner: dict | None) -> list[tuple[str, str]]:
     if not planner or planner["predicted_step_ms"] is None:
         return []
+    unit = "ms" if planner["step_clock"] == "wall" else f"ms of {planner['step_clock']}"
     return [("step time predicted / measured",
-             f"{planner['predicted_step_ms']:.1f} / {planner['measured_step_ms']:.1f} ms "
+             f"{planner['predicted_step_ms']:.1f} / {planner['measured_step_ms']:.1f} {unit} "
              f"(mean abs error {planner['step_time_abs_error_ms']:.1f} ms, {planner['predicted_steps']} steps)")]
 
 
@@ -317,7 +318,7 @@ def generate(
             hist[step.block_size] = hist.get(step.block_size, 0) + 1
             if step.predicted_seconds is not None:
                 rate["predicted_s"] = rate.get("predicted_s", 0.0) + step.predicted_seconds
-                rate["measured_s"] = rate.get("measured_s", 0.0) + step.draft_seconds + step.verify_seconds
+                rate["measured_s"] = rate.get("measured_s", 0.0) + step.planner_measured_seconds
             if "bytes0" not in rate:  # from the end of the first verify pass (prefill excluded)
                 rate["bytes0"], rate["committed0"] = _moved(rt), rate["committed"]
 
@@ -342,7 +343,7 @@ def generate(
                            ("MB / committed tok", "n/a" if rate["committed"] == rate["committed0"] else
                             f"{(_moved(rt) - rate['bytes0']) / (rate['committed'] - rate['committed0']) / 1e6:.2f}")]
                 if rate.get("measured_s"):
-                    fields.append(("step ms predicted / measured",
+                    fields.append(("planned step ms predicted / measured",
                                    f"{1e3 * rate['predicted_s'] / rate['verifies']:.1f} / {1e3 * rate['measured_s'] / rate['verifies']:.1f}"))
             if spec is not None and spec["acceptance"] is not None:
                 fields.append(("ORACLE", f"P={spec['acceptance']}"))

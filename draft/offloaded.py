@@ -17,6 +17,7 @@ all-resident cache preloaded again), so the reported figures cover the speculati
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -64,8 +65,12 @@ def make_planner(rt, max_block: int, *, use_confidence: bool = True):
         st = rt.scheduler.stats()
         return float(sum(lv["bytes"] for lv in st["levels"])), float(st["link_busy_s"])
 
+    # On a CPU device the planner times steps in process CPU seconds: other processes on the same
+    # cores stretch wall time by whatever share they take, not the ratio between block lengths.
+    clock = time.process_time if rt.device.type == "cpu" else None
     planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
-                           top_k=fam.top_k, cache=rt.cache, link_counters=counters, use_confidence=use_confidence)
+                           top_k=fam.top_k, cache=rt.cache, link_counters=counters, use_confidence=use_confidence,
+                           clock=clock)
     rt.add_routing_observer(planner.on_routed)
     return planner
 

@@ -122,6 +122,7 @@ class PlannerReport:
     abs_error_seconds: float = 0.0
     fetched_experts: float = 0.0
     committed_tokens: int = 0
+    clock: str = "wall"  # what step times are measured in ("process_time": CPU seconds of the process)
 
     def to_dict(self) -> dict:
         n = self.predicted_steps
@@ -132,6 +133,7 @@ class PlannerReport:
             "measured_step_ms": 1e3 * self.measured_seconds / n if n else None,
             "step_time_abs_error_ms": 1e3 * self.abs_error_seconds / n if n else None,
             "predicted_steps": n,
+            "step_clock": self.clock,
             "fetched_experts_per_committed_token": self.fetched_experts / self.committed_tokens
             if self.committed_tokens else None,
         }
@@ -143,7 +145,9 @@ class BlockPlanner:
     ``cache`` (an ExpertCache, or None without offloading) answers resident / in flight;
     ``moved_bytes`` returns the link's cumulative bytes and ``link_counters`` (bytes, busy seconds)
     feeds the cost model's link rate; both None without a scheduler. ``use_confidence`` False
-    ignores the draft's confidence (oracle mode, whose proposals are not the draft's).
+    ignores the draft's confidence (oracle mode, whose proposals are not the draft's). ``clock``
+    (e.g. ``time.process_time`` on a CPU device, robust to other processes sharing the cores)
+    makes the planner time the steps itself.
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class BlockPlanner:
         probe_every: int = 8,
         remeasure_plain_every: int = 16,
         acceptance: AcceptanceModel | None = None,
+        clock: Callable[[], float] | None = None,
     ):
         if max_block < 1:
             raise ValueError(f"max_block must be at least 1, got {max_block}")
@@ -169,6 +174,8 @@ class BlockPlanner:
         self.link_counters = link_counters
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.use_confidence = use_confidence
+        self.clock = clock  # None: the step times the caller passes; else the planner times steps itself
+        self._t0 = 0.0
         self.probe_every = probe_every
         self._probe_interval = probe_every  # doubles after each probe that leaves plain decoding ahead
         self.remeasure_plain_every = remeasure_plain_every
@@ -182,7 +189,9 @@ class BlockPlanner:
         self._step_bytes0 = 0.0
         self._stage: Choice | None = None
         self._probe = False
-        self.report = PlannerReport()
+        self._draft_clock = 0.0
+        self.last_measured_seconds: float | None = None  # the last step, in the planner's clock
+        self.report = PlannerReport(clock="wall" if clock is None else getattr(clock, "__name__", "custom"))
 
     # -- inputs ----------------------------------------------------------------------
     def on_routed(self, layer: int, experts: Sequence[int]) -> None:
@@ -273,6 +282,9 @@ class BlockPlanner:
     # -- the two stages ------------------------------------------------------------------
     def begin_step(self) -> None:
         self._current = {}
+        self._draft_clock = 0.0
+        if self.clock is not None:
+            self._t0 = self.clock()
         c = self._bytes_now()
         self._step_bytes0 = c[0] if c is not None else 0.0
 
@@ -315,6 +327,9 @@ class BlockPlanner:
 
     def choose(self, drafted: int, confidence: Sequence[float] | None, draft_seconds: float) -> Choice:
         """Stage 2, after a draft of ``drafted`` tokens (B <= drafted): the verify length."""
+        if self.clock is not None:
+            draft_seconds = self.clock() - self._t0
+            self._draft_clock = draft_seconds
         self.cost.observe_forward("draft", drafted, draft_seconds)
         if confidence is not None and self.use_confidence:
             probs = self.acceptance.calibrated(confidence)
@@ -333,7 +348,12 @@ class BlockPlanner:
     def end_step(self, block: int, accepted: int, committed: int, seconds: float,
                  confidence: Sequence[float] | None = None, draft_seconds: float = 0.0) -> None:
         """The step verified ``block`` tokens, accepted ``accepted`` proposals, committed
-        ``committed`` tokens and took ``seconds`` (draft + verify)."""
+        ``committed`` tokens and took ``seconds`` (draft + verify; with a ``clock`` the planner's
+        own measurements replace ``seconds`` and ``draft_seconds``)."""
+        if self.clock is not None:
+            seconds = self.clock() - self._t0
+            draft_seconds = self._draft_clock
+        self.last_measured_seconds = seconds
         counters = self._bytes_now()
         fetched = 0.0
         if counters is not None:

@@ -13,7 +13,13 @@ cached; the target cache and the draft context both hold ``start`` positions):
            from the target at the first mismatch (or after the last proposal): n_acc + 1 tokens.
            sampling — see :func:`accept_sampling`.
 4. commit: crop the target cache to start + n_acc + 1 positions (t and the accepted proposals),
-           hand the draft the target features of those same positions.
+           hand the draft the target features of those same positions (appended in one batch
+           right before the next draft forward, so plain steps pay nothing for the draft).
+
+With a block planner (``--block-size auto``, :mod:`pdflash.draft.planner`) B changes per step:
+B = 1 skips the draft (a plain step through the verify path), and after a draft the planner may
+verify fewer of its proposals. With a ``GraphedDecoder`` the target forwards are its static-cache
+segments, replayed as CUDA graphs per block length (``pdflash.offload.graphs``).
 
 Greedy output is token-for-token the target's own greedy output: every committed token is the
 target's argmax given the committed prefix, computed in the verify forward.
@@ -291,6 +297,7 @@ class StepInfo:
     verify_seconds: float
     route_ahead_submitted: int  # (layer, expert) pairs sent to the prefetcher this step
     predicted_seconds: float | None = None  # the block planner's prediction of this step (auto)
+    planner_measured_seconds: float | None = None  # the same step in the planner's clock
 
 
 @dataclass
@@ -543,11 +550,12 @@ def speculative_generate(
             verify_s = time.perf_counter() - t_verify
 
             stats.record(n, n_acc)
-            predicted = None
+            predicted = planner_measured = None
             if planner is not None:
                 choice = planner.current()
                 predicted = choice.predicted_seconds if choice is not None else None
-                planner.end_step(b, n_acc, len(new), draft_s + verify_s, confidence, draft_s if n else 0.0)
+                planner.end_step(b, n_acc, len(new), draft_s + verify_s, confidence, draft_s if not plain_step else 0.0)
+                planner_measured = planner.last_measured_seconds
             stats.draft_seconds += draft_s
             stats.verify_seconds += verify_s
             for i, tok in enumerate(new):
@@ -563,7 +571,7 @@ def speculative_generate(
                     step=step, block_size=b, accepted=n_acc, committed=new, generated=len(generated),
                     draft_seconds=draft_s, verify_seconds=verify_s,
                     route_ahead_submitted=route_ahead.submitted_last_step if route_ahead and not plain_step else 0,
-                    predicted_seconds=predicted,
+                    predicted_seconds=predicted, planner_measured_seconds=planner_measured,
                 ))
         _sync(device)
         stats.decode_seconds = time.perf_counter() - t_decode - (

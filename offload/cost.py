@@ -22,8 +22,9 @@ read the same measured rates:
   ``in_flight_weight`` of a fetch (prior 0.5: on average half its bytes are still to come).
 - host compute: the hook :attr:`CostModel.cpu_expert_seconds`, a callable ``(tokens) -> seconds
   per expert`` that hybrid execution installs once it has calibrated its host kernel
-  (:meth:`set_cpu_expert_rate`). None means "no host path": :meth:`serve_seconds` then fetches
-  everything.
+  (:meth:`set_cpu_expert_rate`). None means "no host path": :meth:`serve` then fetches everything
+  and :meth:`step_seconds` prices every missing expert at its fetch time; with the hook set both
+  take, per expert, the sooner of fetch and host compute (the block planner's predictions follow).
 
 - per-layer placement (:meth:`CostModel.place_layer`, hybrid execution): for the experts a
   layer needs that are not resident, which to fetch and which to compute on the host so that
@@ -290,13 +291,22 @@ class CostModel:
     def serve_seconds(self, experts: Iterable[tuple[int, int]], cache, tokens: int = 1) -> float:
         return self.serve(experts, cache, tokens).seconds
 
+    def seconds_per_missing_expert(self, tokens: int) -> float:
+        """What one expert that is not resident costs a forward of ``tokens`` tokens: its fetch,
+        or its host compute when the hybrid hook is set and that is sooner."""
+        fetch_one = self.seconds_per_expert_fetch()
+        if self.cpu_expert_seconds is None:
+            return fetch_one
+        return min(fetch_one, self.cpu_expert_seconds(tokens))
+
     def step_seconds(self, kind: str, tokens: int, fetch_experts: float) -> float | None:
-        """Predicted time of a ``kind`` forward of ``tokens`` tokens that must fetch
-        ``fetch_experts`` experts' worth of bytes; None before any such forward is measured."""
+        """Predicted time of a ``kind`` forward of ``tokens`` tokens whose missing experts are
+        ``fetch_experts`` experts' worth (each served as :meth:`seconds_per_missing_expert`
+        says); None before any such forward is measured."""
         base = self.forward_seconds(kind, tokens)
         if base is None:
             return None
-        return base + fetch_experts * self.seconds_per_expert_fetch()
+        return base + fetch_experts * self.seconds_per_missing_expert(tokens)
 
     def to_dict(self) -> dict:
         return {

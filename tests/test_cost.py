@@ -63,6 +63,9 @@ def test_host_hook_takes_misses_only_when_sooner():
     assert (plan.host, plan.to_fetch) == (2, 0) and plan.seconds == pytest.approx(8e-4)
     plan = m.serve([(0, 1), (0, 2)], cache, tokens=4)  # 1.6 ms on the host: fetch instead
     assert (plan.host, plan.to_fetch) == (0, 2) and plan.seconds == pytest.approx(2e-3)
+    m.observe_forward("verify", 4, 0.002)
+    assert m.step_seconds("verify", 1, 2) == pytest.approx(0.002 + 2 * 4e-4)  # the host path is sooner
+    assert m.step_seconds("verify", 4, 2) == pytest.approx(0.002 + 2 * 1e-3)  # the link is
     m.set_cpu_expert_rate(None)
     assert m.serve([(0, 1)], cache).host == 0
 

@@ -145,3 +145,23 @@ def test_route_ahead_set_counts_missing_experts_of_the_latest_steps():
     assert p.fetch_experts(1) == (1.0, 1.0)  # latest step: (0,3) missing
     assert p.fetch_experts(2) == (3.0, 3.0)  # both steps: (0,1), (0,3), (1,1) missing
     assert p.fetch_experts(8) == (3.0, pytest.approx(3.0 * 1))  # no more history: the same set
+
+
+def test_own_clock_replaces_the_callers_step_times():
+    now = [0.0]
+    p = planner(link_gbps=1000, clock=lambda: now[0])
+    p.begin_step()
+    assert p.plan_draft(8) == 1
+    now[0] += 0.004
+    p.end_step(1, 0, 1, seconds=9.0)  # a wall time stretched by another process: ignored
+    assert p.last_measured_seconds == pytest.approx(0.004)
+    assert p.cost.measured_forward("verify") == {1: pytest.approx(0.004)}
+    p.begin_step()
+    assert p.plan_draft(8) == 8
+    now[0] += 0.001
+    p.choose(8, None, draft_seconds=5.0)
+    now[0] += 0.006
+    p.end_step(8, 7, 8, seconds=9.0, draft_seconds=5.0)
+    assert p.cost.measured_forward("draft") == {8: pytest.approx(0.001)}
+    assert p.cost.measured_forward("verify")[8] == pytest.approx(0.006)
+    assert p.to_dict()["step_clock"] == "<lambda>"
