@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import sys
@@ -40,6 +39,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from pdflash.machine import machine_info
 
 TARGETS = {0.9: 1.6, 0.7: 1.2, 0.3: 0.97}  # auto / plain, same run (issue: speculation that pays)
 PROMPTS = (
@@ -253,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                    "draft_preset": draft_preset, "trained_block_size": trained},
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "machine": machine_info(args.device),
         "make_checkpoint_seconds": make_s,
         "wall_seconds": time.perf_counter() - t_start,
         "summary": summary,
