@@ -246,7 +246,7 @@ def test_speculative_decoding_through_the_decoder_is_lossless(tmp_path_factory, 
             assert not rt.stats()["errors"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", ["auto", 4, 2])
 def test_cuda_graphed_speculative_decoding_is_lossless(tmp_path_factory, block_size):
     """On a GPU: verify blocks replayed as CUDA graphs per block length commit the greedy tokens
