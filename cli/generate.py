@@ -89,15 +89,19 @@ def _load_options(
     lookahead_depth: int,
     history_depth: int,
     show_progress: bool,
-    cpu_experts: str = "auto",
+    cpu_experts: str | None = None,
     cpu_threads: int | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of OffloadedModel.load for these command-line options.
 
     ``--cpu-experts auto`` on the CPU device computes every expert natively from host memory,
     unless the run is an offload experiment (a cache size or a simulated link is given): then
-    the experts go through the cache as on a GPU."""
+    the experts go through the cache as on a GPU. Unset, it is auto on the CPU device and off on
+    CUDA: the hybrid placement measured slower than fetch-only on the H200 (0.79x, float32,
+    gpt-oss-20b shape, 25 % cache; docs/benchmarks.md), so it is opt-in there until it pays."""
     dev = _resolve_device(device)
+    if cpu_experts is None:
+        cpu_experts = "auto" if dev == "cpu" else "off"
     if cpu_experts == "auto" and dev == "cpu" and (
         link_gbps is not None or expert_cache_mib is not None or expert_cache_experts is not None
     ):
@@ -320,7 +324,7 @@ def generate(
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "previous",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
-    cpu_experts: Annotated[str, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: each missing expert fetched or computed on the CPU, whichever is sooner; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all.")] = "auto",
+    cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: each missing expert fetched or computed on the CPU, whichever the cost model expects sooner; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all. Default: auto on the CPU device, off on CUDA (the hybrid placement does not pay yet there).", show_default=False)] = None,
     cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use).")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length (default: on CUDA, off elsewhere).", show_default=False)] = None,
 ) -> None:
