@@ -104,7 +104,7 @@ def fetch_models(
     from huggingface_hub.utils import logging as hf_logging
 
     from pdflash.cli import checks
-    from pdflash.cli.hub import fetch_repo
+    from pdflash.hub import fetch_repo
 
     checks.finite("--timeout", timeout, low=0, low_open=True)
     if models not in MODEL_SETS:
@@ -198,7 +198,7 @@ def _human(n: int) -> str:
 
 
 class _NoProgress:
-    """The listener protocol of pdflash.cli.hub.FetchListener, ignoring everything; a context manager."""
+    """The listener protocol of pdflash.hub.FetchListener, ignoring everything; a context manager."""
 
     def __enter__(self) -> "_NoProgress":
         return self

@@ -285,11 +285,11 @@ def test_nothing_to_fetch_is_a_usage_error(tmp_path: Path):
     assert proc.returncode == 2 and proc.stderr.startswith("Error: nothing to fetch"), proc.stderr
 
 
-# In-process: failures that cannot be staged over HTTP (a full disk), mapped by pdflash.cli.hub.
+# In-process: failures that cannot be staged over HTTP (a full disk), mapped by pdflash.hub.
 
 
 def test_not_enough_disk_space_stops_before_the_shards(hub: HubServer, tmp_path: Path, monkeypatch):
-    from pdflash.cli import hub as hubmod
+    from pdflash import hub as hubmod
 
     target = hub.add(make_target())
     monkeypatch.setattr(hubmod, "_free_bytes", lambda path: 1000)
@@ -299,7 +299,7 @@ def test_not_enough_disk_space_stops_before_the_shards(hub: HubServer, tmp_path:
 
 
 def test_disk_full_during_download_is_one_clear_error(hub: HubServer, tmp_path: Path, monkeypatch):
-    from pdflash.cli import hub as hubmod
+    from pdflash import hub as hubmod
 
     target = hub.add(make_target())
     real = hubmod.hf_hub_download
