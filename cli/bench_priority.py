@@ -73,7 +73,8 @@ def bench_priority(
     """
     from rich.console import Console
 
-    from pdflash.bench.priority import PriorityConfig, run_priority_bench
+    from pdflash.bench.config import PriorityConfig
+    from pdflash.bench.priority import run_priority_bench
     from pdflash.bench.report import print_report, write_figure, write_json
 
     model, draft = _model_pair(model, draft)

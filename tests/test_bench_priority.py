@@ -11,8 +11,11 @@ import textwrap
 import pytest
 
 from pdflash import PdflashError
-from pdflash.bench import priority
-from pdflash.bench.priority import PriorityConfig, make_decision, instrumentation_checks, run_priority_bench
+from pdflash.bench import config as bconfig, decision, priority
+from pdflash.bench.budget import plan_budget
+from pdflash.bench.config import PriorityConfig
+from pdflash.bench.decision import make_decision, instrumentation_checks
+from pdflash.bench.priority import run_priority_bench
 from pdflash.draft import write_synthetic_draft
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.synthetic import write_checkpoint
@@ -80,7 +83,7 @@ def test_flat_exposes_fetch_resident_never_waits(pair):
     # one reset_cache per run plus the reference run; the model was never closed in between
     assert setup["arm_switches"] == len(res["samples"]) + 1
     assert res["summary"]["resident"]["on_demand_stall_per_fetch_s"]["mean"] is None
-    assert res["decision"]["verdict"] in priority.VERDICTS
+    assert res["decision"]["verdict"] in decision.VERDICTS
 
 
 def test_oracle_arm_replays_the_recorded_verify_experts(pair):
@@ -97,7 +100,9 @@ def test_oracle_arm_replays_the_recorded_verify_experts(pair):
 SWITCH_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     torch.set_num_threads(1)
-    from pdflash.bench.priority import ARMS, PriorityBench, PriorityConfig, plan_budget
+    from pdflash.bench.budget import plan_budget
+    from pdflash.bench.config import ARMS, PriorityConfig
+    from pdflash.bench.runner import PriorityBench
     cfg = PriorityConfig(model_dir=sys.argv[1], draft_dir=sys.argv[2], device="cpu", link_gbps=0.05,
                          draft_acceptance=0.7, max_new_tokens=4, n_prompts=1, timeline=False)
     cfg.validate()
@@ -141,19 +146,19 @@ def test_cli_run_writes_json_png_and_a_verdict(pair, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["schema"] == priority.SCHEMA
-    assert res["decision"]["verdict"] in priority.VERDICTS
+    assert res["decision"]["verdict"] in decision.VERDICTS
     assert f"VERDICT: {res['decision']['verdict'].upper()}" in proc.stderr
     assert "verdict" in proc.stdout.lower() and "n/a" in proc.stdout  # resident has no on-demand fetch
     cfg = res["config"]
-    assert cfg["arms"] == list(priority.ARMS) and cfg["repetitions"] == 3 and cfg["seed"] == 3
-    assert len(cfg["arm_orders"]) == 3 and all(sorted(o) == sorted(priority.ARMS) for o in cfg["arm_orders"])
+    assert cfg["arms"] == list(bconfig.ARMS) and cfg["repetitions"] == 3 and cfg["seed"] == 3
+    assert len(cfg["arm_orders"]) == 3 and all(sorted(o) == sorted(bconfig.ARMS) for o in cfg["arm_orders"])
     assert len(res["samples"]) == 5 * 3 * 2
     assert {(s["arm"], s["repetition"], s["prompt"]) for s in res["samples"]} == {
-        (a, r, p) for a in priority.ARMS for r in range(3) for p in range(2)}
+        (a, r, p) for a in bconfig.ARMS for r in range(3) for p in range(2)}
     assert res["setup"]["arm_switches"] >= 20
     for key in ("cpu", "torch", "transformers", "gpu"):
         assert key in res["machine"]
-    for arm in priority.ARMS:
+    for arm in bconfig.ARMS:
         assert res["summary"][arm]["tokens_per_second"]["n"] == 6
         hist = res["summary"][arm]["block_histogram"]
         steps = sum(s["verify_steps"] for s in res["samples"] if s["arm"] == arm)
@@ -207,7 +212,7 @@ def test_model_needs_its_draft_and_the_embedded_pair_is_the_default(pair, tmp_pa
     assert code == 2 and "unknown arm 'nope'" in err
     from pdflash.offload.embedded import embedded_draft, embedded_target
 
-    b = priority.plan_budget(PriorityConfig(model_dir=str(embedded_target()), draft_dir=str(embedded_draft())))
+    b = plan_budget(PriorityConfig(model_dir=str(embedded_target()), draft_dir=str(embedded_draft())))
     assert b.total_experts == b.num_layers * b.num_experts and b.budget_experts == round(0.25 * b.total_experts)
 
 
@@ -256,7 +261,7 @@ def test_validate_rejects_before_loading(pair):
         with pytest.raises(PdflashError, match=message.replace("(", r"\(").replace("]", r"\]")):
             config(pair, **kw).validate()
     with pytest.raises(PdflashError, match="a verify block of 4 tokens needs at least 8"):
-        priority.plan_budget(config(pair, expert_cache_fraction=0.1))
+        plan_budget(config(pair, expert_cache_fraction=0.1))
 
 
 def test_figure_without_matplotlib_says_so(monkeypatch, tmp_path):

@@ -338,15 +338,15 @@ elif hook == "write":  # after the first chunk of the weights is on disk
             return False
     synthetic._progress = Progress
 elif hook == "bench":  # when the second repetition starts
-    from pdflash.bench import priority
-    real, n = priority.PriorityBench.run_one, [0]
+    from pdflash.bench.runner import PriorityBench
+    real, n = PriorityBench.run_one, [0]
     per_rep = int(os.environ["PER_REP"])
     def run_one(self, *a, **k):
         n[0] += 1
         if n[0] == per_rep + 1:
             ready()
         return real(self, *a, **k)
-    priority.PriorityBench.run_one = run_one
+    PriorityBench.run_one = run_one
 
 from pdflash.cli.main import main
 sys.argv = ["pdflash", *args]
