@@ -9,7 +9,8 @@ Modules: ``config`` (DFlashConfig, presets, fit check), ``model`` (DFlashDraftMo
 ``taps`` (hooks on the target: context features, chosen experts), ``speculative`` (the loop and the
 acceptance rules), ``route_ahead`` (expert predictors, prefetch submission, quality report),
 ``oracle`` (oracle-acceptance mode), ``offloaded`` (the loop on the offload runtime),
-``synthetic`` (synthetic draft checkpoints), ``bench`` (benchmark against plain decoding).
+``synthetic`` (synthetic draft checkpoints). The benchmark against plain decoding is
+``pdflash.bench.speculative``.
 """
 
 from pdflash.draft.config import PRESETS, DFlashConfig, TargetShape, spread_layer_ids

@@ -111,7 +111,7 @@ def test_runtime_helper_oracle_mode_reports_only_the_speculative_run(checkpoint)
 
 
 def test_benchmark_runs_every_arm_on_the_same_tokens(tmp_path):
-    from pdflash.draft.bench import main
+    from pdflash.bench.speculative import main
 
     out = tmp_path / "bench.json"
     assert main(["--synthetic", "tiny", "--device", "cpu", "--max-new-tokens", "10", "--prompts", "1",

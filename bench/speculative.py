@@ -2,11 +2,11 @@
 
     # on the GPU machine (H200, PCIe Gen5): full-size synthetic pair, 25 % expert cache, P = 0.7
     pdflash make-synthetic /data/oss20b --preset gpt-oss-20b --mxfp4 --draft-preset gpt-oss-20b-DFlash
-    python -m pdflash.draft.bench --model /data/oss20b --draft /data/oss20b/draft --device cuda \\
+    python -m pdflash.bench.speculative --model /data/oss20b --draft /data/oss20b/draft --device cuda \\
         --cache-fraction 0.25 --acceptance 0.7 --out spec.json
 
     # anywhere (CPU, tiny pair written to a temporary directory, simulated 2 GB/s link)
-    python -m pdflash.draft.bench --synthetic tiny --device cpu --link-gbps 2 --max-new-tokens 24
+    python -m pdflash.bench.speculative --synthetic tiny --device cpu --link-gbps 2 --max-new-tokens 24
 
 Arms, on one loaded model: ``plain`` (target-only decoding, ``pdflash.offload.generate``) and one
 ``spec:<predictor>`` arm per route-ahead predictor (``none`` = no route-ahead), all greedy. Random
