@@ -7,7 +7,8 @@ from their stored weights (MXFP4 blocks + E8M0 scales, or bf16 / float32 dense w
         y = k.forward(w, x)      # x [T, H] float32 or bfloat16, T <= MAX_TOKENS -> y [T, H] float32
 
 ``forward`` applies one expert (no routing weight) to up to ``MAX_TOKENS`` tokens; more
-tokens are run in slices of ``MAX_TOKENS``. The call releases the GIL while the C pool
+tokens are run in slices of ``MAX_TOKENS``. ``forward_many`` runs a whole layer's experts in one
+call, gathering token rows, scaling by routing weights and scattering into an output buffer in C. The call releases the GIL while the C pool
 works. Calls on one ``CpuExperts`` are serialized (one pool); ``close()`` is terminal.
 
 Caller contract: the weight tensors stay alive and unchanged while a call runs (an
@@ -258,6 +259,47 @@ class CpuExperts:
         finally:
             self._leave()
         return out
+
+    def forward_many(self, weights: list[ExpertWeights], counts: list[int], rows: torch.Tensor, dest: torch.Tensor,
+                     x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Many experts in one call (see ``pf_cpu_experts`` in pf_cpu.h): expert k applies to
+        ``counts[k]`` (1..MAX_TOKENS) token entries, the entries of all experts laid end to end;
+        entry i reads row ``rows[i]`` of x [X, H] and writes row ``dest[i]`` of out [R, H]
+        (float32, rows must be distinct; other rows untouched), times ``scale[i]`` when given.
+        ``rows`` / ``dest`` are int32 and ``scale`` float32 host tensors of sum(counts) entries."""
+        n = len(weights)
+        if n != len(counts):
+            raise CpuExpertError(f"{n} experts but {len(counts)} token counts")
+        if n == 0:
+            return
+        H = weights[0].hidden
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != H or x.device.type != "cpu" or x.dtype not in _FORMAT:
+            raise CpuExpertError(f"x must be a float32 or bfloat16 [X, {H}] host tensor")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 2 or out.shape[1] != H
+                or out.stride(1) != 1 or out.device.type != "cpu"):
+            raise CpuExpertError(f"out must be a float32 [R, {H}] host tensor with contiguous rows")
+        total = sum(counts)
+        for name, t, dt in (("rows", rows, torch.int32), ("dest", dest, torch.int32), ("scale", scale, torch.float32)):
+            if t is None and name == "scale":
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != dt or t.shape != (total,) or not t.is_contiguous() or t.device.type != "cpu":
+                raise CpuExpertError(f"{name} must be a contiguous {dt} host tensor of {total} entries")
+        ffi, lib = self._ffi, self._lib
+        ws = ffi.new("pf_cpu_weights *[]", [w.struct(ffi) for w in weights])
+        cnt = ffi.new("int[]", counts)
+        c = self._enter()
+        try:
+            rc = lib.pf_cpu_experts(c, n, ws, cnt, ffi.cast("int *", rows.data_ptr()),
+                                    ffi.NULL if scale is None else ffi.cast("float *", scale.data_ptr()),
+                                    ffi.cast("void *", x.data_ptr()), _FORMAT[x.dtype], x.shape[0], x.stride(0),
+                                    ffi.cast("float *", out.data_ptr()), ffi.cast("int *", dest.data_ptr()),
+                                    out.shape[0], out.stride(0))
+        finally:
+            self._leave()
+        if rc != 0:
+            raise CpuExpertError(f"CPU expert kernel: {self._strerror(rc)}")
 
     def stream_read(self, buf: torch.Tensor) -> int:
         """Read a host tensor once with this pool's threads; returns the sum of its 64-bit words

@@ -581,14 +581,31 @@ const char *pf_cpu_strerror(int code) {
 }
 
 /* ---- the context and its pool --------------------------------------------------------- */
-typedef struct job {
+/* One expert of a call, with its share of the scratch buffers (offsets in elements) and its
+ * first unit in each phase's index space. */
+typedef struct task {
     const pf_cpu_weights *w;
     int T;
+    int bf16_x;          /* phase 1 uses the bf16 MXFP4 kernel (x in xb) */
+    const float *scale;  /* [T] factor of each output row, or NULL */
+    const int *dest;     /* [T] rows of out */
+    size_t xo, guo, ho, yo;
+    int u1, u2;          /* first unit of this task in phase 1 / phase 2 */
+} task;
+
+typedef struct job {
+    const task *tasks;
+    int ntasks;
+    int units1, units2;  /* units of phase 1 / phase 2 over all tasks */
     const uint8_t *rbuf; /* phase 3: the buffer, its size (a multiple of 8), per-thread sums */
     size_t rbytes;
     uint64_t *rsum;
-    int bf16_x;         /* phase 1 uses the bf16 MXFP4 kernel (xb) */
+    const void *x;       /* phase 0: the token rows, their format, element size and stride */
+    int x_format, x_size, x_stride;
+    const int *xrow;     /* [nrows] row of x of each task's tokens, tasks laid end to end */
+    int nrows;
     float *out;
+    int out_stride;
 } job;
 
 struct pf_cpu {
@@ -600,7 +617,7 @@ struct pf_cpu {
     read_fn read;
     int chunked;                  /* mx_rows reads rows in the chunked order (mx_pos_chunked) */
 
-    pthread_mutex_t call_mu;      /* serializes pf_cpu_expert; guards the scratch buffers */
+    pthread_mutex_t call_mu;      /* serializes calls; guards the scratch buffers */
 
     pthread_mutex_t mu;           /* guards gen, phase, left, done, stop and the job (written before gen++) */
     pthread_cond_t work_cv;       /* workers: a new generation or stop */
@@ -616,11 +633,13 @@ struct pf_cpu {
     pthread_t *tids;              /* owned; tids[i] runs as thread i + 1 */
     int started;
 
-    /* scratch, owned, 64-byte aligned, grown under call_mu; sizes in floats */
+    /* scratch, owned, 64-byte aligned, grown under call_mu; sizes in elements, summed over a call's tasks */
     float *xp;   size_t xp_cap;   /* T * H: x in kernel order (float32) */
     uint16_t *xb; size_t xb_cap;  /* T * H: x in MXFP4 order as bf16 (bf16 kernel only) */
     float *gu;   size_t gu_cap;   /* T * 2I */
     float *h;    size_t h_cap;    /* T * I: SwiGLU output in the down weights' kernel order */
+    float *y;    size_t y_cap;    /* T * H: the down projection before scaling into out */
+    task *tasks; size_t tasks_cap;
 };
 
 struct worker_arg {
@@ -662,71 +681,124 @@ static inline float swiglu(float gate, float up, float alpha, float limit) {
     return (up + 1.0f) * glu;
 }
 
+static inline int unit_of(const pf_cpu_weights *w) { return w->format == PF_CPU_MXFP4 ? MX_UNIT : DN_UNIT; }
+
+/* phase 0: token rows rows[r0 .. r1) of the call (over all tasks, in task order) -> kernel order */
+static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
+    int base = 0;
+    for (int k = 0; k < j->ntasks && base < r1; k++) {
+        const task *tk = &j->tasks[k];
+        const pf_cpu_weights *w = tk->w;
+        const int H = w->hidden, mx = w->format == PF_CPU_MXFP4;
+        for (int t = r0 > base ? r0 - base : 0; t < tk->T && base + t < r1; t++) {
+            const char *xt = (const char *)j->x + (size_t)j->xrow[base + t] * j->x_stride * j->x_size;
+            if (tk->bf16_x) {
+                uint16_t *dt = c->xb + tk->xo + (size_t)t * H;
+                for (int e = 0; e < H; e++) dt[mx_pos((size_t)e)] = ((const uint16_t *)xt)[e];
+                continue;
+            }
+            float *dt = c->xp + tk->xo + (size_t)t * H;
+            for (int e = 0; e < H; e++) {
+                float v = load_elem(xt, j->x_format, (size_t)e);
+                dt[!mx ? (size_t)e : c->chunked ? mx_pos_chunked((size_t)e, (size_t)H) : mx_pos((size_t)e)] = v;
+            }
+        }
+        base += tk->T;
+    }
+}
+
+/* phase 1 for one task: gate_up rows [lo, hi), bias, SwiGLU -> h */
+static void gate_up_part(pf_cpu *c, const task *tk, int lo, int hi) {
+    const pf_cpu_weights *w = tk->w;
+    const int H = w->hidden, I = w->inter, T = tk->T, mx = w->format == PF_CPU_MXFP4;
+    float *gu = c->gu + tk->guo, *h = c->h + tk->ho;
+    if (mx && tk->bf16_x)
+        c->mx_rows_bf16((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xb + tk->xo, T, gu, 2 * I);
+    else if (mx)
+        c->mx_rows((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xp + tk->xo, T, gu, 2 * I);
+    else
+        c->dense_cols(w->gate_up, w->format, H, 2 * I, lo, hi, c->xp + tk->xo, T, gu, 2 * I);
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * I;
+        float *ht = h + (size_t)t * I;
+        for (int k = lo / 2; k < hi / 2; k++) {
+            float gate = g[2 * k], up = g[2 * k + 1], hv;
+            if (w->round_bf16) {
+                gate = round_bf16(gate);
+                up = round_bf16(up);
+                if (w->gate_up_bias) {
+                    gate = round_bf16(gate + round_bf16(load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k)));
+                    up = round_bf16(up + round_bf16(load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k + 1)));
+                }
+                hv = swiglu_bf16(gate, up, w->alpha, w->limit);
+            } else {
+                if (w->gate_up_bias) {
+                    gate += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k);
+                    up += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k + 1);
+                }
+                hv = swiglu(gate, up, w->alpha, w->limit);
+            }
+            ht[!mx ? (size_t)k : c->chunked ? mx_pos_chunked((size_t)k, (size_t)I) : mx_pos((size_t)k)] = hv;
+        }
+    }
+}
+
+/* phase 2 for one task: out features [lo, hi) of every token, bias, then scaled into out's rows */
+static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
+    const pf_cpu_weights *w = tk->w;
+    const int H = w->hidden, I = w->inter, T = tk->T;
+    float *y = c->y + tk->yo;
+    if (w->format == PF_CPU_MXFP4)
+        c->mx_rows((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->h + tk->ho, T, y, H);
+    else
+        c->dense_cols(w->down, w->format, I, H, lo, hi, c->h + tk->ho, T, y, H);
+    for (int t = 0; t < T; t++) {
+        const float *yt = y + (size_t)t * H;
+        float *ot = j->out + (size_t)tk->dest[t] * j->out_stride;
+        const float s = tk->scale ? tk->scale[t] : 1.0f;
+        for (int o = lo; o < hi; o++) {
+            float v = yt[o];
+            if (w->round_bf16) {
+                v = round_bf16(v);
+                if (w->down_bias) v = round_bf16(v + round_bf16(load_elem(w->down_bias, w->bias_format, (size_t)o)));
+            } else if (w->down_bias) {
+                v += load_elem(w->down_bias, w->bias_format, (size_t)o);
+            }
+            ot[o] = tk->scale ? v * s : v;
+        }
+    }
+}
+
+/* Thread idx's share of a phase whose index space is every task's units laid end to end. */
+static void tasks_part(pf_cpu *c, const job *j, int idx, int phase) {
+    const int units = phase == 1 ? j->units1 : j->units2;
+    const int a = (int)((long long)units * idx / c->threads), b = (int)((long long)units * (idx + 1) / c->threads);
+    for (int k = 0; k < j->ntasks; k++) {
+        const task *tk = &j->tasks[k];
+        const int unit = unit_of(tk->w), first = phase == 1 ? tk->u1 : tk->u2;
+        const int n = phase == 1 ? 2 * tk->w->inter : tk->w->hidden, nu = (n + unit - 1) / unit;
+        if (first >= b) break;
+        if (first + nu <= a) continue;
+        int lo = (a > first ? a - first : 0) * unit, hi = (b < first + nu ? b - first : nu) * unit;
+        if (hi > n) hi = n;
+        if (phase == 1) gate_up_part(c, tk, lo, hi);
+        else down_part(c, j, tk, lo, hi);
+    }
+}
+
 static void run_part(pf_cpu *c, int idx, int phase) {
     const job *j = &c->cur;
     if (phase == 3) {
         size_t words = j->rbytes / 8, a = words * idx / c->threads, b = words * (idx + 1) / c->threads;
         j->rsum[idx] = c->read(j->rbuf + a * 8, (b - a) * 8);
-        return;
-    }
-    const pf_cpu_weights *w = j->w;
-    const int H = w->hidden, I = w->inter, T = j->T, n = c->threads;
-    const int mx = w->format == PF_CPU_MXFP4;
-    int lo, hi;
-    if (phase == 1) {
-        split(2 * I, mx ? MX_UNIT : DN_UNIT, n, idx, &lo, &hi);
-        if (lo >= hi) return;
-        if (mx && j->bf16_x)
-            c->mx_rows_bf16((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xb, T, c->gu, 2 * I);
-        else if (mx)
-            c->mx_rows((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xp, T, c->gu, 2 * I);
-        else
-            c->dense_cols(w->gate_up, w->format, H, 2 * I, lo, hi, c->xp, T, c->gu, 2 * I);
-        for (int t = 0; t < T; t++) {
-            const float *g = c->gu + (size_t)t * 2 * I;
-            float *ht = c->h + (size_t)t * I;
-            for (int k = lo / 2; k < hi / 2; k++) {
-                float gate = g[2 * k], up = g[2 * k + 1], hv;
-                if (w->round_bf16) {
-                    gate = round_bf16(gate);
-                    up = round_bf16(up);
-                    if (w->gate_up_bias) {
-                        gate = round_bf16(gate + round_bf16(load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k)));
-                        up = round_bf16(up + round_bf16(load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k + 1)));
-                    }
-                    hv = swiglu_bf16(gate, up, w->alpha, w->limit);
-                } else {
-                    if (w->gate_up_bias) {
-                        gate += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k);
-                        up += load_elem(w->gate_up_bias, w->bias_format, (size_t)2 * k + 1);
-                    }
-                    hv = swiglu(gate, up, w->alpha, w->limit);
-                }
-                ht[!mx ? (size_t)k : c->chunked ? mx_pos_chunked((size_t)k, (size_t)I) : mx_pos((size_t)k)] = hv;
-            }
-        }
+    } else if (phase == 0) {
+        int lo, hi;
+        split(j->nrows, 1, c->threads, idx, &lo, &hi);
+        if (lo < hi) prepare_rows(c, j, lo, hi);
     } else {
-        split(H, mx ? MX_UNIT : DN_UNIT, n, idx, &lo, &hi);
-        if (lo >= hi) return;
-        if (mx)
-            c->mx_rows((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->h, T, j->out, H);
-        else
-            c->dense_cols(w->down, w->format, I, H, lo, hi, c->h, T, j->out, H);
-        for (int t = 0; t < T; t++) {
-            float *ot = j->out + (size_t)t * H;
-            if (w->round_bf16) {
-                for (int o = lo; o < hi; o++) {
-                    float v = round_bf16(ot[o]);
-                    if (w->down_bias) v = round_bf16(v + round_bf16(load_elem(w->down_bias, w->bias_format, (size_t)o)));
-                    ot[o] = v;
-                }
-            } else if (w->down_bias) {
-                for (int o = lo; o < hi; o++) ot[o] += load_elem(w->down_bias, w->bias_format, (size_t)o);
-            }
-        }
+        tasks_part(c, j, idx, phase);
     }
 }
-
 /* A thread (under c->mu) has finished its part of the current phase. The last one to finish
  * starts the next phase at once (a new generation; it carries on without sleeping) or ends
  * the job; returns 1 if it started a new phase. */
@@ -875,6 +947,8 @@ void pf_cpu_destroy(pf_cpu *c) {
     free(c->xb);
     free(c->gu);
     free(c->h);
+    free(c->y);
+    free(c->tasks);
     free(c);
 }
 
@@ -884,6 +958,7 @@ int pf_cpu_threads(const pf_cpu *c) { return c ? c->threads : PF_CPU_EINVAL; }
 /* grow *buf to at least n elements of `size` bytes (contents not kept) */
 static int reserve(void **buf, size_t *cap, size_t n, size_t size) {
     if (*cap >= n) return 0;
+    if (n == 0) return 0;
     size_t bytes = (n * size + ALIGN - 1) / ALIGN * ALIGN;
     void *p = aligned_alloc(ALIGN, bytes);
     if (!p) return -1;
@@ -903,43 +978,96 @@ static int check_weights(const pf_cpu_weights *w) {
     return w->format == PF_CPU_F32 || w->format == PF_CPU_BF16;
 }
 
-int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_format, int tokens, int x_stride,
-                  float *out) {
-    if (!c || !x || !out || !check_weights(w)) return PF_CPU_EINVAL;
-    if (tokens < 1 || tokens > PF_CPU_MAX_TOKENS || x_stride < w->hidden) return PF_CPU_EINVAL;
+/* Check a call, lay out its tasks and scratch (under call_mu), run phases 0-2. */
+static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const int *counts, const int *rows,
+                       const float *scale, const void *x, int x_format, int x_rows, int x_stride, float *out,
+                       const int *dest, int out_rows, int out_stride) {
     if (x_format != PF_CPU_F32 && x_format != PF_CPU_BF16) return PF_CPU_EINVAL;
-    const int H = w->hidden, I = w->inter, T = tokens, mx = w->format == PF_CPU_MXFP4;
-    /* bf16 dot products pay off from 3 tokens on; below, the chunked float32 kernel decodes less per weight */
-    const int bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL && tokens >= 3;
+    if (x_rows < 1 || out_rows < 1 || x_stride < 1 || out_stride < 1) return PF_CPU_EINVAL;
+    const int H = w[0] ? w[0]->hidden : 0;
+    if (x_stride < H || out_stride < H) return PF_CPU_EINVAL;
+    size_t nx = 0, ngu = 0, nh = 0, nb = 0;
+    long long total = 0, u1 = 0, u2 = 0;
+    for (int k = 0; k < n; k++) {
+        if (!check_weights(w[k]) || w[k]->hidden != H) return PF_CPU_EINVAL;
+        if (counts[k] < 1 || counts[k] > PF_CPU_MAX_TOKENS) return PF_CPU_EINVAL;
+        total += counts[k];
+        u1 += (2 * w[k]->inter + unit_of(w[k]) - 1) / unit_of(w[k]);
+        u2 += (H + unit_of(w[k]) - 1) / unit_of(w[k]);
+    }
+    if (total > (1 << 24) || u1 > (1 << 30) || u2 > (1 << 30)) return PF_CPU_EINVAL;
+    for (long long i = 0; i < total; i++)
+        if (rows[i] < 0 || rows[i] >= x_rows || dest[i] < 0 || dest[i] >= out_rows) return PF_CPU_EINVAL;
+    uint8_t *seen = calloc((size_t)out_rows, 1); /* owned here: every output row written at most once */
+    if (!seen) return PF_CPU_ENOMEM;
+    int dup = 0;
+    for (long long i = 0; i < total && !dup; i++) dup = seen[dest[i]]++ != 0;
+    free(seen);
+    if (dup) return PF_CPU_EINVAL;
 
     pthread_mutex_lock(&c->call_mu);
-    int bad = reserve((void **)&c->xp, &c->xp_cap, (size_t)T * H, sizeof(float)) ||
-              reserve((void **)&c->gu, &c->gu_cap, (size_t)T * 2 * I, sizeof(float)) ||
-              reserve((void **)&c->h, &c->h_cap, (size_t)T * I, sizeof(float)) ||
-              (bf16_x && reserve((void **)&c->xb, &c->xb_cap, (size_t)T * H, sizeof(uint16_t)));
+    if (reserve((void **)&c->tasks, &c->tasks_cap, (size_t)n, sizeof(task))) {
+        pthread_mutex_unlock(&c->call_mu);
+        return PF_CPU_ENOMEM;
+    }
+    int first1 = 0, first2 = 0, base = 0;
+    for (int k = 0; k < n; k++) {
+        const int T = counts[k], I = w[k]->inter, unit = unit_of(w[k]);
+        const int mx = w[k]->format == PF_CPU_MXFP4;
+        task *tk = &c->tasks[k];
+        /* bf16 dot products pay off from 3 tokens on; below, the chunked float32 kernel decodes less per weight */
+        tk->w = w[k];
+        tk->T = T;
+        tk->bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL && T >= 3;
+        tk->scale = scale ? scale + base : NULL;
+        tk->dest = dest + base;
+        tk->xo = tk->bf16_x ? nb : nx;
+        if (tk->bf16_x) nb += (size_t)T * H;
+        else nx += (size_t)T * H;
+        tk->guo = ngu;
+        ngu += (size_t)T * 2 * I;
+        tk->ho = nh;
+        nh += (size_t)T * I;
+        tk->yo = (size_t)base * H;
+        tk->u1 = first1;
+        tk->u2 = first2;
+        first1 += (2 * I + unit - 1) / unit;
+        first2 += (H + unit - 1) / unit;
+        base += T;
+    }
+    int bad = reserve((void **)&c->xp, &c->xp_cap, nx, sizeof(float)) ||
+              reserve((void **)&c->xb, &c->xb_cap, nb, sizeof(uint16_t)) ||
+              reserve((void **)&c->gu, &c->gu_cap, ngu, sizeof(float)) ||
+              reserve((void **)&c->h, &c->h_cap, nh, sizeof(float)) ||
+              reserve((void **)&c->y, &c->y_cap, (size_t)total * H, sizeof(float));
     if (bad) {
         pthread_mutex_unlock(&c->call_mu);
         return PF_CPU_ENOMEM;
     }
-    /* x -> kernel order */
-    for (int t = 0; t < T; t++) {
-        if (bf16_x) {
-            const uint16_t *xt = (const uint16_t *)x + (size_t)t * x_stride;
-            uint16_t *dt = c->xb + (size_t)t * H;
-            for (int k = 0; k < H; k++) dt[mx_pos((size_t)k)] = xt[k];
-            continue;
-        }
-        float *dt = c->xp + (size_t)t * H;
-        for (int k = 0; k < H; k++) {
-            float v = load_elem(x, x_format, (size_t)t * x_stride + k);
-            dt[!mx ? (size_t)k : c->chunked ? mx_pos_chunked((size_t)k, (size_t)H) : mx_pos((size_t)k)] = v;
-        }
-    }
-    c->cur = (job){.w = w, .T = T, .bf16_x = bf16_x, .out = out};
-    run_job(c, 1, 2);
+    c->cur = (job){.tasks = c->tasks, .ntasks = n, .units1 = first1, .units2 = first2, .x = x, .x_format = x_format,
+                   .x_size = x_format == PF_CPU_BF16 ? 2 : 4, .x_stride = x_stride, .xrow = rows, .nrows = (int)total,
+                   .out = out, .out_stride = out_stride};
+    run_job(c, 0, 2);
     c->cur = (job){0};
     pthread_mutex_unlock(&c->call_mu);
     return PF_CPU_OK;
+}
+
+int pf_cpu_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const int *counts, const int *rows,
+                   const float *scale, const void *x, int x_format, int x_rows, int x_stride, float *out,
+                   const int *dest, int out_rows, int out_stride) {
+    if (!c || n < 0) return PF_CPU_EINVAL;
+    if (n == 0) return PF_CPU_OK;
+    if (!w || !counts || !rows || !x || !out || !dest) return PF_CPU_EINVAL;
+    return run_experts(c, n, w, counts, rows, scale, x, x_format, x_rows, x_stride, out, dest, out_rows, out_stride);
+}
+
+int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_format, int tokens, int x_stride,
+                  float *out) {
+    if (!c || !x || !out || !check_weights(w)) return PF_CPU_EINVAL;
+    if (tokens < 1 || tokens > PF_CPU_MAX_TOKENS) return PF_CPU_EINVAL;
+    static const int ident[PF_CPU_MAX_TOKENS] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return run_experts(c, 1, &w, &tokens, ident, NULL, x, x_format, tokens, x_stride, out, ident, tokens, w->hidden);
 }
 
 int pf_cpu_stream_read(pf_cpu *c, const void *buf, size_t nbytes, uint64_t *sum) {

@@ -114,6 +114,20 @@ int pf_cpu_threads(const pf_cpu *c);
 int pf_cpu_expert(pf_cpu *c, const pf_cpu_weights *w, const void *x, int x_format, int tokens,
                   int x_stride, float *out);
 
+/* Many experts in one call (one hand-off of the pool per phase, however many experts).
+ * Expert k (0 <= k < n) has weights w[k] (all with the same hidden size H) and counts[k]
+ * tokens (1..PF_CPU_MAX_TOKENS). The token entries of all experts are laid end to end
+ * (sum(counts) entries in rows, scale and dest): entry i is row rows[i] of x (x_rows rows,
+ * x_stride elements apart, format x_format), and its result goes to row dest[i] of out
+ * (float32, out_rows rows, out_stride elements apart), multiplied by scale[i] (the routing
+ * weight; scale NULL: by nothing). Every dest entry must be distinct (each output row is
+ * written once); other rows of out are not touched. The threads split the experts' gate_up
+ * rows laid end to end, then their down rows, so a call reads each weight byte once.
+ * n == 0 is a no-op. */
+int pf_cpu_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const int *counts, const int *rows,
+                   const float *scale, const void *x, int x_format, int x_rows, int x_stride, float *out,
+                   const int *dest, int out_rows, int out_stride);
+
 /* Read nbytes at buf once with the pool's threads (each thread one contiguous slice, the
  * widest loads of the context's level) and store a checksum of the bytes in *sum: the
  * streaming read bandwidth of the same threads, for comparing the kernel against. Serialized

@@ -44,28 +44,114 @@ def unsupported_reason(layout: ExpertLayout, dtype: torch.dtype) -> str | None:
     return None
 
 
-class CpuExpertRunner:
+class CpuRunner:
+    """What every CPU expert runner shares: the measured rate (weight bytes read per second, an
+    EWMA kept current by every call; the CPU side of the placement cost model), the counters, and
+    ``run_layer`` over ``run``. A subclass gives ``run`` (one expert, its rows) and may give a
+    faster ``run_layer`` (every expert of a layer in one call)."""
+
+    threads: int
+    level: str
+    tokens_per_read = 1 << 30  # tokens one read of the weights serves (the native kernel: 16)
+
+    def __init__(self, host: HostStore):
+        self.host = host
+        self.layout = host.layout
+        self.expert_bytes = self.layout.payload_bytes  # what one read of an expert's weights moves
+        self.rate_bps: float | None = None  # weight bytes per second, kept current (EWMA)
+        self.experts = 0  # (layer, expert) computations
+        self.tokens = 0  # token rows computed (a token counts once per expert)
+        self.seconds = 0.0
+
+    def _reads(self, tokens: int) -> int:
+        return -(-max(1, tokens) // self.tokens_per_read)
+
+    def _account(self, experts: int, tokens: int, reads: int, dt: float) -> None:
+        self.experts += experts
+        self.tokens += tokens
+        self.seconds += dt
+        if dt > 0:
+            r = self.expert_bytes * reads / dt
+            self.rate_bps = r if self.rate_bps is None else (1 - _EWMA) * self.rate_bps + _EWMA * r
+
+    def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, H] on the host -> the expert's output [n, H] float32 (no routing weight)."""
+        t0 = time.perf_counter()
+        y = self._compute(layer, expert, x)
+        self._account(1, x.shape[0], self._reads(x.shape[0]), time.perf_counter() - t0)
+        return y
+
+    def run_layer(self, layer: int, experts: list[int], positions: dict[int, list[int]], K: int, x: torch.Tensor,
+                  w_flat: torch.Tensor, out: torch.Tensor) -> None:
+        """Weighted outputs of ``experts`` at their positions p = t*K + k: out[p] = w_flat[p] *
+        expert(x[t]) (x [T, H] and w_flat [T*K] float32 on the host, out [T*K, H] float32; other
+        rows untouched)."""
+        for e in experts:
+            pos = torch.tensor(positions[e])
+            y = self.run(layer, e, x.index_select(0, pos // K))
+            out.index_copy_(0, pos, y.mul_(w_flat[pos].unsqueeze(-1)))
+
+    def seconds_for(self, tokens: int) -> float | None:
+        """Predicted seconds to compute one expert for ``tokens`` tokens (None before any measurement)."""
+        if not self.rate_bps:
+            return None
+        return self.expert_bytes * self._reads(tokens) / self.rate_bps
+
+    def calibrate(self, repeats: int = 3) -> float:
+        """Time a few one-token calls on real experts (not counted in the statistics); returns bytes/s."""
+        x = torch.zeros((1, self.hidden), dtype=self.calibration_dtype)
+        n = self.host.num_layers * self.host.num_experts
+        best = None
+        for i in range(max(1, repeats)):
+            row = (i * 7919) % n
+            t0 = time.perf_counter()
+            self._compute(row // self.host.num_experts, row % self.host.num_experts, x)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        self.rate_bps = self.expert_bytes / max(best, 1e-9)
+        return self.rate_bps
+
+    def stats(self) -> dict:
+        return {
+            "threads": self.threads,
+            "level": self.level,
+            "experts": self.experts,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "gbps": self.rate_bps / 1e9 if self.rate_bps else None,
+        }
+
+    def reset_stats(self) -> None:
+        self.experts = 0
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        pass
+
+
+class CpuExpertRunner(CpuRunner):
     """The native CPU kernel bound to one host store. Not thread-safe beyond the kernel's own
     serialization: one runner per computing thread."""
 
+    tokens_per_read = 16  # the kernel reads the weights once per 16 tokens
+    calibration_dtype = torch.float32
+
     def __init__(self, host: HostStore, alpha: float, limit: float, threads: int | None = None, level: str | None = None,
                  dtype: torch.dtype = torch.float32):
-        from pdflash.native.cpu_experts import CpuExperts
+        from pdflash.native.cpu_experts import MAX_TOKENS, CpuExperts
 
-        self.host = host
-        self.layout = host.layout
+        super().__init__(host)
         self.alpha = float(alpha)
         self.limit = float(limit)
         self.round_bf16 = dtype == torch.bfloat16  # a bf16 model rounds every step: so does the kernel then
         self.kernel = CpuExperts(threads=threads, level=level)
         self.threads = self.kernel.threads
         self.level = self.kernel.level
+        self.max_tokens = MAX_TOKENS
         self._weights: dict[tuple[int, int], object] = {}
-        self.expert_bytes = self.layout.payload_bytes  # what one call reads from the weights
-        self.rate_bps: float | None = None  # weight bytes per second, kept current (EWMA)
-        self.experts = 0  # (layer, expert) computations
-        self.tokens = 0  # token rows computed (a token counts once per expert)
-        self.seconds = 0.0
+        self.hidden = (self.layout.piece("down_proj_blocks").shape[0] if self.layout.quantized
+                       else self.layout.piece("down_proj").shape[1])
 
     def weights(self, layer: int, expert: int):
         from pdflash.native.cpu_experts import ExpertWeights
@@ -85,61 +171,31 @@ class CpuExpertRunner:
             self._weights[key] = w
         return w
 
-    def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x [n, H] on the host (float32 or bfloat16) -> the expert's output [n, H] float32 (no routing weight)."""
-        w = self.weights(layer, expert)
+    def _compute(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.forward(self.weights(layer, expert), x)
+
+    def run_layer(self, layer: int, experts: list[int], positions: dict[int, list[int]], K: int, x: torch.Tensor,
+                  w_flat: torch.Tensor, out: torch.Tensor) -> None:
+        """As :meth:`CpuRunner.run_layer`, in one native call: gathering the rows, the routing
+        weights and the scatter into ``out`` happen in C, one pool hand-off per phase."""
+        ws, counts, dest = [], [], []
+        m = self.max_tokens
+        for e in experts:
+            pos = positions[e]
+            w = self.weights(layer, e)
+            for i in range(0, len(pos), m):
+                chunk = pos[i: i + m]
+                ws.append(w)
+                counts.append(len(chunk))
+                dest += chunk
+        if not ws:
+            return
+        d = torch.tensor(dest, dtype=torch.int32)
+        rows = torch.div(d, K, rounding_mode="floor")
+        scale = w_flat.index_select(0, d).contiguous()
         t0 = time.perf_counter()
-        y = self.kernel.forward(w, x)
-        dt = time.perf_counter() - t0
-        self.experts += 1
-        self.tokens += x.shape[0]
-        self.seconds += dt
-        if dt > 0:
-            passes = -(-x.shape[0] // 16)  # the kernel reads the weights once per 16 tokens
-            r = self.expert_bytes * passes / dt
-            self.rate_bps = r if self.rate_bps is None else (1 - _EWMA) * self.rate_bps + _EWMA * r
-        return y
-
-    def seconds_for(self, tokens: int) -> float | None:
-        """Predicted seconds to compute one expert for ``tokens`` tokens (None before any measurement)."""
-        if not self.rate_bps:
-            return None
-        return self.expert_bytes * -(-max(1, tokens) // 16) / self.rate_bps
-
-    def calibrate(self, repeats: int = 3) -> float:
-        """Time a few one-token calls on real experts (not counted in the statistics); returns bytes/s."""
-        x = torch.zeros((1, self._hidden()), dtype=torch.float32)
-        n = self.host.num_layers * self.host.num_experts
-        best = None
-        for i in range(max(1, repeats)):
-            row = (i * 7919) % n
-            w = self.weights(row // self.host.num_experts, row % self.host.num_experts)
-            t0 = time.perf_counter()
-            self.kernel.forward(w, x)
-            dt = time.perf_counter() - t0
-            best = dt if best is None else min(best, dt)
-        self.rate_bps = self.expert_bytes / max(best, 1e-9)
-        return self.rate_bps
-
-    def _hidden(self) -> int:
-        if self.layout.quantized:
-            return self.layout.piece("down_proj_blocks").shape[0]
-        return self.layout.piece("down_proj").shape[1]
-
-    def stats(self) -> dict:
-        return {
-            "threads": self.threads,
-            "level": self.level,
-            "experts": self.experts,
-            "tokens": self.tokens,
-            "seconds": self.seconds,
-            "gbps": self.rate_bps / 1e9 if self.rate_bps else None,
-        }
-
-    def reset_stats(self) -> None:
-        self.experts = 0
-        self.tokens = 0
-        self.seconds = 0.0
+        self.kernel.forward_many(ws, counts, rows, d, x, out, scale)
+        self._account(len(experts), len(dest), len(ws), time.perf_counter() - t0)
 
     def close(self) -> None:
         self.kernel.close()

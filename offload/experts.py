@@ -179,25 +179,25 @@ class OffloadedExperts(nn.Module):
         return out.reshape(shape)
 
     def _cpu_compute(self, x: torch.Tensor, w_flat: torch.Tensor, K: int, experts: list[int],
-                     positions: dict[int, list[int]]) -> list[tuple[list[int], torch.Tensor]]:
-        """The native kernel on the host for ``experts``: [(positions, weighted float32 outputs)].
-        Runs in the helper thread on CUDA (x and w_flat are host copies then)."""
+                     positions: dict[int, list[int]]) -> tuple[list[int], torch.Tensor]:
+        """The native kernel on the host for ``experts``, in one call: (positions, a float32
+        [T*K, H] buffer holding their weighted outputs at those rows). Runs in the helper thread
+        on CUDA (x and w_flat are host copies then)."""
         t0 = time.perf_counter()
         xh = x if x.device.type == "cpu" else x.to("cpu")
         wh = w_flat.to("cpu", torch.float32)
-        lc = self.cache.stats.layers[self.layer]
-        out = []
-        for e in experts:
-            pos = positions[e]
-            tok = torch.tensor([p // K for p in pos])
-            y = self.cpu.run(self.layer, e, xh.index_select(0, tok))
-            y.mul_(wh[torch.tensor(pos)].unsqueeze(-1))
-            out.append((pos, y))
-            lc.cpu += 1
+        T, H = xh.shape
+        buf = torch.empty((T * K, H), dtype=torch.float32)
+        self.cpu.run_layer(self.layer, experts, positions, K, xh, wh, buf)
+        self.cache.stats.layers[self.layer].cpu += len(experts)
         self.cache.stats.cpu_seconds += time.perf_counter() - t0
-        return out
+        return [p for e in experts for p in positions[e]], buf
 
     @staticmethod
-    def _store_cpu(contrib: torch.Tensor, results: list[tuple[list[int], torch.Tensor]], dev: torch.device) -> None:
-        for pos, y in results:
-            contrib.index_copy_(0, torch.tensor(pos).to(dev, non_blocking=True), y.to(dev, contrib.dtype, non_blocking=True))
+    def _store_cpu(contrib: torch.Tensor, results: tuple[list[int], torch.Tensor], dev: torch.device) -> None:
+        pos, buf = results
+        if len(pos) == contrib.shape[0]:  # every row (all on the CPU): one conversion
+            contrib.copy_(buf.to(dev, non_blocking=True))
+            return
+        p = torch.tensor(pos)
+        contrib.index_copy_(0, p.to(dev, non_blocking=True), buf.index_select(0, p).to(dev, contrib.dtype, non_blocking=True))
