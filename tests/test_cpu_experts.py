@@ -377,3 +377,69 @@ def test_round_bf16_follows_transformers_in_bf16(level, fmt):
     ulp = torch.clamp(ref.abs(), min=2.0**-10) * 2.0**-7
     assert same >= 0.97, same
     assert ((y - ref).abs() <= 4 * ulp).all()
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_forward_many_equals_one_call_per_expert(x_dtype):
+    """One batched call (a layer's experts) writes, at each destination row, exactly the
+    single-expert result times its scale; rows it was not given stay as they were."""
+    H = 64
+    experts = [mxfp4_expert(H, 64, seed=1)[0], dense_expert(H, 40, seed=2, dtype=torch.bfloat16)[0],
+               mxfp4_expert(H, 32, seed=3)[0], dense_expert(H, 24, seed=4, dtype=torch.float32)[0]]
+    counts = [3, 1, 16, 5]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, H, generator=g).to(x_dtype)
+    total = sum(counts)
+    rows = torch.randint(0, 12, (total,), generator=g, dtype=torch.int32)
+    dest = torch.randperm(total + 4, generator=g)[:total].to(torch.int32)
+    scale = torch.rand(total, generator=g)
+    with CpuExperts(threads=3) as k:
+        out = torch.full((total + 4, H), 7.0)
+        k.forward_many(experts, counts, rows, dest, x, out, scale)
+        base = 0
+        for w, n in zip(experts, counts):
+            r, d = rows[base: base + n].long(), dest[base: base + n].long()
+            want = k.forward(w, x[r]) * scale[base: base + n, None]
+            assert torch.equal(out[d], want)
+            base += n
+        untouched = sorted(set(range(total + 4)) - set(dest.tolist()))
+        assert torch.equal(out[untouched], torch.full((len(untouched), H), 7.0))
+        with pytest.raises(CpuExpertError, match="invalid|argument"):  # a destination row twice
+            k.forward_many(experts[:2], [1, 1], rows[:2], torch.tensor([0, 0], dtype=torch.int32), x, out, None)
+        with pytest.raises(CpuExpertError, match="rows must be"):
+            k.forward_many(experts[:1], [2], rows[:1], dest[:2], x, out, None)
+        with pytest.raises(CpuExpertError, match="token counts"):
+            k.forward_many(experts[:2], [1], rows[:1], dest[:1], x, out, None)
+
+
+def test_runner_run_layer_matches_per_expert_loop(tmp_path):
+    """CpuExpertRunner.run_layer (one native call) gives the per-expert loop's rows bit for bit."""
+    from pdflash.offload.cpu_compute import CpuExpertRunner, CpuRunner
+    from pdflash.offload.host_store import HostStore
+    from pdflash.offload.runtime import OffloadedModel
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.synthetic import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=3)
+    rt = OffloadedModel.load(ckpt, device="cpu", dtype="float32", cpu_experts="all")
+    try:
+        runner = rt.cpu
+        assert isinstance(runner, CpuExpertRunner) and isinstance(runner.host, HostStore)
+        H = runner.hidden
+        T, K = 20, 4
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(T, H, generator=g)
+        w_flat = torch.rand(T * K, generator=g)
+        idx = torch.stack([torch.randperm(runner.host.num_experts, generator=g)[:K] for _ in range(T)])
+        positions = {}
+        for p, e in enumerate(idx.view(-1).tolist()):
+            positions.setdefault(e, []).append(p)
+        experts = sorted(positions)
+        fast = torch.zeros(T * K, H)
+        runner.run_layer(1, experts, positions, K, x, w_flat, fast)
+        slow = torch.zeros(T * K, H)
+        CpuRunner.run_layer(runner, 1, experts, positions, K, x, w_flat, slow)
+        assert torch.equal(fast, slow)
+        assert runner.experts == 2 * len(experts)
+    finally:
+        rt.close()

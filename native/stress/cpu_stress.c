@@ -247,6 +247,119 @@ static int random_call(pf_cpu *c, uint64_t *rng, int small) {
     return ok;
 }
 
+/* one random batched call (pf_cpu_experts) on c: every written row must equal the single-expert
+ * call on the same rows times its scale, bit for bit; rows not named in dest keep their sentinel */
+static int random_batch(pf_cpu *c, uint64_t *rng) {
+    static const int fmts[3] = {PF_CPU_MXFP4, PF_CPU_BF16, PF_CPU_F32};
+    enum { MAXN = 6 };
+    const int H = 32 * (1 + (int)(rng_next(rng) % 5));
+    const int n = 1 + (int)(rng_next(rng) % MAXN);
+    expert e[MAXN];
+    const pf_cpu_weights *ws[MAXN];
+    int counts[MAXN], total = 0;
+    for (int k = 0; k < n; k++) {
+        int fmt = fmts[rng_next(rng) % 3];
+        int I = fmt == PF_CPU_MXFP4 ? 32 * (1 + (int)(rng_next(rng) % 4)) : 1 + (int)(rng_next(rng) % 70);
+        expert_make(&e[k], rng, fmt, H, I, rng_next(rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32, (int)(rng_next(rng) % 4 != 0));
+        e[k].w.round_bf16 = (int)(rng_next(rng) % 3 == 0);
+        ws[k] = &e[k].w;
+        counts[k] = 1 + (int)(rng_next(rng) % PF_CPU_MAX_TOKENS);
+        total += counts[k];
+    }
+    const int xf = rng_next(rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32, es = xf == PF_CPU_BF16 ? 2 : 4;
+    const int x_rows = 1 + (int)(rng_next(rng) % 20), stride = H + (int)(rng_next(rng) % 3);
+    const int out_rows = total + (int)(rng_next(rng) % 5), ostride = H + (int)(rng_next(rng) % 3);
+    void *x = make_x(rng, xf, x_rows, stride);
+    int *rows = malloc(sizeof(int) * total), *dest = malloc(sizeof(int) * out_rows);
+    float *scale = malloc(sizeof(float) * total), *out = malloc(sizeof(float) * out_rows * ostride);
+    for (int i = 0; i < out_rows; i++) dest[i] = i; /* a random permutation; the first total entries are used */
+    for (int i = out_rows - 1; i > 0; i--) {
+        int j = (int)(rng_next(rng) % (uint64_t)(i + 1)), t = dest[i];
+        dest[i] = dest[j];
+        dest[j] = t;
+    }
+    for (int i = 0; i < total; i++) {
+        rows[i] = (int)(rng_next(rng) % (uint64_t)x_rows);
+        scale[i] = rng_unit(rng);
+    }
+    for (int i = 0; i < out_rows * ostride; i++) out[i] = 12345.0f;
+    const int with_scale = (int)(rng_next(rng) % 4 != 0);
+    int rc = pf_cpu_experts(c, n, ws, counts, rows, with_scale ? scale : NULL, x, xf, x_rows, stride, out, dest,
+                            out_rows, ostride);
+    int ok = rc == PF_CPU_OK;
+    if (!ok) fprintf(stderr, "  pf_cpu_experts: %s\n", pf_cpu_strerror(rc));
+    char *used = calloc((size_t)out_rows, 1);
+    for (int k = 0, base = 0; ok && k < n; base += counts[k], k++) {
+        char *xs = malloc((size_t)counts[k] * H * es);
+        float *single = malloc(sizeof(float) * counts[k] * H);
+        for (int t = 0; t < counts[k]; t++)
+            memcpy(xs + (size_t)t * H * es, (char *)x + (size_t)rows[base + t] * stride * es, (size_t)H * es);
+        ok = pf_cpu_expert(c, ws[k], xs, xf, counts[k], H, single) == PF_CPU_OK;
+        for (int t = 0; ok && t < counts[k]; t++) {
+            const float *o = out + (size_t)dest[base + t] * ostride;
+            used[dest[base + t]] = 1;
+            for (int j = 0; j < H && ok; j++) {
+                float want = with_scale ? single[(size_t)t * H + j] * scale[base + t] : single[(size_t)t * H + j];
+                if (memcmp(&want, &o[j], sizeof want) != 0) {
+                    fprintf(stderr, "  batch: expert %d token %d out %d = %g, single call %g\n", k, t, j, o[j], want);
+                    ok = 0;
+                }
+            }
+        }
+        free(xs);
+        free(single);
+    }
+    for (int r = 0; ok && r < out_rows; r++)
+        for (int j = 0; j < ostride && ok; j++)
+            if ((!used[r] || j >= H) && out[(size_t)r * ostride + j] != 12345.0f) {
+                fprintf(stderr, "  batch: row %d col %d was written\n", r, j);
+                ok = 0;
+            }
+    free(used);
+    free(x);
+    free(rows);
+    free(dest);
+    free(scale);
+    free(out);
+    for (int k = 0; k < n; k++) expert_free(&e[k]);
+    return ok;
+}
+
+static void phase_batch(int quick, uint64_t seed) {
+    uint64_t rng = seed * 977 + 5;
+    pf_cpu *c;
+    for (int threads = 1; threads <= 4; threads += 3) {
+        if (pf_cpu_create(threads, PF_CPU_LEVEL_AUTO, &c) != PF_CPU_OK) {
+            count(0, "create batch context");
+            return;
+        }
+        int good = 0, total = quick ? 6 : 25;
+        for (int i = 0; i < total; i++) good += random_batch(c, &rng);
+        char what[64];
+        snprintf(what, sizeof what, "batch (%d threads): %d/%d match", threads, good, total);
+        count(good == total, what);
+        /* refusals: duplicate destination, rows out of range, bad counts; n == 0 is a no-op */
+        expert e;
+        expert_make(&e, &rng, PF_CPU_F32, 64, 32, PF_CPU_F32, 1);
+        const pf_cpu_weights *ws[2] = {&e.w, &e.w};
+        float x[2 * 64], out[4 * 64];
+        for (int i = 0; i < 2 * 64; i++) x[i] = 0.5f;
+        int cnt[2] = {1, 1}, rows[2] = {0, 1}, dup[2] = {3, 3}, fine[2] = {0, 3}, far[2] = {0, 4}, big[2] = {0, 2};
+        int zero[2] = {0, 1}, many[2] = {1, PF_CPU_MAX_TOKENS + 1};
+        CHECK(pf_cpu_experts(c, 2, ws, cnt, rows, NULL, x, PF_CPU_F32, 2, 64, out, dup, 4, 64) == PF_CPU_EINVAL);
+        CHECK(pf_cpu_experts(c, 2, ws, cnt, rows, NULL, x, PF_CPU_F32, 2, 64, out, far, 4, 64) == PF_CPU_EINVAL);
+        CHECK(pf_cpu_experts(c, 2, ws, cnt, big, NULL, x, PF_CPU_F32, 2, 64, out, fine, 4, 64) == PF_CPU_EINVAL);
+        CHECK(pf_cpu_experts(c, 2, ws, zero, rows, NULL, x, PF_CPU_F32, 2, 64, out, fine, 4, 64) == PF_CPU_EINVAL);
+        CHECK(pf_cpu_experts(c, 2, ws, many, rows, NULL, x, PF_CPU_F32, 2, 64, out, fine, 4, 64) == PF_CPU_EINVAL);
+        CHECK(pf_cpu_experts(c, 2, ws, cnt, rows, NULL, x, PF_CPU_F32, 2, 63, out, fine, 4, 64) == PF_CPU_EINVAL);
+        CHECK(pf_cpu_experts(c, -1, ws, cnt, rows, NULL, x, PF_CPU_F32, 2, 64, out, fine, 4, 64) == PF_CPU_EINVAL);
+        CHECK(pf_cpu_experts(c, 0, NULL, NULL, NULL, NULL, NULL, PF_CPU_F32, 0, 0, NULL, NULL, 0, 0) == PF_CPU_OK);
+        CHECK(pf_cpu_experts(c, 2, ws, cnt, rows, NULL, x, PF_CPU_F32, 2, 64, out, fine, 4, 64) == PF_CPU_OK);
+        expert_free(&e);
+        pf_cpu_destroy(c);
+    }
+}
+
 static void phase_api(void) {
     pf_cpu *c = (pf_cpu *)1;
     CHECK(pf_cpu_create(0, PF_CPU_LEVEL_AUTO, &c) == PF_CPU_EINVAL && c == NULL);
@@ -394,6 +507,8 @@ int main(int argc, char **argv) {
     printf("api: %d passed, %d failed\n", passed, failed);
     phase_levels(quick, seed);
     printf("levels: %d passed, %d failed\n", passed, failed);
+    phase_batch(quick, seed);
+    printf("batch: %d passed, %d failed\n", passed, failed);
     phase_shared(quick, seed);
     printf("cpu_stress: %d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
