@@ -17,6 +17,8 @@ token count (``--tokens``, 1,8,16):
             bandwidth = weight bytes read / seconds per call (median over the calls), and
             its ratio to ``dram`` of the same thread count (the aim: >= 70 % at 16 threads
             for one token).
+  layer     one batched call (pf_cpu_experts) over ``--layer`` experts (4, 8) with 1 and 4
+            token rows each: a layer's CPU share in hybrid execution, one pool hand-off per phase.
   torch     PyTorch's bf16 path for the same expert maths on the same thread count
             (torch.set_num_threads): weights already dequantized to bf16 (``--torch-experts``
             distinct ones, 8 by default, 50 MB each), ``x @ W1 + b1 -> SwiGLU -> @ W2 + b2``; its
@@ -110,6 +112,28 @@ def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls:
             "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9}
 
 
+def bench_layer(k: CpuExperts, weights, per_call: int, tokens: int, calls: int, hidden: int) -> dict:
+    """One batched call (pf_cpu_experts) over ``per_call`` experts, ``tokens`` token rows each,
+    as a layer hands its CPU share to the kernel: effective bandwidth = their weight bytes / time."""
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    rows = torch.arange(tokens, dtype=torch.int32).repeat(per_call)
+    dest = torch.arange(per_call * tokens, dtype=torch.int32)
+    scale = torch.rand(per_call * tokens)
+    out = torch.empty(per_call * tokens, hidden)
+    n = len(weights)
+    k.forward_many(weights[:per_call], [tokens] * per_call, rows, dest, x, out, scale)  # warm-up
+    times = []
+    for i in range(calls):
+        ws = [weights[(i * per_call + j) % n] for j in range(per_call)]
+        t0 = time.perf_counter()
+        k.forward_many(ws, [tokens] * per_call, rows, dest, x, out, scale)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    nbytes = weights[0].nbytes * per_call
+    return {"experts_per_call": per_call, "tokens": tokens, "calls": calls, "weight_bytes": nbytes,
+            "median_ms": med * 1e3, "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9}
+
+
 def bench_torch(threads: int, tokens_list, n_experts: int, hidden: int, inter: int, calls: int, seed: int) -> list[dict]:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(seed)
@@ -200,6 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="8,16", help="comma-separated thread counts")
     ap.add_argument("--tokens", default="1,8,16", help="comma-separated token counts (1..16)")
     ap.add_argument("--calls", type=int, default=200, help="timed kernel calls per configuration")
+    ap.add_argument("--layer", default="4,8", help="experts per batched call (a layer's CPU share; 0: skip)")
     ap.add_argument("--repeats", type=int, default=5, help="timed streaming reads per thread count")
     ap.add_argument("--level", default=None, help="kernel level (default: the best this CPU runs)")
     ap.add_argument("--torch-experts", type=int, default=8, help="distinct bf16 experts for the PyTorch comparison (0: skip)")
@@ -249,6 +274,12 @@ def main(argv=None) -> int:
                     r = bench_kernel(k, weights, t, dt, args.calls, hidden)
                     r["of_dram"] = r["gbps"] / dram["gbps"]
                     run["kernel"].append(r)
+            run["layer"] = []
+            for m in [int(v) for v in args.layer.split(",") if v and int(v) > 0]:
+                for t in (1, 4):
+                    r = bench_layer(k, weights, min(m, len(weights)), t, max(10, args.calls // m), hidden)
+                    r["of_dram"] = r["gbps"] / dram["gbps"]
+                    run["layer"].append(r)
         if args.torch_experts > 0:
             run["torch_bf16"] = bench_torch(n, tokens, args.torch_experts, hidden, inter, args.torch_calls, args.seed)
         result["runs"].append(run)
@@ -264,6 +295,9 @@ def main(argv=None) -> int:
             print(f"threads {run['threads']} ({run['level']}): DRAM read {d['gbps']:.1f} GB/s (best of {args.repeats})")
             for r in run["kernel"]:
                 print(f"  kernel T={r['tokens']:2d} x {r['x_dtype']:8s}: {r['median_ms']:8.3f} ms/expert  "
+                      f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
+            for r in run.get("layer", []):
+                print(f"  layer {r['experts_per_call']:2d} experts x T={r['tokens']:2d}: {r['median_ms']:8.3f} ms/call  "
                       f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
             for r in run.get("torch_bf16", []):
                 print(f"  torch bf16 T={r['tokens']:2d}: {r['median_ms']:8.3f} ms/expert  {r['gbps']:6.1f} GB/s (bf16 bytes)")

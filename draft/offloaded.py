@@ -63,8 +63,8 @@ def make_planner(rt, max_block: int, *, use_confidence: bool = True):
     fam = rt.family
 
     def counters() -> tuple[float, float]:
-        st = rt.scheduler.stats()
-        return float(sum(lv["bytes"] for lv in st["levels"])), float(st["link_busy_s"])
+        moved, busy = rt.scheduler.link_totals()
+        return float(moved), float(busy)
 
     # On a CPU device the planner times steps in process CPU seconds: other processes on the same
     # cores stretch wall time by whatever share they take, not the ratio between block lengths.
@@ -195,7 +195,7 @@ def speculative_on_runtime(
     planner = make_planner(rt, block, use_confidence=oracle is None) if auto else None
 
     def moved_bytes() -> float:
-        return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
+        return float(rt.scheduler.link_totals()[0])
 
     try:
         return speculative_generate(

@@ -168,7 +168,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def greedy_generate(
     target: nn.Module,
     input_ids: Sequence[int],
@@ -195,7 +195,7 @@ def greedy_generate(
     return out
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def verify_sweep(
     target: nn.Module,
     input_ids: Sequence[int],
@@ -418,7 +418,7 @@ def check_block_size(block_size: int | None, trained: int) -> int:
 # -- the loop -----------------------------------------------------------------------------------
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(
     target: nn.Module,
     draft: DFlashDraftModel,

@@ -473,6 +473,17 @@ class Scheduler:
             "workers": self.workers,
         }
 
+    def link_totals(self) -> tuple[int, float]:
+        """(bytes landed over all levels, link busy seconds): the two counters a per-step cost
+        model reads, without building :meth:`stats`' dicts."""
+        s = self._enter()
+        try:
+            st = self._ffi.new("pf_stats *")
+            self._check(self._lib.pf_get_stats(s, st), "stats")
+        finally:
+            self._leave()
+        return sum(int(st.level[p].bytes) for p in range(NUM_PRIORITY)), st.link_busy_ns / 1e9
+
     def drain_trace(self) -> list[dict]:
         """Ended tasks since the last drain, oldest first (needs ``Scheduler(trace=N)``).
 
