@@ -27,6 +27,7 @@ DEFAULT_DRAFT = "z-lab/gpt-oss-20b-DFlash"
 # --models NAME: the known target repositories and their published DFlash drafts ("" : none published).
 MODEL_SETS = {
     "gpt-oss-20b": (DEFAULT_TARGET, DEFAULT_DRAFT),
+    "gpt-oss-120b": ("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash"),
     "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", ""),
     "qwen3-30b-a3b-fp8": ("Qwen/Qwen3-30B-A3B-FP8", ""),
     "qwen3-coder-30b-a3b": ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash"),

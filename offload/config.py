@@ -132,6 +132,25 @@ PRESETS: dict[str, ModelPreset] = {
         rope_theta=150000.0,
         rope_scaling=_yarn(32.0, 4096),
     ),
+    # openai/gpt-oss-120b: the 20b's attention and expert shapes, 36 layers of 128 experts (top-4);
+    # 65 GB of MXFP4 experts, so GPU benchmarks fill it in memory (synthetic.SyntheticCheckpoint).
+    "gpt-oss-120b": ModelPreset(
+        name="gpt-oss-120b",
+        num_hidden_layers=36,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=128,
+        vocab_size=201088,
+        tokenizer_vocab=1024,
+        max_position_embeddings=131072,
+        rope_theta=150000.0,
+        rope_scaling=_yarn(32.0, 4096),
+    ),
     # Qwen3-MoE with every module type of Qwen3-30B-A3B (qk-norm, GQA, softmax -> top-k ->
     # renormalised routing, per-expert SiLU-gated MLPs), small enough for CPU tests.
     "qwen3-tiny": ModelPreset(

@@ -95,6 +95,16 @@ def test_gpt_oss_20b_preset_matches_reference_shapes():
     assert specs["model.layers.0.self_attn.q_proj.weight"].shape == (4096, 2880)
 
 
+def test_gpt_oss_120b_preset_has_20b_experts_in_more_layers():
+    ids = {"<|return|>": 1, "<|endoftext|>": 2, "<|startoftext|>": 0}
+    fam = GptOssFamily(ModelPreset.from_name("gpt-oss-120b").hf_config(ids, mxfp4=True))
+    specs = fam.tensor_specs()
+    assert fam.num_layers == 36 and fam.num_experts == 128 and fam.top_k == 4
+    assert specs["model.layers.35.mlp.experts.gate_up_proj_blocks"].shape == (128, 5760, 90, 16)
+    layout = fam.expert_layout({piece: torch.bfloat16 if "bias" in piece else torch.uint8 for piece in fam.expert_sources(0)})
+    assert layout.payload_bytes == 13_236_480  # the same expert as gpt-oss-20b: 36 x 128 of them, 61 GB
+
+
 def test_seeded(tmp_path, dense_dir):
     again = write_checkpoint(tmp_path / "again", TINY, seed=1)
     other = write_checkpoint(tmp_path / "other", TINY, seed=2)
