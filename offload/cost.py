@@ -31,7 +31,9 @@ read the same measured rates:
   the layer's critical path is shortest. The host side is the calibrated, kept-current rate of
   the native CPU kernel (``pdflash.offload.cpu_compute.CpuExpertRunner``, installed through
   :meth:`set_cpu_expert_rate`); the link side the measured link rate and what is in flight;
-  the device side the measured device compute per expert (0 until measured).
+  the device side the measured device compute per expert (0 until measured); the host side pays
+  once per layer the measured overhead of handing work to the host and its results back
+  (:meth:`CostModel.observe_host_overhead`, 0 until measured).
 
 Nothing here is a result: every prediction is a measured rate times a count, or a documented
 prior until the first measurement.
@@ -139,6 +141,7 @@ class CostModel:
         self._forward: dict[str, dict[int, RecentMedian]] = {k: {} for k in FORWARD_KINDS}
         self._expert_compute: dict[int, Ewma] = {}  # tokens -> device seconds per expert
         self.cpu_expert_seconds: Callable[[int], float] | None = None  # hybrid execution's hook
+        self.host_layer_overhead = Ewma(alpha)  # seconds a layer's host share costs beyond the kernel
 
     @classmethod
     def for_runtime(cls, rt, **kwargs) -> "CostModel":
@@ -183,6 +186,12 @@ class CostModel:
         """Hybrid execution's hook: ``fn(tokens)`` = calibrated host seconds to compute one expert
         over ``tokens`` tokens. None removes the host path."""
         self.cpu_expert_seconds = fn
+
+    def observe_host_overhead(self, seconds: float) -> None:
+        """One layer's host share took ``seconds`` beyond its kernel time: the hand-off to the
+        computing thread, the rows to the host and the results back (hybrid execution)."""
+        if seconds >= 0:
+            self.host_layer_overhead.add(seconds)
 
     # -- rates -------------------------------------------------------------------------
     @property
@@ -257,7 +266,8 @@ class CostModel:
         max(resident compute, last arrival) + one expert's compute. Host side: the kernel runs
         its experts one after another (all its threads on each) while the device works. The
         experts cheapest on the host go there first; the split with the earliest finish of the
-        later side wins (fewest host experts on a tie). Without a host rate everything is fetched.
+        later side wins (fewest host experts on a tie). The host side also pays, once, its measured
+        per-layer overhead (:meth:`observe_host_overhead`). Without a host rate everything is fetched.
         """
         order = sorted(missing, key=lambda e: (missing[e], e))
         fetch_one = self.seconds_per_expert_fetch()
@@ -276,7 +286,7 @@ class CostModel:
         best = LayerPlacement([], list(order), 0.0, device_finish(list(order)))
         if host_fn is None or not order:
             return best
-        host_s = 0.0
+        host_s = self.host_layer_overhead.value or 0.0  # any host share pays it once
         for k in range(1, len(order) + 1):
             one = host_fn(missing[order[k - 1]])
             if one is None:

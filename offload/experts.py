@@ -62,6 +62,7 @@ class OffloadedExperts(nn.Module):
         cpu_mode: str = "off",
         placer=None,
         cpu_pool: ThreadPoolExecutor | None = None,
+        on_host_overhead: Callable[[float], None] | None = None,
     ):
         super().__init__()
         self.layer = layer
@@ -73,6 +74,7 @@ class OffloadedExperts(nn.Module):
         self.cpu_mode = cpu_mode if cpu is not None else "off"
         self.placer = placer  # callable(layer, misses, positions, K, device) -> experts to compute on the CPU
         self.cpu_pool = cpu_pool  # one helper thread (CUDA): CPU experts overlap the device's work
+        self.on_host_overhead = on_host_overhead  # the cost model's per-layer host overhead (hybrid)
         self.calls = 0
 
     def extra_repr(self) -> str:
@@ -138,9 +140,11 @@ class OffloadedExperts(nn.Module):
                 misses = [e for e in misses if e not in on_cpu]
                 cpu_list = sorted(on_cpu)
                 if self.cpu_pool is not None and dev.type == "cuda":  # overlaps the fetches and the device's compute
+                    t_host = time.perf_counter()
                     x_host = x.to("cpu", non_blocking=False)
                     w_host = w_flat.to("cpu", non_blocking=False)
                     cpu_job = self.cpu_pool.submit(self._cpu_compute, x_host, w_host, K, cpu_list, positions)
+                    host_before = time.perf_counter() - t_host
         for e in misses:  # submitted before the hits compute, so the link starts at once
             f = cache.request(layer, e)
             (pending.append((e, f)) if f is not None else waiting.append(e))
@@ -173,29 +177,43 @@ class OffloadedExperts(nn.Module):
                         raise PdflashError(f"layer {layer}: no expert cache slot could be freed")
                 pending.append((waiting.popleft(), f))
         if cpu_job is not None:
-            self._store_cpu(contrib, cpu_job.result() if hasattr(cpu_job, "result") else cpu_job, dev)
+            if hasattr(cpu_job, "result"):  # the helper thread's job: time it took beyond the kernel
+                t_wait = time.perf_counter()
+                res = cpu_job.result()
+                t_store = time.perf_counter()
+                self._store_cpu(contrib, res, dev)
+                if self.on_host_overhead is not None:
+                    waited = t_store - t_wait  # the part of the job the device did not hide
+                    extra = res[2] - res[3]  # job wall time in the thread minus the kernel's own time
+                    self.on_host_overhead(host_before + min(waited, extra) + time.perf_counter() - t_store)
+            else:
+                self._store_cpu(contrib, cpu_job, dev)
         cache.end_layer()
         out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
         return out.reshape(shape)
 
     def _cpu_compute(self, x: torch.Tensor, w_flat: torch.Tensor, K: int, experts: list[int],
-                     positions: dict[int, list[int]]) -> tuple[list[int], torch.Tensor]:
+                     positions: dict[int, list[int]]) -> tuple[list[int], torch.Tensor, float, float]:
         """The native kernel on the host for ``experts``, in one call: (positions, a float32
-        [T*K, H] buffer holding their weighted outputs at those rows). Runs in the helper thread
-        on CUDA (x and w_flat are host copies then)."""
+        [T*K, H] buffer holding their weighted outputs at those rows, the call's wall seconds,
+        the kernel's own seconds). Runs in the helper thread on CUDA (x and w_flat are host
+        copies then)."""
         t0 = time.perf_counter()
         xh = x if x.device.type == "cpu" else x.to("cpu")
         wh = w_flat.to("cpu", torch.float32)
         T, H = xh.shape
         buf = torch.empty((T * K, H), dtype=torch.float32)
+        k0 = self.cpu.seconds
         self.cpu.run_layer(self.layer, experts, positions, K, xh, wh, buf)
+        kernel = self.cpu.seconds - k0
         self.cache.stats.layers[self.layer].cpu += len(experts)
-        self.cache.stats.cpu_seconds += time.perf_counter() - t0
-        return [p for e in experts for p in positions[e]], buf
+        wall = time.perf_counter() - t0
+        self.cache.stats.cpu_seconds += wall
+        return [p for e in experts for p in positions[e]], buf, wall, kernel
 
     @staticmethod
-    def _store_cpu(contrib: torch.Tensor, results: tuple[list[int], torch.Tensor], dev: torch.device) -> None:
-        pos, buf = results
+    def _store_cpu(contrib: torch.Tensor, results: tuple, dev: torch.device) -> None:
+        pos, buf = results[0], results[1]
         if len(pos) == contrib.shape[0]:  # every row (all on the CPU): one conversion
             contrib.copy_(buf.to(dev, non_blocking=True))
             return

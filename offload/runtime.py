@@ -252,7 +252,8 @@ class OffloadedModel:
                 if cpu_mode != "off":
                     self._start_cpu(cpu_mode, old, cpu_threads)
             return OffloadedExperts(i, E, self.cache, kernel, self._on_routed, cpu=self.cpu, cpu_mode=self.cpu_mode,
-                                    placer=self.placer, cpu_pool=self._cpu_pool)
+                                    placer=self.placer, cpu_pool=self._cpu_pool,
+                                    on_host_overhead=self._observe_host_overhead if self.placer is not None else None)
 
         self.model = fam.build(dev, self.dtype, ckpt.get, make_experts)
         self._cache_kwarg = fam.cache_kwarg(self.model)
@@ -398,8 +399,16 @@ class OffloadedModel:
 
     def forget_costs(self) -> None:
         """Drop the cost model's measurements (the next use starts from its priors, as a fresh
-        process does)."""
+        process does). Hybrid execution's calibrated host rate stays installed."""
+        old = getattr(self, "_cost", None)
         self._cost = None
+        if old is not None and old.cpu_expert_seconds is not None:
+            self.cost.set_cpu_expert_rate(old.cpu_expert_seconds)
+        if self.placer is not None:
+            self.placer.cost = self.cost
+
+    def _observe_host_overhead(self, seconds: float) -> None:
+        self.cost.observe_host_overhead(seconds)
 
     @property
     def eos_token_ids(self) -> list[int]:

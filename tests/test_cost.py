@@ -115,6 +115,21 @@ def test_place_layer_balances_host_and_link():
     assert fast.place_layer({e: 1 for e in range(5)}).host == []
 
 
+def test_place_layer_pays_the_measured_host_overhead_once():
+    m = CostModel(1_000_000, link_gbps=1)  # 1 ms per fetch
+    m.set_cpu_expert_rate(lambda tokens: 0.4e-3 * tokens)
+    m.observe_host_overhead(0.5e-3)  # handing a layer's share to the host costs 0.5 ms
+    plan = m.place_layer({e: 1 for e in range(5)})
+    # k on the host: 0.5 + 0.4k ms against 5 - k ms on the link -> k = 3 (1.7 vs 2 ms)
+    assert len(plan.host) == 3 and plan.host_seconds == pytest.approx(1.7e-3)
+    m.observe_host_overhead(50e-3)  # an overhead far above the link time: nothing goes to the host
+    for _ in range(30):
+        m.observe_host_overhead(50e-3)
+    assert m.place_layer({e: 1 for e in range(5)}).host == []
+    m.observe_host_overhead(-1.0)  # a negative measurement is ignored
+    assert m.host_layer_overhead.value > 0
+
+
 def test_place_layer_counts_the_devices_work():
     m = CostModel(1_000_000, link_gbps=1)  # 1 ms per fetch
     m.set_cpu_expert_rate(lambda tokens: 1.5e-3)
