@@ -66,9 +66,15 @@ def make_planner(rt, max_block: int, *, use_confidence: bool = True):
         moved, busy = rt.scheduler.link_totals()
         return float(moved), float(busy)
 
-    # On a CPU device the planner times steps in process CPU seconds: other processes on the same
-    # cores stretch wall time by whatever share they take, not the ratio between block lengths.
-    clock = time.process_time if rt.device.type == "cpu" else None
+    # On a CPU device the planner times steps in process CPU seconds plus the seconds blocked on
+    # the (simulated) link: other processes on the same cores stretch wall time by whatever share
+    # they take, not the ratio between block lengths; waiting for a copy uses no CPU but is a cost.
+    clock = None
+    if rt.device.type == "cpu":
+        def clock() -> float:  # its CPU seconds, plus the time it sat waiting on the (simulated) link
+            return time.process_time() + rt.cache.stats.exposed_s
+
+        clock.__name__ = "process_time+link_wait"
     planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
                            top_k=fam.top_k, cache=rt.cache, link_counters=counters, use_confidence=use_confidence,
                            clock=clock)

@@ -13,11 +13,18 @@ tokens per predicted second; B = 1 is plain decoding (no draft forward). Each st
    anyway and at least one proposal is verified, so the acceptance figures keep being measured
    (the interval doubles after each probe while plain decoding stays ahead, so probes cost a
    bounded share of a long plain stretch);
-   every ``remeasure_plain_every`` speculative steps in a row one plain step runs, so B = 1's
-   time stays measured too (both count as ``probes``).
+   every ``remeasure_plain_every`` speculative steps in a row two plain steps run, so B = 1's
+   time stays measured too (both count as ``probes``). Whatever the predictions, stage 1 also
+   returns plain decoding while the tokens per second that recent speculative steps realized
+   (an EWMA) are below steady plain decoding's; probes keep that figure current.
 2. after drafting (:meth:`BlockPlanner.choose`): the same choice with the draft's own confidence
    per position (its probability of the token it proposed), calibrated against measured
    acceptance in confidence bins, each bin's prior being the position's running acceptance.
+
+B = 1 is priced by what plain decoding measurably costs once it runs: the median of recent
+plain steps that followed a plain step (the steady state, whose expert cache holds the recent
+tokens' experts), as soon as there is one. The first plain step after speculative ones pays for
+the cache the wider verify blocks left behind, and is not taken as the price of plain decoding.
 
 Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B (EWMA of
 measured step times with the step's own link time removed) and the link rate (the scheduler's
@@ -26,8 +33,8 @@ union of the experts of the last B committed positions, per layer, checked again
 (resident, in flight, missing), plus a per-B correction measured as the EWMA of (experts actually
 fetched - experts predicted missing); before B is measured that correction comes from the nearest
 measured B scaled by the expected number of distinct experts, or from the cache's share of all
-experts. Cold start: the first plain step and the first full-block step are taken to measure both
-ends; the Bs between are interpolated until measured.
+experts. Cold start: the first two plain steps (the second prices steady plain decoding) and the
+first full-block step are taken to measure both ends; the Bs between are interpolated until measured.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from pdflash.offload.cost import CostModel, Ewma
+from pdflash.offload.cost import CostModel, Ewma, RecentMedian
 
 
 def distinct_experts(tokens: int, num_experts: int, top_k: int) -> float:
@@ -186,6 +193,10 @@ class BlockPlanner:
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
         self._plain_run = 0
+        self._plain_steady = RecentMedian()  # measured plain steps that followed a plain step
+        self._prev_block: int | None = None
+        self._forced_plain = 0  # plain steps still to run for a re-measurement
+        self._spec_rate = Ewma(0.5)  # committed tokens per second realized by speculative steps
         self._step_bytes0 = 0.0
         self._stage: Choice | None = None
         self._probe = False
@@ -258,7 +269,9 @@ class BlockPlanner:
             route_missing = route[block - 1]
             fetch = max(0.0, route_missing + self._extra_fetch(block)) if self.cache is not None else 0.0
             verify = self.cost.step_seconds("verify", block, fetch)
-            if verify is None:
+            if block == 1 and self._plain_steady.value is not None:
+                t = self._plain_steady.value  # measured, fetches included
+            elif verify is None:
                 t = None
             elif block == 1:
                 t = verify
@@ -273,8 +286,8 @@ class BlockPlanner:
     def _best(self, limit: int, probs: Sequence[float], draft_s: float | None, low: int = 1) -> Choice:
         cands = self._candidates(low, limit, probs, draft_s)
         measured = self.cost.measured_forward("verify")
-        if low == 1 and 1 not in measured:
-            return cands[0]  # cold start: measure a plain step first ...
+        if low == 1 and (1 not in measured or self._plain_steady.value is None):
+            return cands[0]  # cold start: two plain steps first (the second is a steady one) ...
         if len(cands) > 1 and (max(measured, default=0) < 2 or draft_s is None):
             return cands[-1]  # ... then a full block with its draft; the Bs between are interpolated
         return max(cands, key=lambda c: (c.expected_tokens / max(c.predicted_seconds or 0.0, 1e-12), -c.block))
@@ -292,18 +305,24 @@ class BlockPlanner:
         """Stage 1: the draft length to run now, ``limit`` (<= max_block) or 1 for a plain step."""
         self._stage = None
         self._probe = False
-        if limit <= 1:
+        if limit <= 1 or self._forced_plain > 0:
+            self._forced_plain = max(0, self._forced_plain - 1)
             self._stage = self._candidate(1, [], None)
+            self._plain_run += 1
+            self._spec_run = 0
             return 1
         draft_s = self.cost.forward_seconds("draft", limit)
         best = self._best(limit, self._stage1_probs(), draft_s)
+        if best.block > 1 and self._speculation_lags():
+            best = self._candidate(1, [], None)  # predicted to pay, measured not to: plain (probes go on)
         if best.block == 1 and self._plain_run + 1 >= self._probe_interval:
             self.report.probes += 1
             self._probe_interval *= 2
             self._probe = True  # stage 2 then verifies at least one proposal
             best = self._candidate(limit, self._stage1_probs(), draft_s)
         elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every:
-            self.report.probes += 1  # a plain step keeps B = 1's time measured
+            self.report.probes += 1  # two plain steps keep B = 1's steady time measured
+            self._forced_plain = 1
             best = self._candidate(1, [], None)
         self._stage = best
         if best.block == 1:
@@ -315,6 +334,13 @@ class BlockPlanner:
         self._plain_run = 0
         self._spec_run += 1
         return limit
+
+    def _speculation_lags(self) -> bool:
+        """Recent speculative steps committed fewer tokens per second than steady plain decoding
+        does: whatever the predictions say, the realized rates decide (the guard that keeps auto
+        from being slower than plain decoding when the cost model is wrong)."""
+        plain = self._plain_steady.value
+        return self._spec_rate.count >= 2 and plain is not None and plain > 0 and self._spec_rate.value < 1.0 / plain
 
     def _stage1_probs(self) -> list[float]:
         """Acceptance expected before drafting: the running per-position acceptance, or, with the
@@ -354,6 +380,11 @@ class BlockPlanner:
             seconds = self.clock() - self._t0
             draft_seconds = self._draft_clock
         self.last_measured_seconds = seconds
+        if block == 1 and self._prev_block == 1:
+            self._plain_steady.add(seconds)
+        elif block > 1 and seconds > 0:
+            self._spec_rate.add(committed / seconds)
+        self._prev_block = block
         counters = self._bytes_now()
         fetched = 0.0
         if counters is not None:

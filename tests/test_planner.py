@@ -3,7 +3,7 @@
 import pytest
 
 from pdflash.draft.planner import AcceptanceModel, BlockPlanner, distinct_experts, expected_committed
-from pdflash.offload.cost import CostModel, Ewma
+from pdflash.offload.cost import CostModel, Ewma, RecentMedian
 
 L, E, K = 4, 32, 4
 EXPERT_BYTES = 1_000_000
@@ -32,6 +32,8 @@ def teach(p, accept_rate, steps=40):
             p.begin_step()
             fetched = L * distinct_experts(block, E, K)
             p.cost.observe_forward("verify", block, 0.005 + fetched * p.cost.seconds_per_expert_fetch(), fetched)
+            if block == 1:  # plain decoding's steady steps
+                p._plain_steady.add(0.005 + fetched * p.cost.seconds_per_expert_fetch())
             p.cost.observe_forward("draft", block, 0.001)
             if block > 1:
                 accepted = 0
@@ -96,7 +98,10 @@ def test_draft_confidence_shortens_the_block():
 def test_cold_start_measures_plain_then_a_full_block_and_probes():
     p = planner(link_gbps=2, probe_every=3)
     p.begin_step()
-    assert p.plan_draft(8) == 1  # nothing measured: a plain step first
+    assert p.plan_draft(8) == 1  # nothing measured: a plain step first ...
+    p.end_step(1, 0, 1, 0.03)
+    p.begin_step()
+    assert p.plan_draft(8) == 1  # ... and a second, the price of steady plain decoding
     p.end_step(1, 0, 1, 0.01)
     p.begin_step()
     assert p.plan_draft(8) == 8  # then the full block with its draft
@@ -115,19 +120,34 @@ def test_cold_start_measures_plain_then_a_full_block_and_probes():
     assert blocks[2] == 2  # the cheapest probe: one proposal
     assert p.report.probes == 2
     rep = p.to_dict()
-    assert sum(rep["block_histogram"].values()) == 13 and rep["predicted_steps"] >= 11
+    assert sum(rep["block_histogram"].values()) == 14 and rep["predicted_steps"] >= 11
 
 
 def test_a_plain_step_is_remeasured_among_long_speculative_runs():
     p = planner(link_gbps=1000, remeasure_plain_every=5)
     teach(p, accept_rate=0.95)
+    steady = p._plain_steady.count
     chosen = []
     for _ in range(12):
         p.begin_step()
         b = p.plan_draft(8)
         chosen.append(b)
         p.end_step(b, b - 1, b, 0.006 if b == 1 else 0.01, draft_seconds=0.001 if b > 1 else 0.0)
-    assert chosen == [8, 8, 8, 8, 1, 8, 8, 8, 8, 1, 8, 8]
+    assert chosen == [8, 8, 8, 8, 1, 1, 8, 8, 8, 8, 1, 1]  # two plain steps: the second is the steady one
+    assert p._plain_steady.count == steady + 2
+
+
+def test_plain_decoding_is_priced_by_its_steady_steps_not_the_first_after_speculation():
+    """The first plain step after wide verify blocks refetches what they evicted; the planner
+    prices B = 1 by plain steps that followed a plain step."""
+    p = planner(link_gbps=1000, remeasure_plain_every=5)
+    teach(p, accept_rate=0.5)
+    p._plain_steady = RecentMedian()
+    for b, seconds in ((8, 0.05), (1, 0.04), (1, 0.01), (1, 0.012)):  # transition 40 ms, steady 10-12 ms
+        p.begin_step()
+        p.end_step(b, 0, 1, seconds, draft_seconds=0.001 if b > 1 else 0.0)
+    assert p._plain_steady.value == pytest.approx(0.011)
+    assert p._candidate(1, [], None).predicted_seconds == pytest.approx(0.011)
 
 
 def test_route_ahead_set_counts_missing_experts_of_the_latest_steps():
@@ -156,6 +176,10 @@ def test_own_clock_replaces_the_callers_step_times():
     p.end_step(1, 0, 1, seconds=9.0)  # a wall time stretched by another process: ignored
     assert p.last_measured_seconds == pytest.approx(0.004)
     assert p.cost.measured_forward("verify") == {1: pytest.approx(0.004)}
+    p.begin_step()
+    assert p.plan_draft(8) == 1  # the second plain step of the cold start
+    now[0] += 0.004
+    p.end_step(1, 0, 1, seconds=9.0)
     p.begin_step()
     assert p.plan_draft(8) == 8
     now[0] += 0.001
