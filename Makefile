@@ -38,11 +38,19 @@ native/stress/stress_asan: $(STRESS_SRC) native/pf_sched.h
 native/stress/stress_tsan: $(STRESS_SRC) native/pf_sched.h
 	$(CC) $(SAN_FLAGS) -fsanitize=thread -Inative -o $@ $(STRESS_SRC) -ldl
 
-stress-asan: native/stress/stress_asan
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ./native/stress/stress_asan
+# A stand-in CUDA runtime in host memory, so the stress test drives the cuda backend (and its
+# paced link) without a GPU; built with the same sanitizer as the test that loads it.
+native/stress/stress_asan_cudart.so: native/stress/fake_cudart.c
+	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -shared -fPIC -o $@ $<
 
-stress-tsan: native/stress/stress_tsan
-	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/stress_tsan
+native/stress/stress_tsan_cudart.so: native/stress/fake_cudart.c
+	$(CC) $(SAN_FLAGS) -fsanitize=thread -shared -fPIC -o $@ $<
+
+stress-asan: native/stress/stress_asan native/stress/stress_asan_cudart.so
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ./native/stress/stress_asan --fake-cudart ./native/stress/stress_asan_cudart.so
+
+stress-tsan: native/stress/stress_tsan native/stress/stress_tsan_cudart.so
+	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/stress_tsan --fake-cudart ./native/stress/stress_tsan_cudart.so
 
 native/stress/cpu_stress_asan: $(CPU_STRESS_SRC) native/pf_cpu.h
 	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(CPU_STRESS_SRC) -lm
@@ -71,4 +79,5 @@ gpu-check:
 
 clean:
 	rm -f native/_pf_sched*.so native/stress/stress_asan native/stress/stress_tsan native/stress/cpu_stress_asan native/stress/cpu_stress_tsan
+	rm -f native/stress/stress_asan_cudart.so native/stress/stress_tsan_cudart.so
 	rm -rf build *.egg-info

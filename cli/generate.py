@@ -181,6 +181,8 @@ def _report(rt, res, text: str, extra: dict, load_s: float) -> dict:
         "bytes_moved": st["bytes_moved"],
         "bytes_per_token": st["bytes_per_token"],
         "link_busy_seconds": st["link_busy_seconds"],
+        "link_gbps": st["link_gbps"],
+        "link_emulated": st["link_emulated"],
         "cpu_experts": st["cpu_experts"],
         "experts_per_token": st["experts_per_token"],
         "bands": [
@@ -248,6 +250,8 @@ def _print_summary(report: dict) -> None:
         ("bytes moved", f"{report['bytes_moved'] / 1e6:.2f} MB"),
         ("link busy", _fmt(report["link_busy_seconds"], " s", 4)),
     ]
+    if report.get("link_emulated"):
+        rows.append(("emulated link", f"{report['link_gbps']:g} GB/s (real copies paced to this rate)"))
     ce, ept = report["cpu_experts"], report["experts_per_token"]
     if ce["mode"] != "off":
         per = lambda k: _fmt(ept[k])  # noqa: E731
@@ -314,7 +318,7 @@ def generate(
     seed: Annotated[int, typer.Option(help="Seed of the sampler (used when --temperature is above 0).")] = 0,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Show the live table of fetch bands on stderr (terminals only).")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with the tokens, text, timing and fetch statistics.")] = False,
-    link_gbps: Annotated[float | None, typer.Option(help="CPU only: simulate a host-to-device link of this many GB/s, so offloading costs real time.")] = None,
+    link_gbps: Annotated[float | None, typer.Option(help="Host-to-device link rate in GB/s. On the CPU: simulate a link of this speed, so offloading costs real time. On CUDA: pace the real copies to this rate, emulating a slower PCIe link (e.g. 25 for PCIe 4.0 x16).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the tokenizer's chat template as a user message.")] = False,
     eviction: Annotated[str, typer.Option(help="Expert cache eviction policy: lru, lfu (frequency with decay) or lookahead (spare predicted experts).")] = "lru",
     lookahead_depth: Annotated[int, typer.Option(min=0, help="Prefetch by applying the routers of the next N layers to the current hidden state (0: off).")] = 0,

@@ -166,7 +166,12 @@ class Scheduler:
         fault_max: int = 0,
         paced: bool = False,
     ):
-        """``fault_every`` and ``paced`` are test aids of the memcpy backend: every Nth chunk copy
+        """``link_gbps`` (GB/s, shared by all workers): on the memcpy backend a simulated link; on
+        the cuda backend the real copies are paced to it (each chunk is copied at once but lands,
+        for ``wait`` and the statistics, no earlier than its slot on the link ends). ``latency_us``
+        adds a fixed cost per chunk on either backend when ``link_gbps`` is set.
+
+        ``fault_every`` and ``paced`` are test aids of the memcpy backend: every Nth chunk copy
         fails after writing half of it (at most ``fault_max`` times, 0: no limit); ``paced`` writes each chunk in slices across its simulated
         link time (needs ``link_gbps``), so the destination changes until the chunk lands."""
         ffi, lib = _load()

@@ -4,7 +4,9 @@
  * One mutex (s->mu) guards all scheduler state. Workers sleep on s->work_cv
  * while nothing is claimable; callers of pf_wait sleep on one of NBUCKET
  * condition variables chosen by ticket; pf_reset sleeps on s->drain_cv until
- * every chunk in flight has landed. Nothing polls.
+ * every chunk in flight has landed. A cuda worker whose copy has landed before
+ * its slot on a paced link ends also sleeps on s->drain_cv (until the slot's end
+ * or pf_shutdown, which broadcasts it). Nothing polls.
  *
  * Task life: submit -> queued (in its level's FIFO while bytes remain
  * unclaimed) -> workers claim chunks from the head of the most urgent
@@ -433,11 +435,28 @@ static void sleep_until(uint64_t until) {
     }
 }
 
+/* latency_us in ns: with a link rate, each chunk lands this long after its slot on the link ends */
+static uint64_t chunk_latency_ns(const pf_sched *s) {
+    double l = s->cfg.latency_us * 1000.0;
+    return (uint64_t)(l < MAX_LINK_NS ? l : MAX_LINK_NS);
+}
+
+/* cuda backend with a link rate: keep a chunk whose copy has already landed from being
+ * reported until the monotonic time `until` (ns), the end of its slot on the shared link.
+ * Caller holds s->mu; the wait releases it. Sleeps on drain_cv, which pf_shutdown
+ * broadcasts, so a closing scheduler is not held up by the rest of the slot. */
+static void pace_until(pf_sched *s, uint64_t until) {
+    struct timespec ts;
+    ns_to_timespec(until, &ts);
+    while (!s->stopping && now_ns() < until) pthread_cond_timedwait(&s->drain_cv, &s->mu, &ts);
+}
+
 #define PACED_SLICES 8
 
 /* Copy one chunk. Returns 0 or writes a message into msg and returns -1. Called
  * without the lock. `link_end` is the simulated link's finish time (0: none) and
- * `link_dur` the chunk's share of it; `fault` injects a failure (memcpy backend). */
+ * `link_dur` the chunk's share of it; `fault` injects a failure (memcpy backend).
+ * The cuda backend copies at once and ignores both: worker_main paces its landing. */
 static int copy_chunk(worker *w, const task *t, uint64_t off, uint64_t n, uint64_t link_end, uint64_t link_dur,
                       int fault, char *msg) {
     pf_sched *s = w->s;
@@ -467,11 +486,7 @@ static int copy_chunk(worker *w, const task *t, uint64_t off, uint64_t n, uint64
         }
         return 0;
     }
-    uint64_t lat = 0;
-    if (link_end) {
-        double l = s->cfg.latency_us * 1000.0;
-        lat = (uint64_t)(l < MAX_LINK_NS ? l : MAX_LINK_NS);
-    }
+    uint64_t lat = link_end ? chunk_latency_ns(s) : 0;
     uint64_t todo = fault ? n / 2 : n; /* an injected failure lands half the chunk */
     if (s->cfg.paced && link_end) {
         /* slice i lands at its share of the link time: dst changes until the chunk's end */
@@ -519,8 +534,8 @@ static void *worker_main(void *arg) {
     pthread_mutex_unlock(&s->mu);
     if (rc0 != 0) return NULL; /* pf_create sees worker_rc and shuts down */
 #ifdef __linux__
-    /* the simulated link sleeps to absolute deadlines; the default 50 us timer slack would
-     * stretch every chunk and leave the link idle between them */
+    /* the link model (simulated, or pacing real copies) sleeps to absolute deadlines; the
+     * default 50 us timer slack would stretch every chunk and leave the link idle between them */
     else if (s->cfg.link_gbps > 0) prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
 #endif
     pthread_mutex_lock(&s->mu);
@@ -559,7 +574,10 @@ static void *worker_main(void *arg) {
             fault = 1;
             s->faults++;
         }
-        if (s->cfg.backend == PF_BACKEND_MEMCPY && s->cfg.link_gbps > 0) {
+        if (s->cfg.link_gbps > 0) {
+            /* the shared link, either backend: this chunk occupies [start, link_end) of it. The
+             * memcpy backend copies within that slot; the cuda backend copies at once and the
+             * chunk lands no earlier than link_end (see pace_until below) */
             double d = (double)n / s->cfg.link_gbps; /* GB/s == B/ns */
             dur = (uint64_t)(d < MAX_LINK_NS ? d : MAX_LINK_NS);
             uint64_t start = s->link_free_ns > now ? s->link_free_ns : now;
@@ -578,6 +596,9 @@ static void *worker_main(void *arg) {
         int rc = copy_chunk(w, t, off, n, link_end, dur, fault, msg);
 
         pthread_mutex_lock(&s->mu);
+        /* cuda backend, paced link: the copy has landed; report it when its slot (and latency_us)
+         * has passed. A copy slower than its slot waits for nothing more; a failed one is not held */
+        if (link_end && rc == 0 && s->cfg.backend == PF_BACKEND_CUDA) pace_until(s, link_end + chunk_latency_ns(s));
         s->busy_prefetch -= prefetch;
         if (--s->chunks_out == 0) {
             if (!link_end) s->st.link_busy_ns += now_ns() - s->busy_since_ns;

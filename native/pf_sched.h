@@ -20,7 +20,9 @@
  * (a blocking-sync event), so work the caller launches after pf_wait returned
  * PF_DONE reads the landed bytes. Copies wait for the caller's pending work on
  * dst only through an `after` event (pf_submit_after): without one, the caller
- * must ensure nothing still reads or writes dst when it submits.
+ * must ensure nothing still reads or writes dst when it submits. With link_gbps
+ * set, a task still ends only after its last chunk has landed, and in addition
+ * no earlier than that chunk's slot on the paced link (see pf_config).
  *
  * Threads: every function except pf_destroy may be called from any thread at
  * any time. pf_shutdown wakes every blocked caller with PF_CLOSED; after it,
@@ -70,8 +72,17 @@ typedef struct pf_config {
     int backend;            /* PF_BACKEND_MEMCPY or PF_BACKEND_CUDA */
     int workers;            /* worker threads, >= 1 */
     uint64_t chunk_bytes;   /* largest piece a worker copies before re-checking the queues */
-    double link_gbps;       /* memcpy backend: simulated shared link in GB/s (1e9 B/s); <= 0: none */
-    double latency_us;      /* memcpy backend: simulated fixed cost of each chunk copy */
+    double link_gbps;       /* shared link in GB/s (1e9 B/s) for all workers together; <= 0: none.
+                             * Each chunk of n bytes reserves the slot [start, start + n / rate) on
+                             * the link's timeline when it is claimed (start: when the link is next
+                             * free, or now). memcpy backend: a simulated link; the worker copies
+                             * and lands the chunk when its slot ends. cuda backend: the real copies
+                             * are paced; cudaMemcpyAsync runs at once, but the chunk is reported
+                             * landed (bytes counted, task ended) no earlier than its slot's end, so
+                             * a faster real link emulates a slower one. A copy that takes longer
+                             * than its slot adds nothing; pf_shutdown cuts the wait short */
+    double latency_us;      /* with link_gbps > 0, either backend: a chunk lands this long after its
+                             * slot ends (a fixed cost per chunk; it does not occupy the link) */
     int device;             /* cuda backend: device index */
     const char *cudart_path;/* cuda backend: runtime library to open; NULL: search known names */
     uint32_t history;       /* ended tickets remembered for wait (rounded up to a power of 2) */
@@ -79,8 +90,9 @@ typedef struct pf_config {
     /* memcpy backend, for tests of failure and in-flight paths that otherwise only a GPU reaches: */
     uint32_t fault_every;   /* every Nth chunk copy fails (after writing half of it); 0: never */
     uint32_t fault_max;     /* at most this many injected failures; 0: no limit */
-    int paced;              /* with link_gbps > 0: write each chunk in slices across its link time,
-                             * so dst keeps changing until the chunk lands, as an asynchronous copy does */
+    int paced;              /* memcpy backend with link_gbps > 0: write each chunk in slices across its
+                             * link time, so dst keeps changing until the chunk lands, as an
+                             * asynchronous copy does (the cuda backend's copies are asynchronous) */
 } pf_config;
 
 /* Counters cover the time since the last pf_reset (or pf_create): a wait or queue wait
@@ -104,7 +116,9 @@ typedef struct pf_level_stats {
 
 typedef struct pf_stats {
     pf_level_stats level[PF_NUM_PRIORITY];
-    uint64_t link_busy_ns;  /* wall time during which at least one chunk was being copied */
+    uint64_t link_busy_ns;  /* without link_gbps: wall time during which at least one chunk was being
+                             * copied; with link_gbps (either backend): the sum of the chunks' slots
+                             * on the link, counted when each chunk is claimed */
     uint64_t chunks;        /* chunk copies issued */
     uint64_t waiting;       /* callers blocked in pf_wait now */
     uint64_t since_ns;      /* monotonic clock at the last reset (or start) */

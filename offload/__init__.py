@@ -9,7 +9,8 @@ Load and run
         Cache size: expert_cache_experts slots, else what fits in expert_cache_mib, else every expert.
         Minimum: min(E, block_tokens * top_k) slots (what one layer of a decode block may need at
         once); below it a PdflashError. dtype None = the checkpoint's dtype. link_gbps simulates a
-        host->device link on the CPU. OffloadedModel is a context manager.
+        host->device link on the CPU and paces the real copies to that rate on CUDA.
+        OffloadedModel is a context manager.
     rt.model                   transformers' GptOssForCausalLM, experts swapped for OffloadedExperts;
                                use it like the library model, with its own KV cache (cropping works)
     rt.forward(input_ids, cache=None, **kw) -> model output   (no autograd; right KV keyword per version)
@@ -22,7 +23,8 @@ Load and run
     rt.stats() -> dict         exposed_fetch_seconds (+ by band: on-demand / route-ahead / background),
                                cache {hits, misses, promoted, hit_rate, ...}, prefetch {issued, used, wasted,
                                cancelled, dropped, accuracy}, bytes_moved, bytes_per_token,
-                               link_busy_seconds, bands [...], per_layer [...]; unmeasured values are None
+                               link_busy_seconds, link_gbps, link_emulated (CUDA with link_gbps: the
+                               real copies are paced), bands [...], per_layer [...]; unmeasured values are None
     rt.resident_experts() -> {layer: [experts]};  rt.hit_rate() -> float | None
     rt.add_routing_observer(fn(layer, experts)); rt.record_routing() -> context of RoutingRecord
         (.forwards: [{layer: experts used}], .union()); rt.last_routing

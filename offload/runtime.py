@@ -131,7 +131,10 @@ class OffloadedModel:
 
         Cache size: ``expert_cache_experts`` slots, else as many as fit in ``expert_cache_mib``,
         else every expert (all resident). Fewer than min(E, block_tokens * top_k) is an error.
-        ``link_gbps`` simulates a host->device link of that speed on the CPU (memcpy backend).
+        ``link_gbps`` (GB/s): on the CPU, simulates a host->device link of that speed (memcpy
+        backend); on CUDA, paces the real copies to that rate (cuda backend: a copy is reported
+        landed no earlier than the link would have carried it), so a fast link emulates a slower
+        one, e.g. 25 for a desktop's PCIe 4.0 x16. ``stats()["link_emulated"]`` is True then.
         ``preload`` copies every expert that fits before returning (statistics start at zero).
         ``trace`` > 0 keeps that many ended transfers for ``rt.scheduler.drain_trace()``.
 
@@ -159,8 +162,6 @@ class OffloadedModel:
         if link_gbps is not None and not (math.isfinite(link_gbps) and LINK_GBPS_MIN <= link_gbps <= LINK_GBPS_MAX):
             raise PdflashError(f"--link-gbps must be between {LINK_GBPS_MIN:g} and {LINK_GBPS_MAX:g} (GB/s), got {link_gbps:g}",
                                exit_code=2)
-        if link_gbps is not None and dev.type == "cuda":
-            raise PdflashError("--link-gbps simulates a link for --device cpu only; on CUDA the real PCIe link is used")
         if block_tokens < 1:
             raise PdflashError(f"block_tokens must be at least 1, got {block_tokens}")
         owned = isinstance(model_dir, (str, Path))  # else an open checkpoint object (synthetic.SyntheticCheckpoint)
@@ -238,6 +239,7 @@ class OffloadedModel:
         self.cache = ExpertCache(self.host, self.scheduler, dev, n_slots, policy=eviction)
         self.placer = None
         self.link_gbps = link_gbps
+        self.link_emulated = link_gbps is not None and dev.type == "cuda"  # real copies paced to link_gbps
         self.block_tokens = block_tokens
         self._observers: list[Callable[[int, list[int]], None]] = []
         self._records: list[RoutingRecord] = []
@@ -493,6 +495,7 @@ class OffloadedModel:
             "link_busy_seconds": st["link_busy_s"],
             "elapsed_seconds": st["elapsed_s"],
             "link_gbps": self.link_gbps,
+            "link_emulated": self.link_emulated,
             "bands": bands,
             "per_layer": [
                 {"layer": i, "hits": lc.hits, "misses": lc.misses, "promoted": lc.promoted, "cpu": lc.cpu,

@@ -2,9 +2,10 @@
  * stress.c: concurrency and integrity stress test of pf_sched (C11 + pthreads).
  *
  * Built with pf_sched.c by `make stress-asan` / `make stress-tsan` (or plainly:
- * cc -std=c11 -O2 -pthread -Inative native/stress/stress.c native/pf_sched.c -ldl).
+ * cc -std=c11 -O2 -pthread -Inative native/stress/stress.c native/pf_sched.c -ldl, and for
+ * the cuda phases cc -std=c11 -O2 -shared -fPIC -o fake_cudart.so native/stress/fake_cudart.c).
  *
- *   stress [--quick] [--seed N]
+ *   stress [--quick] [--seed N] [--fake-cudart PATH]
  *
  * Phases:
  *   api       caller mistakes give PF_EINVAL / PF_ECONFLICT / PF_ENOTICKET; config checks.
@@ -12,7 +13,8 @@
  *   order     with one worker held busy, queued levels are served most urgent first; a reset
  *             cancels queued work, zeroes the counters, and the scheduler carries on.
  *   expired   a small history ring: long-ended tickets answer PF_EXPIRED, recent ones their status.
- *   chaos     several rounds (memcpy backend, with and without a simulated link, small chunks):
+ *   chaos     several rounds (memcpy backend, with and without a simulated link, small chunks;
+ *             with --fake-cudart two more on the cuda backend over a paced link):
  *             many threads submit / re-submit (dedup) / promote / cancel / cancel_band /
  *             cancel_below_layer / wait / query / stats / reset at random. Afterwards:
  *             - every ticket ends DONE or CANCELLED, and a status once seen never changes;
@@ -38,6 +40,13 @@
  *             equals its source byte; the failed counter equals the FAILED tickets; failed
  *             tickets carry an error text. A waiter woken with PF_CLOSED may return while its
  *             chunk is still being written, and pf_shutdown returns only after it landed.
+ *   cuda      (with --fake-cudart PATH: fake_cudart.c, a CUDA runtime stand-in in host memory)
+ *             the cuda backend over a paced link: the copy runs at once but a chunk is reported
+ *             no earlier than its slot on the shared link ends, so at every task end the bytes
+ *             of ended tasks fit in rate x time since the start; link_busy_ns is the slots' sum;
+ *             latency_us adds per chunk; a copy slower than its slot adds nothing; pf_shutdown
+ *             does not wait out a slot (the waiter gets PF_CLOSED) and pf_reset does; failed
+ *             copies end FAILED with the runtime's text; every stream and event is destroyed.
  *
  * Exit 0 only if every check held; the last line is "stress: N passed, M failed". A run
  * that hangs is stopped after 300 s with exit code 3.
@@ -55,6 +64,7 @@
 #include <time.h>
 #include <signal.h>
 #include <unistd.h>
+#include <dlfcn.h>
 
 /* ---- checks ------------------------------------------------------------------ */
 static atomic_int g_pass, g_fail;
@@ -130,10 +140,26 @@ static uint8_t pattern(uint64_t id, uint64_t i) {
 
 static uint64_t mk_key(uint32_t layer, uint32_t expert) { return ((uint64_t)layer << 32) | expert; }
 
-static pf_sched *make_sched_traced(int workers, uint64_t chunk, double gbps, double lat_us, uint32_t history,
-                                   uint32_t trace) {
+/* --fake-cudart: the stand-in CUDA runtime (fake_cudart.c), opened here first so that its
+ * test controls can be reached; pf_create opens the same library through cfg.cudart_path */
+static const char *g_fake_cudart;
+static void (*fake_configure)(double gbps, unsigned fail_every);
+static long (*fake_live)(void);
+
+static uint64_t now_ns_mono(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static pf_sched *make_sched_backend(int cuda, int workers, uint64_t chunk, double gbps, double lat_us,
+                                    uint32_t history, uint32_t trace) {
     pf_config cfg;
     pf_config_default(&cfg);
+    if (cuda) {
+        cfg.backend = PF_BACKEND_CUDA;
+        cfg.cudart_path = g_fake_cudart;
+    }
     cfg.trace = trace;
     cfg.workers = workers;
     cfg.chunk_bytes = chunk;
@@ -143,12 +169,17 @@ static pf_sched *make_sched_traced(int workers, uint64_t chunk, double gbps, dou
     pf_sched *s = NULL;
     char err[256] = "";
     int rc = pf_create(&cfg, &s, err, sizeof(err));
-    if (!check(rc == 0 && s, "pf_create(workers=%d chunk=%llu gbps=%g) = %d (%s)", workers,
-               (unsigned long long)chunk, gbps, rc, err)) {
+    if (!check(rc == 0 && s, "pf_create(%s workers=%d chunk=%llu gbps=%g) = %d (%s)", cuda ? "cuda" : "memcpy",
+               workers, (unsigned long long)chunk, gbps, rc, err)) {
         fprintf(stderr, "cannot continue without a scheduler\n");
         exit(2);
     }
     return s;
+}
+
+static pf_sched *make_sched_traced(int workers, uint64_t chunk, double gbps, double lat_us, uint32_t history,
+                                   uint32_t trace) {
+    return make_sched_backend(0, workers, chunk, gbps, lat_us, history, trace);
 }
 
 static pf_sched *make_sched(int workers, uint64_t chunk, double gbps, double lat_us, uint32_t history) {
@@ -454,6 +485,7 @@ typedef struct round_cfg {
     int threads;
     double seconds;
     uint64_t max_bytes;
+    int cuda;       /* cuda backend over the fake runtime (--fake-cudart) */
 } round_cfg;
 
 typedef struct round_state {
@@ -722,7 +754,7 @@ static void chaos_round(const round_cfg *cfg, uint64_t seed, double scale) {
     free(sizes);
 
     pthread_mutex_init(&r->trace_mu, NULL);
-    r->s = make_sched_traced(cfg->workers, cfg->chunk, cfg->gbps, cfg->latency_us, 1u << 16, cfg->trace);
+    r->s = make_sched_backend(cfg->cuda, cfg->workers, cfg->chunk, cfg->gbps, cfg->latency_us, 1u << 16, cfg->trace);
     r->ops_per_thread = 1 << 30; /* the deadline ends the round */
     double t0 = now_s();
     r->t0 = t0;
@@ -902,9 +934,9 @@ static void chaos_round(const round_cfg *cfg, uint64_t seed, double scale) {
           "[%s] usable after reset", cfg->name);
     close_sched(r->s);
 
-    printf("chaos %-10s workers=%d chunk=%-5llu link=%-4g resets=%ld: %d slots, %ld tickets (%ld done, %ld "
+    printf("chaos %-10s %-6s workers=%d chunk=%-5llu link=%-4g resets=%ld: %d slots, %ld tickets (%ld done, %ld "
            "cancelled, %ld multi), %ld submits, %.2f s\n",
-           cfg->name, cfg->workers, (unsigned long long)cfg->chunk, cfg->gbps, atomic_load(&r->resets_done), nused,
+           cfg->name, cfg->cuda ? "cuda" : "memcpy", cfg->workers, (unsigned long long)cfg->chunk, cfg->gbps, atomic_load(&r->resets_done), nused,
            ntk, ndone, ncanc, multi, atomic_load(&r->submit_ok), t_ops);
     for (int i = 0; i < cfg->nslots; i++) pthread_mutex_destroy(&r->slots[i].mu);
     pthread_mutex_destroy(&r->trace_mu);
@@ -1228,6 +1260,192 @@ static void phase_faults(double scale) {
     free(dst);
 }
 
+/* ---- phase: cuda (paced link, over the fake runtime) ------------------------------ */
+static int cmp_end(const void *a, const void *b) {
+    const pf_trace_rec *x = a, *y = b;
+    return x->end_ns < y->end_ns ? -1 : x->end_ns > y->end_ns;
+}
+
+static double cuda_one_task(pf_sched *s, uint64_t key, uint8_t *src, uint8_t *dst, uint64_t n, int *status) {
+    uint64_t t = 0;
+    double t0 = now_s();
+    *status = pf_submit(s, key, src, dst, n, PF_ON_DEMAND, &t) == 0 ? pf_wait(s, t, 60.0) : -100;
+    return now_s() - t0;
+}
+
+static void phase_cuda(void) {
+    /* 1. the rate: 16 tasks of 512 KiB in 256 KiB chunks, two workers, 0.25 GB/s. A chunk is
+     * reported at its slot's end at the earliest and the slots lie end to end from the first
+     * claim on, so when any task ends the bytes of the tasks ended by then fit in rate x time */
+    enum { NT = 16, TSZ = 512 << 10, CH = 256 << 10 };
+    const double gbps = 0.25;
+    fake_configure(0, 0);
+    pf_sched *s = make_sched_backend(1, 2, CH, gbps, 0, 1024, 64);
+    uint8_t *src = malloc((size_t)NT * TSZ), *dst = calloc(NT, TSZ);
+    for (size_t i = 0; i < (size_t)NT * TSZ; i++) src[i] = pattern(4242, i);
+    uint64_t tk[NT];
+    uint64_t t0 = now_ns_mono();
+    for (int i = 0; i < NT; i++)
+        check(pf_submit(s, mk_key(2, (uint32_t)i), src + (size_t)i * TSZ, dst + (size_t)i * TSZ, TSZ, PF_ON_DEMAND,
+                        &tk[i]) == 0, "cuda: submit %d", i);
+    int ndone = 0;
+    for (int i = 0; i < NT; i++) ndone += pf_wait(s, tk[i], 60.0) == PF_DONE;
+    uint64_t elapsed = now_ns_mono() - t0;
+    const uint64_t total = (uint64_t)NT * TSZ, nchunks = total / CH;
+    const uint64_t want = (uint64_t)((double)total / gbps); /* ns */
+    check(ndone == NT && memcmp(src, dst, total) == 0, "cuda: %d of %d tasks done, bytes equal", ndone, NT);
+    check(elapsed + nchunks >= want, "cuda: %llu bytes at %g GB/s took %.2f ms, the link needs %.2f ms",
+          (unsigned long long)total, gbps, elapsed / 1e6, want / 1e6);
+    check(elapsed < 4 * want, "cuda: paced run took %.2f ms, over 4x the link's %.2f ms", elapsed / 1e6, want / 1e6);
+    pf_stats st;
+    pf_level_stats tot;
+    check(pf_get_stats(s, &st) == 0, "cuda: stats");
+    sum_levels(&st, &tot);
+    check(st.link_busy_ns <= want && st.link_busy_ns + nchunks >= want,
+          "cuda: link busy %llu ns == the slots' sum %llu ns", (unsigned long long)st.link_busy_ns,
+          (unsigned long long)want);
+    check(st.chunks == nchunks && tot.completed == NT && tot.bytes == total, "cuda: chunks %llu, completed %llu",
+          (unsigned long long)st.chunks, (unsigned long long)tot.completed);
+    pf_trace_rec rec[NT];
+    int nrec = pf_trace_drain(s, rec, NT, NULL);
+    check(nrec == NT, "cuda: %d trace records", nrec);
+    qsort(rec, (size_t)nrec, sizeof(rec[0]), cmp_end);
+    tally early = {0, "cuda: a task ended before the link could carry it"};
+    uint64_t landed = 0;
+    for (int i = 0; i < nrec; i++) {
+        landed += rec[i].nbytes;
+        double carried = (double)(rec[i].end_ns - t0) * gbps + (double)nchunks; /* B/ns; rounding slack */
+        if ((double)landed > carried)
+            tally_bad(&early, "%llu bytes ended %.3f ms after the start, the link carries %.0f by then",
+                      (unsigned long long)landed, (rec[i].end_ns - t0) / 1e6, carried);
+    }
+    tally_close(&early);
+    close_sched(s);
+    printf("cuda: %llu bytes in %.2f ms at a %g GB/s paced link (%.2f ms of link time)\n",
+           (unsigned long long)total, elapsed / 1e6, gbps, want / 1e6);
+
+    /* 2. latency_us: one worker, a fast link, 4 chunks of 1 MiB, 5 ms each: at least 20 ms,
+     * and the latency is not link time */
+    enum { MB = 1 << 20 };
+    uint8_t *a = malloc(4 * MB), *b = calloc(1, 4 * MB);
+    for (size_t i = 0; i < 4 * MB; i++) a[i] = pattern(77, i);
+    s = make_sched_backend(1, 1, MB, 100.0, 5000, 1024, 0);
+    int stt;
+    double took = cuda_one_task(s, 1, a, b, 4 * MB, &stt);
+    check(stt == PF_DONE && memcmp(a, b, 4 * MB) == 0, "cuda latency: task done (%d), bytes equal", stt);
+    check(took >= 0.020, "cuda latency: 4 chunks with 5 ms latency each took %.2f ms", took * 1e3);
+    check(pf_get_stats(s, &st) == 0 && st.link_busy_ns == 4 * (uint64_t)((double)MB / 100.0),
+          "cuda latency: link busy %llu ns is the 4 slots only", (unsigned long long)st.link_busy_ns);
+    close_sched(s);
+
+    /* 3. a copy slower than its slot: 0.05 GB/s copies on a 0.05 GB/s link take ~84 ms for
+     * 4 MiB; adding the slot after each copy would take twice that */
+    fake_configure(0.05, 0);
+    memset(b, 0, 4 * MB);
+    s = make_sched_backend(1, 1, MB, 0.05, 0, 1024, 0);
+    took = cuda_one_task(s, 2, a, b, 4 * MB, &stt);
+    double copy_s = 4.0 * MB / 0.05e9;
+    check(stt == PF_DONE && memcmp(a, b, 4 * MB) == 0, "cuda slow copy: task done (%d), bytes equal", stt);
+    check(took >= copy_s * 0.99 && took < copy_s * 1.5, "cuda slow copy: %.2f ms, the copies alone take %.2f ms",
+          took * 1e3, copy_s * 1e3);
+    close_sched(s);
+    fake_configure(0, 0);
+
+    /* 4. shutdown inside a 1 s slot: the bytes are there at once, the task is still pending
+     * (not reported before its slot ends), and pf_shutdown does not wait the slot out */
+    memset(b, 0, MB);
+    s = make_sched_backend(1, 1, MB, 0.001, 0, 1024, 0);
+    uint64_t t = 0;
+    check(pf_submit(s, 3, a, b, MB, PF_ON_DEMAND, &t) == 0, "cuda close: submit");
+    atomic_int ready = 0;
+    waiter_arg wa = {s, t, &ready, 0, -100};
+    pthread_t wt;
+    pthread_create(&wt, NULL, waiter_main, &wa);
+    for (double until = now_s() + 5.0; now_s() < until; sleep_s(0.0005)) {
+        pf_get_stats(s, &st);
+        if (st.waiting == 1 && st.chunks == 1) break;
+    }
+    check(st.waiting == 1 && st.chunks == 1, "cuda close: the chunk is out and the waiter blocked");
+    sleep_s(0.05);
+    /* the query takes the scheduler's lock after the worker released it to wait out the slot,
+     * which orders the worker's copy before the read of dst below */
+    check(pf_query(s, t) == PF_PENDING, "cuda close: the task is not reported before its slot ends");
+    check(memcmp(a, b, MB) == 0, "cuda close: the copy landed at once");
+    double t_shut = now_s();
+    check(pf_shutdown(s) == 0, "cuda close: shutdown");
+    double shut_s = now_s() - t_shut;
+    pthread_join(wt, NULL);
+    check(wa.result == PF_CLOSED, "cuda close: the waiter woke with PF_CLOSED (%d)", wa.result);
+    check(shut_s < 0.5, "cuda close: shutdown took %.3f s inside a 1 s slot", shut_s);
+    pf_destroy(s);
+
+    /* 5. reset drains a paced chunk: it returns after the chunk's 105 ms slot, the task ends
+     * DONE, and the scheduler carries on with a fresh link */
+    memset(b, 0, MB);
+    s = make_sched_backend(1, 2, MB, 0.01, 0, 1024, 0);
+    double t_sub = now_s();
+    check(pf_submit(s, 4, a, b, MB, PF_ON_DEMAND, &t) == 0, "cuda reset: submit");
+    for (double until = now_s() + 5.0; now_s() < until; sleep_s(0.0005)) {
+        pf_get_stats(s, &st);
+        if (st.chunks == 1) break;
+    }
+    check(pf_reset(s) == 0, "cuda reset: reset");
+    double reset_s = now_s() - t_sub;
+    check(reset_s >= 0.104, "cuda reset: returned %.2f ms after the submit, the slot is 104.9 ms", reset_s * 1e3);
+    check(pf_query(s, t) == PF_DONE && memcmp(a, b, MB) == 0, "cuda reset: the drained task ended done");
+    took = cuda_one_task(s, 5, a, b + MB, 65536, &stt);
+    check(stt == PF_DONE && took >= 0.0065, "cuda reset: usable after reset (%d, %.2f ms)", stt, took * 1e3);
+    check(pf_get_stats(s, &st) == 0 && st.link_busy_ns == (uint64_t)(65536 / 0.01),
+          "cuda reset: link busy %llu ns counts only the task after the reset", (unsigned long long)st.link_busy_ns);
+    close_sched(s);
+
+    /* 6. failures: every 5th cudaMemcpyAsync fails; its task ends FAILED with the runtime's
+     * text, the others DONE with their bytes, and the counters agree */
+    enum { NF = 30, FSZ = 2 * 4096 };
+    fake_configure(0, 5);
+    s = make_sched_backend(1, 2, 4096, 1.0, 0, 1024, 0);
+    uint8_t *fs = malloc((size_t)NF * FSZ), *fd = calloc(NF, FSZ);
+    for (size_t i = 0; i < (size_t)NF * FSZ; i++) fs[i] = pattern(99, i);
+    uint64_t ft[NF];
+    for (int i = 0; i < NF; i++)
+        check(pf_submit(s, mk_key(3, (uint32_t)i), fs + (size_t)i * FSZ, fd + (size_t)i * FSZ, FSZ, i % 3, &ft[i]) == 0,
+              "cuda faults: submit %d", i);
+    int nfail = 0, nok = 0;
+    tally bad = {0, "cuda faults"};
+    char msg[256];
+    for (int i = 0; i < NF; i++) {
+        int r = pf_wait(s, ft[i], 60.0);
+        if (r == PF_DONE) {
+            nok++;
+            if (memcmp(fs + (size_t)i * FSZ, fd + (size_t)i * FSZ, FSZ)) tally_bad(&bad, "task %d done, bytes differ", i);
+        } else if (r == PF_FAILED) {
+            nfail++;
+            pf_ticket_error(s, ft[i], msg, sizeof(msg));
+            if (!strstr(msg, "cudaMemcpyAsync") || !strstr(msg, "injected failure"))
+                tally_bad(&bad, "task %d: error text '%s'", i, msg);
+        } else {
+            tally_bad(&bad, "task %d ended %d", i, r);
+        }
+    }
+    tally_close(&bad);
+    check(pf_get_stats(s, &st) == 0, "cuda faults: stats");
+    sum_levels(&st, &tot);
+    check(nfail > 0 && nok > 0 && tot.failed == (uint64_t)nfail && tot.completed == (uint64_t)nok,
+          "cuda faults: %d failed, %d done; counters failed %llu completed %llu", nfail, nok,
+          (unsigned long long)tot.failed, (unsigned long long)tot.completed);
+    close_sched(s);
+    fake_configure(0, 0);
+    check(fake_live() == 0, "cuda: every stream and event destroyed (%ld left)", fake_live());
+    printf("cuda: latency, slow copies, shutdown inside a slot, reset, %d of %d copies failed as injected\n", nfail,
+           NF);
+    free(fs);
+    free(fd);
+    free(a);
+    free(b);
+    free(src);
+    free(dst);
+}
+
 static void on_alarm(int sig) {
     static const char msg[] = "stress: timed out (a wait, reset or shutdown hung)\n";
     (void)sig;
@@ -1242,8 +1460,22 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) scale = 0.25;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--fake-cudart") && i + 1 < argc) g_fake_cudart = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--quick] [--seed N]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--quick] [--seed N] [--fake-cudart PATH]\n", argv[0]);
+            return 2;
+        }
+    }
+    void *fake = NULL;
+    if (g_fake_cudart) {
+        fake = dlopen(g_fake_cudart, RTLD_NOW);
+        if (fake) {
+            *(void **)&fake_configure = dlsym(fake, "fake_cudart_configure");
+            *(void **)&fake_live = dlsym(fake, "fake_cudart_live");
+        }
+        if (!fake || !fake_configure || !fake_live) {
+            fprintf(stderr, "stress: cannot use the fake CUDA runtime %s: %s\n", g_fake_cudart,
+                    fake ? "it lacks the fake_cudart_* controls" : dlerror());
             return 2;
         }
     }
@@ -1256,15 +1488,23 @@ int main(int argc, char **argv) {
     phase_order_reset();
     phase_expired();
     static const round_cfg rounds[] = {
-        /* name        workers chunk  GB/s  lat  resets trace slots thr  s  */
-        {"fast-reset", 2, 1024, 0, 0, 1, 0, 1500, 6, 2.0, 0},
-        {"link-exact", 3, 2048, 1.0, 0, 0, 0, 1200, 6, 2.0, 0},
-        {"one-worker", 1, 4096, 0, 0, 0, 300, 1500, 5, 1.5, 0},
-        {"link-reset", 4, 1536, 0.5, 5, 1, 64, 1000, 6, 2.0, 0},
+        /* name        workers chunk  GB/s  lat  resets trace slots thr  s  max cuda */
+        {"fast-reset", 2, 1024, 0, 0, 1, 0, 1500, 6, 2.0, 0, 0},
+        {"link-exact", 3, 2048, 1.0, 0, 0, 0, 1200, 6, 2.0, 0, 0},
+        {"one-worker", 1, 4096, 0, 0, 0, 300, 1500, 5, 1.5, 0, 0},
+        {"link-reset", 4, 1536, 0.5, 5, 1, 64, 1000, 6, 2.0, 0, 0},
+        {"cuda-exact", 3, 2048, 1.0, 0, 0, 64, 1200, 6, 2.0, 0, 1},
+        {"cuda-reset", 2, 1536, 0.5, 5, 1, 0, 1000, 6, 1.5, 0, 1},
     };
-    for (size_t i = 0; i < sizeof(rounds) / sizeof(rounds[0]); i++) chaos_round(&rounds[i], seed + i, scale);
+    for (size_t i = 0; i < sizeof(rounds) / sizeof(rounds[0]); i++) {
+        if (rounds[i].cuda && !g_fake_cudart) continue;
+        chaos_round(&rounds[i], seed + i, scale);
+    }
     phase_close();
     phase_faults(scale);
+    if (g_fake_cudart) phase_cuda();
+    else printf("cuda: skipped (no --fake-cudart)\n");
+    if (fake) dlclose(fake);
     int pass = atomic_load(&g_pass), fail = atomic_load(&g_fail);
     printf("stress: %d passed, %d failed (%.1f s)\n", pass, fail, now_s() - t0);
     return fail ? 1 : 0;
