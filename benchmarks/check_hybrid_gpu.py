@@ -11,6 +11,8 @@ eager: CUDA graphs off so the three modes run the same code around the experts).
 token ids' agreement with the fetch-only run of the same dtype (the aim in float32:
 identical), tokens per second, and per token the experts served from the cache, fetched and
 computed on the CPU, with the CPU and link time. One JSON object (stdout with --json, or --out).
+``--cuda-graphs`` decodes through the graphed decoder (what ``generate`` does on CUDA);
+``--link-gbps 25 --cpu-threads 8`` on CUDA emulates a desktop (PCIe 4.0 x16, an 8-core CPU).
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ def run_one(ckpt: str, device: str, dtype: str, mode: str, args) -> dict:
                              expert_cache_experts=None if mode == "all" else args._slots) as rt:
         vocab = int(rt.config.vocab_size)
         prompt = [t % vocab for t in PROMPT]
-        generate(rt, prompt, max_new_tokens=2, eos_token_ids=[])  # warm-up (allocations, calibration)
+        graphs = bool(args.cuda_graphs)
+        generate(rt, prompt, max_new_tokens=2, eos_token_ids=[], cuda_graphs=graphs)  # warm-up (allocations, calibration)
         rt.reset_cache()
-        res = generate(rt, prompt, max_new_tokens=args.tokens, eos_token_ids=[])
+        res = generate(rt, prompt, max_new_tokens=args.tokens, eos_token_ids=[], cuda_graphs=graphs)
         st = rt.stats()
-        return {"dtype": dtype, "mode": st["cpu_experts"]["mode"], "asked": mode, "token_ids": res.token_ids,
+        return {"dtype": dtype, "mode": st["cpu_experts"]["mode"], "asked": mode, "cuda_graphs": graphs,
+                "link_gbps": args.link_gbps, "link_emulated": st.get("link_emulated", False),
+                "cpu_threads": st["cpu_experts"].get("threads"), "token_ids": res.token_ids,
                 "tokens_per_second": res.tokens_per_second, "tpot_ms": res.tpot_ms,
                 "experts_per_token": st["experts_per_token"], "cpu_experts": st["cpu_experts"],
                 "link_busy_seconds": st["link_busy_seconds"], "exposed_fetch_seconds": st["exposed_fetch_seconds"],
@@ -58,7 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--cache-fraction", type=float, default=0.25)
     ap.add_argument("--cpu-threads", type=int, default=None)
-    ap.add_argument("--link-gbps", type=float, default=None, help="CPU device only: a simulated link")
+    ap.add_argument("--link-gbps", type=float, default=None,
+                    help="a link of this many GB/s: simulated on the CPU device, real copies paced to it on CUDA")
+    ap.add_argument("--cuda-graphs", action="store_true", help="decode through the graphed decoder (the CUDA default of generate)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -80,7 +87,9 @@ def main(argv=None) -> int:
             print(f"{dtype:9s} {mode:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
                   f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
                   f"identical {r['identical_to_first_mode']}", file=sys.stderr)
-    out = {"ckpt": args.ckpt, "device": args.device, "cache_slots": args._slots, "total_experts": total, "runs": runs}
+    out = {"ckpt": args.ckpt, "device": args.device, "cache_slots": args._slots, "total_experts": total,
+           "cuda_graphs": bool(args.cuda_graphs), "link_gbps": args.link_gbps, "cpu_threads": args.cpu_threads,
+           "emulated": args.device == "cuda" and args.link_gbps is not None, "runs": runs}
     text = json.dumps(out, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
