@@ -16,24 +16,28 @@ from pdflash.native import Band
 
 # -- one loaded model, every arm -----------------------------------------------------------------
 class _DecodeWindow:
-    """Snapshot the runtime's counters when the second target forward of a run starts
-    (the first after the prefill). Installed for one run."""
+    """Snapshot the runtime's counters when the first target forward after the prompt starts.
+    Installed for one run; it observes the runtime's forwards, eager or graphed (a module hook
+    would miss the graphed decoder's replays). Prompts longer than one prefill chunk start
+    several forwards, so the window opens at the first single-block forward after them."""
 
-    def __init__(self, rt):
+    def __init__(self, rt, prompt_tokens: int, max_block: int):
         self.rt = rt
-        self.forwards = 0
+        self.prompt_tokens = prompt_tokens
+        self.max_block = max_block
+        self.seen = 0  # tokens of the forwards so far
         self.start: dict | None = None
         self.t_start: float | None = None
-        self._h = rt.model.model.register_forward_pre_hook(self._hook)
+        rt.add_forward_observer(self._on_forward)
 
-    def _hook(self, module, args):
-        self.forwards += 1
-        if self.forwards == 2:
+    def _on_forward(self, tokens: int) -> None:
+        if self.start is None and self.seen >= self.prompt_tokens and tokens <= self.max_block:
             self.start = counters(self.rt)
             self.t_start = time.monotonic()
+        self.seen += tokens
 
     def close(self) -> None:
-        self._h.remove()
+        self.rt.remove_forward_observer(self._on_forward)
 
 
 def counters(rt) -> dict:
@@ -210,7 +214,7 @@ class PriorityBench:
         """Switch to ``arm``, generate prompt ``pi``, return the sample (metrics of this run)."""
         self.configure(arm)
         rt = self.rt
-        window = _DecodeWindow(rt)
+        window = _DecodeWindow(rt, len(self.prompts[pi]), self.budget.block_size)
         on_step = (lambda info: step_times.append(time.monotonic())) if step_times is not None else None
         t0 = time.perf_counter()
         try:

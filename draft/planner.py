@@ -14,9 +14,9 @@ tokens per predicted second; B = 1 is plain decoding (no draft forward). Each st
    (the interval doubles after each probe while plain decoding stays ahead, so probes cost a
    bounded share of a long plain stretch);
    every ``remeasure_plain_every`` speculative steps in a row two plain steps run, so B = 1's
-   time stays measured too (both count as ``probes``). Whatever the predictions, stage 1 also
-   returns plain decoding while the tokens per second that recent speculative steps realized
-   (an EWMA) are below steady plain decoding's; probes keep that figure current.
+   time stays measured too (both count as ``probes``). Whatever the predictions, a block length
+   whose recent steps realized fewer tokens per second (an EWMA) than steady plain decoding is
+   not chosen (except by a probe when every speculative length lags).
 2. after drafting (:meth:`BlockPlanner.choose`): the same choice with the draft's own confidence
    per position (its probability of the token it proposed), calibrated against measured
    acceptance in confidence bins, each bin's prior being the position's running acceptance.
@@ -33,8 +33,10 @@ union of the experts of the last B committed positions, per layer, checked again
 (resident, in flight, missing), plus a per-B correction measured as the EWMA of (experts actually
 fetched - experts predicted missing); before B is measured that correction comes from the nearest
 measured B scaled by the expected number of distinct experts, or from the cache's share of all
-experts. Cold start: the first two plain steps (the second prices steady plain decoding) and the
-first full-block step are taken to measure both ends; the Bs between are interpolated until measured.
+experts. Cold start: the first two plain steps (the second prices steady plain decoding), then
+one block of half the draft's length after a full draft (a full block can cost several plain
+steps' fetches); other lengths are predicted from the nearest measured one plus the link time of
+their predicted experts until measured.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class AcceptanceModel:
     posterior mean with its position's conditional acceptance as the prior mean.
     """
 
-    def __init__(self, positions: int, prior_mean: float = 0.5, prior_weight: float = 2.0, bins: int = 10):
+    def __init__(self, positions: int, prior_mean: float = 0.5, prior_weight: float = 1.0, bins: int = 10):
         self.positions = positions
         self.prior_mean = prior_mean
         self.prior_weight = prior_weight
@@ -196,7 +198,7 @@ class BlockPlanner:
         self._plain_steady = RecentMedian()  # measured plain steps that followed a plain step
         self._prev_block: int | None = None
         self._forced_plain = 0  # plain steps still to run for a re-measurement
-        self._spec_rate = Ewma(0.5)  # committed tokens per second realized by speculative steps
+        self._rate: dict[int, Ewma] = {}  # B -> committed tokens per second its steps realized
         self._step_bytes0 = 0.0
         self._stage: Choice | None = None
         self._probe = False
@@ -289,8 +291,17 @@ class BlockPlanner:
         if low == 1 and (1 not in measured or self._plain_steady.value is None):
             return cands[0]  # cold start: two plain steps first (the second is a steady one) ...
         if len(cands) > 1 and (max(measured, default=0) < 2 or draft_s is None):
-            return cands[-1]  # ... then a full block with its draft; the Bs between are interpolated
-        return max(cands, key=lambda c: (c.expected_tokens / max(c.predicted_seconds or 0.0, 1e-12), -c.block))
+            half = max(2, (cands[-1].block + 1) // 2)  # ... then a block of half the draft: informative, and
+            return next(c for c in cands if c.block >= min(half, cands[-1].block))  # half the full block's fetches
+        keep = [c for c in cands if not self._lags(c.block)] or cands  # a probe keeps them all if all lag
+        return max(keep, key=lambda c: (c.expected_tokens / max(c.predicted_seconds or 0.0, 1e-12), -c.block))
+
+    def _lags(self, block: int) -> bool:
+        """Block length ``block`` > 1 recently committed fewer tokens per second than steady plain
+        decoding does: whatever the predictions say, the realized rate rules it out (the guard
+        that keeps auto from being slower than plain decoding when the cost model is wrong)."""
+        rate, plain = self._rate.get(block), self._plain_steady.value
+        return block > 1 and rate is not None and rate.count >= 2 and bool(plain) and rate.value < 1.0 / plain
 
     # -- the two stages ------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -313,8 +324,6 @@ class BlockPlanner:
             return 1
         draft_s = self.cost.forward_seconds("draft", limit)
         best = self._best(limit, self._stage1_probs(), draft_s)
-        if best.block > 1 and self._speculation_lags():
-            best = self._candidate(1, [], None)  # predicted to pay, measured not to: plain (probes go on)
         if best.block == 1 and self._plain_run + 1 >= self._probe_interval:
             self.report.probes += 1
             self._probe_interval *= 2
@@ -334,13 +343,6 @@ class BlockPlanner:
         self._plain_run = 0
         self._spec_run += 1
         return limit
-
-    def _speculation_lags(self) -> bool:
-        """Recent speculative steps committed fewer tokens per second than steady plain decoding
-        does: whatever the predictions say, the realized rates decide (the guard that keeps auto
-        from being slower than plain decoding when the cost model is wrong)."""
-        plain = self._plain_steady.value
-        return self._spec_rate.count >= 2 and plain is not None and plain > 0 and self._spec_rate.value < 1.0 / plain
 
     def _stage1_probs(self) -> list[float]:
         """Acceptance expected before drafting: the running per-position acceptance, or, with the
@@ -383,7 +385,7 @@ class BlockPlanner:
         if block == 1 and self._prev_block == 1:
             self._plain_steady.add(seconds)
         elif block > 1 and seconds > 0:
-            self._spec_rate.add(committed / seconds)
+            self._rate.setdefault(block, Ewma(0.5)).add(committed / seconds)
         self._prev_block = block
         counters = self._bytes_now()
         fetched = 0.0

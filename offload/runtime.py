@@ -242,6 +242,7 @@ class OffloadedModel:
         self.link_emulated = link_gbps is not None and dev.type == "cuda"  # real copies paced to link_gbps
         self.block_tokens = block_tokens
         self._observers: list[Callable[[int, list[int]], None]] = []
+        self._forward_observers: list[Callable[[int], None]] = []
         self._records: list[RoutingRecord] = []
         self.last_routing: dict[int, list[int]] = {}
 
@@ -314,6 +315,8 @@ class OffloadedModel:
         self.cache.begin_forward(tokens)
         for rec in self._records:
             rec._start()
+        for fn in self._forward_observers:
+            fn(tokens)
 
     def _layer_hook(self, i: int):
         def hook(module, args, kwargs):
@@ -329,6 +332,15 @@ class OffloadedModel:
         self.prefetcher.on_layer_routed(layer, experts)
         for fn in self._observers:
             fn(layer, experts)
+
+    def add_forward_observer(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(tokens)`` as every target forward starts, eager or graphed (graphs.py's
+        replayed segments run no module hooks, but they start through :meth:`begin_forward`)."""
+        self._forward_observers.append(fn)
+
+    def remove_forward_observer(self, fn: Callable[[int], None]) -> None:
+        if fn in self._forward_observers:
+            self._forward_observers.remove(fn)
 
     def add_routing_observer(self, fn: Callable[[int, list[int]], None]) -> None:
         """Call fn(layer, experts) each time a layer's forward has routed (experts sorted)."""

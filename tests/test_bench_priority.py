@@ -270,3 +270,24 @@ def test_figure_without_matplotlib_says_so(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     why = report.write_figure({"config": {"arms": []}, "summary": {}}, tmp_path / "x.png")
     assert "matplotlib is not installed" in why and not (tmp_path / "x.png").exists()
+
+
+def test_decode_window_opens_on_runtime_forwards_not_module_hooks(pair):
+    """The graphed decoder replays segments that run no module hooks; the window must open on the
+    runtime's own forward start, after the prompt's forwards (chunked or not)."""
+    from pdflash.bench.runner import _DecodeWindow
+    from pdflash.offload.runtime import OffloadedModel
+
+    with OffloadedModel.load(pair / "target", device="cpu", expert_cache_experts=8) as rt:
+        w = _DecodeWindow(rt, prompt_tokens=700, max_block=8)
+        rt.begin_forward(512)  # the prompt in two chunks: no window yet
+        rt.begin_forward(188)
+        assert w.start is None
+        rt.begin_forward(8)  # the first verify block
+        assert w.start is not None and w.t_start is not None
+        first = w.t_start
+        rt.begin_forward(1)
+        assert w.t_start == first
+        w.close()
+        rt.begin_forward(1)  # removed: no more calls
+        assert w.seen == 709  # 512 + 188 + 8 + 1: the last one was not observed
