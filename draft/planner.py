@@ -170,7 +170,7 @@ class BlockPlanner:
         cache=None,
         link_counters: Callable[[], tuple[float, float]] | None = None,
         use_confidence: bool = True,
-        probe_every: int = 8,
+        probe_every: int = 16,
         remeasure_plain_every: int = 16,
         acceptance: AcceptanceModel | None = None,
         clock: Callable[[], float] | None = None,
