@@ -48,7 +48,9 @@ def _env():
 
 # -- the arms measure what they claim ------------------------------------------------------------
 def test_flat_exposes_fetch_resident_never_waits(pair):
-    res = run_priority_bench(config(pair, arms=("flat", "banded", "on-demand", "resident")))
+    # a fixed block length: every step drafts, so every run has route-ahead traffic to attribute
+    # (with --block-size auto the planner may verify a short run's steps as plain decoding)
+    res = run_priority_bench(config(pair, arms=("flat", "banded", "on-demand", "resident"), block_size=4))
     setup = res["setup"]
     by_arm = {a: [s for s in res["samples"] if s["arm"] == a] for a in res["config"]["arms"]}
     assert all(len(v) == 2 for v in by_arm.values())
