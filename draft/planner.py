@@ -12,7 +12,9 @@ tokens per predicted second; B = 1 is plain decoding (no draft forward). Each st
    plain one and the draft does not run. After ``probe_every`` plain steps in a row the draft runs
    anyway and at least one proposal is verified, so the acceptance figures keep being measured
    (the interval doubles after each probe while plain decoding stays ahead, so probes cost a
-   bounded share of a long plain stretch);
+   bounded share of a long plain stretch); when the last committed tokens repeat an earlier
+   stretch of the sequence, the probe comes early (at most every ``min_repeat_gap`` plain steps,
+   a gap that doubles after each such probe whose proposals were all refused);
    every ``remeasure_plain_every`` speculative steps in a row two plain steps run, so B = 1's
    time stays measured too (both count as ``probes``). Whatever the predictions, a block length
    whose recent steps realized fewer tokens per second (an EWMA) than steady plain decoding is
@@ -171,6 +173,7 @@ class BlockPlanner:
         link_counters: Callable[[], tuple[float, float]] | None = None,
         use_confidence: bool = True,
         probe_every: int = 16,
+        min_repeat_gap: int = 4,
         remeasure_plain_every: int = 16,
         acceptance: AcceptanceModel | None = None,
         clock: Callable[[], float] | None = None,
@@ -186,6 +189,9 @@ class BlockPlanner:
         self.clock = clock  # None: the step times the caller passes; else the planner times steps itself
         self._t0 = 0.0
         self.probe_every = probe_every
+        self.min_repeat_gap = min_repeat_gap
+        self._repeat_gap = min_repeat_gap  # doubles after each repeat probe that accepted nothing
+        self._repeat_probe = False
         self._probe_interval = probe_every  # doubles after each probe that leaves plain decoding ahead
         self.remeasure_plain_every = remeasure_plain_every
         self._spec_run = 0  # speculative steps in a row
@@ -312,10 +318,14 @@ class BlockPlanner:
         c = self._bytes_now()
         self._step_bytes0 = c[0] if c is not None else 0.0
 
-    def plan_draft(self, limit: int) -> int:
-        """Stage 1: the draft length to run now, ``limit`` (<= max_block) or 1 for a plain step."""
+    def plan_draft(self, limit: int, repeating: bool = False) -> int:
+        """Stage 1: the draft length to run now, ``limit`` (<= max_block) or 1 for a plain step.
+        ``repeating``: the last committed tokens already occurred earlier in the sequence (text
+        that copies itself is where a draft is most often right); during a plain stretch it
+        brings the next probe forward (at most every ``min_repeat_gap`` plain steps, doubling
+        after each such probe that accepted nothing)."""
         self._stage = None
-        self._probe = False
+        self._probe = self._repeat_probe = False
         if limit <= 1 or self._forced_plain > 0:
             self._forced_plain = max(0, self._forced_plain - 1)
             self._stage = self._candidate(1, [], None)
@@ -328,6 +338,10 @@ class BlockPlanner:
             self.report.probes += 1
             self._probe_interval *= 2
             self._probe = True  # stage 2 then verifies at least one proposal
+            best = self._candidate(limit, self._stage1_probs(), draft_s)
+        elif best.block == 1 and repeating and self._plain_run + 1 >= self._repeat_gap:
+            self.report.probes += 1  # the text repeats itself: look now, the interval unchanged
+            self._probe = self._repeat_probe = True
             best = self._candidate(limit, self._stage1_probs(), draft_s)
         elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every:
             self.report.probes += 1  # two plain steps keep B = 1's steady time measured
@@ -399,6 +413,8 @@ class BlockPlanner:
             self._extra.setdefault(block, Ewma(self.cost.alpha)).add(fetched - pred_missing)
         if block > 1:
             self.acceptance.record(block - 1, accepted, confidence if self.use_confidence else None)
+        if self._repeat_probe:  # repetition that the draft did not follow: trust the hint less
+            self._repeat_gap = self.min_repeat_gap if accepted else min(64, 2 * self._repeat_gap)
         self._history.append((committed, self._current))
         self._current = {}
         r = self.report

@@ -294,6 +294,29 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
+class RepeatIndex:
+    """Whether the sequence's last ``n`` tokens occurred earlier in it (the planner's hint that the
+    text copies itself); updated incrementally as tokens are committed."""
+
+    def __init__(self, tokens: Sequence[int], n: int = 3):
+        self.n = n
+        self.seen: set[tuple[int, ...]] = set()
+        self.indexed = 0  # n-grams ending before this position are in ``seen``
+        self._index(tokens, len(tokens) - 1)
+
+    def _index(self, tokens: Sequence[int], end: int) -> None:
+        for i in range(max(self.indexed, self.n), end + 1):
+            self.seen.add(tuple(tokens[i - self.n: i]))
+        self.indexed = max(self.indexed, end + 1)
+
+    def repeating(self, tokens: Sequence[int]) -> bool:
+        """True if tokens[-n:] also ends at an earlier position."""
+        if len(tokens) <= self.n:
+            return False
+        self._index(tokens, len(tokens) - 1)
+        return tuple(tokens[-self.n:]) in self.seen
+
+
 # -- statistics ---------------------------------------------------------------------------------
 
 
@@ -487,13 +510,14 @@ def speculative_generate(
         bytes_at_start = moved_bytes() if moved_bytes is not None else None
         refresh_at_start = oracle.refresh_seconds if oracle else 0.0
 
+        repeats = RepeatIndex(tokens)
         step = 0
         while not done and len(generated) < max_new_tokens:
             start = len(tokens) - 1
             limit = min(b_max, max_new_tokens - len(generated))  # one verify commits at most b tokens
             if planner is not None:
                 planner.begin_step()
-                b = planner.plan_draft(limit)
+                b = planner.plan_draft(limit, repeats.repeating(tokens))
             else:
                 b = limit
             n = b - 1

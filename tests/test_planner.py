@@ -188,3 +188,45 @@ def test_own_clock_replaces_the_callers_step_times():
     assert p.cost.measured_forward("draft") == {8: pytest.approx(0.001)}
     assert p.cost.measured_forward("verify")[8] == pytest.approx(0.006)
     assert p.to_dict()["step_clock"] == "<lambda>"
+
+
+def test_repeating_text_brings_the_probe_forward():
+    p = planner(link_gbps=0.1, probe_every=16, min_repeat_gap=4)  # 10 ms per expert
+    teach(p, accept_rate=0.2)
+    for _ in range(8):
+        p._plain_steady.add(0.01)  # plain steps measured at 10 ms: plain decoding is far ahead
+    blocks = []
+    for i in range(10):
+        p.begin_step()
+        b = p.plan_draft(8, repeating=i >= 2)  # the text starts repeating itself at step 2
+        blocks.append(b)
+        if b > 1:
+            b = p.choose(b, None, 0.002).block
+        p.end_step(b, 0, 1, 0.01 if b == 1 else 0.05, draft_seconds=0.002 if b > 1 else 0.0)
+    # plain, then one early probe after 4 plain steps; it accepted nothing, so the next early
+    # probe waits twice as long (8 plain steps: beyond these 10)
+    assert [b > 1 for b in blocks] == [False, False, False, True, False, False, False, False, False, False], blocks
+    assert p._repeat_gap == 8
+    assert p._probe_interval == 16  # early probes leave the doubling interval alone
+    for _ in range(4):  # the next one comes; its proposal is accepted: the gap is back to 4
+        p.begin_step()
+        b = p.plan_draft(8, repeating=True)
+        if b > 1:
+            b = p.choose(b, None, 0.002).block
+        p.end_step(b, 1 if b > 1 else 0, 2 if b > 1 else 1, 0.01 if b == 1 else 0.05, draft_seconds=0.002 if b > 1 else 0.0)
+    assert p._repeat_gap == 4
+
+
+def test_repeat_index_sees_an_earlier_occurrence_only():
+    from pdflash.draft.speculative import RepeatIndex
+
+    t = [1, 2, 3, 4, 5]
+    r = RepeatIndex(t)
+    assert not r.repeating(t)  # (3, 4, 5) only ends here
+    t += [1, 2, 3]
+    assert r.repeating(t)
+    t += [9]
+    assert not r.repeating(t)
+    t += [4, 5, 1, 2, 3]
+    assert r.repeating(t)
+    assert not RepeatIndex([7, 7]).repeating([7, 7])
