@@ -62,10 +62,6 @@ def make_planner(rt, max_block: int, *, use_confidence: bool = True):
 
     fam = rt.family
 
-    def counters() -> tuple[float, float]:
-        moved, busy = rt.scheduler.link_totals()
-        return float(moved), float(busy)
-
     # On a CPU device the planner times steps in process CPU seconds plus the seconds blocked on
     # the (simulated) link: other processes on the same cores stretch wall time by whatever share
     # they take, not the ratio between block lengths; waiting for a copy uses no CPU but is a cost.
@@ -76,7 +72,7 @@ def make_planner(rt, max_block: int, *, use_confidence: bool = True):
 
         clock.__name__ = "process_time+link_wait"
     planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
-                           top_k=fam.top_k, cache=rt.cache, link_counters=counters, use_confidence=use_confidence,
+                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals, use_confidence=use_confidence,
                            clock=clock)
     rt.add_routing_observer(planner.on_routed)
     return planner
