@@ -39,9 +39,17 @@
 #define MX_SUPER 8  /* AVX-512: rows per block that all token pairs pass over before the next */
 #endif
 #define DN_UNIT 32  /* columns per dense unit */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 8 /* MXFP4 kernels: prefetch the rows this many rows ahead (measured best of 4, 8, 16) */
+#endif
 
 static const float FP4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* FP4 as bf16 bit patterns, written twice (vpermw indexes 32 entries) */
+static const uint16_t FP4_BF16[32] = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
 
 /* E8M0 scale s -> 2^(s-127). 2^128 (s = 255) is not a float: its table entry is 2^127 and
  * the kernels multiply by 2 once more, so w = value * 2^128 as the reference computes it. */
@@ -78,13 +86,19 @@ static inline size_t mx_pos_chunked(size_t j, size_t in) {
     return mx_pos(j);
 }
 
+/* The bf16 kernel's order: per chunk of 128 elements, element 4j + k at 32k + j (rows zero
+ * padded to whole chunks, pad128). */
+static inline size_t mx_pos_bf16(size_t j) { return (j & ~(size_t)127) + (j & 3) * 32 + ((j & 127) >> 2); }
+static inline size_t pad128(size_t n) { return (n + 127) / 128 * 128; }
+
 /* ---- kernel signatures ---------------------------------------------------------------
  * mx_rows: y[t*ys + r] = sum_k W[r][k] x[t][k] for rows r in [r0, r1), tokens 0..T-1.
  *   blocks/scales: the MXFP4 rows of W (nrows rows of `in` elements, in % 32 == 0);
  *   xp: T rows of `in` floats in MXFP4 order.
  * dense_cols: y[t*ys + c] = sum_k x[t][k] W[k][c] for columns c in [c0, c1);
  *   W [in][ncols] in fmt (PF_CPU_F32 / PF_CPU_BF16); x: T rows of `in` floats.
- * mx_rows_bf16 (optional): as mx_rows, xp given as bf16 in MXFP4 order. */
+ * mx_rows_bf16 (optional): as mx_rows, xp given as T rows of pad128(in) bf16 in the order of
+ *   mx_pos_bf16, the padding zero. */
 typedef void (*mx_rows_fn)(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
                            const float *xp, int T, float *y, int ys);
 typedef void (*mx_rows_bf16_fn)(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
@@ -305,6 +319,14 @@ T_AVX2 static uint64_t read_avx2(const uint8_t *p, size_t n) {
     return lanes[0] + lanes[1] + lanes[2] + lanes[3] + read_scalar(p + i, n - i);
 }
 
+/* A kernel reads R rows side by side, each a short stream (1440 bytes for gpt-oss) that
+ * ends before the hardware prefetchers have followed it, so the kernels ask for the rows
+ * they read next themselves: `ahead` bytes past p (the same chunk PREFETCH_ROWS rows on; rows
+ * are contiguous in the store). A prefetch never faults, also past the end of the weights. */
+static inline void prefetch_ahead(const uint8_t *p, size_t ahead) {
+    __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 3);
+}
+
 /* ---- AVX-512 ------------------------------------------------------------------------- */
 #define T_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 #define T_BF16 __attribute__((target("avx512f,avx512bf16,avx512vl,avx512bw,avx2,fma")))
@@ -323,12 +345,10 @@ T_512 INL void mx_decode512(const uint8_t *b, uint8_t s, __m512 lut, __m512 *wl,
     *wh = hi;
 }
 
-/* The four E8M0 scales of a chunk as 16 float lanes (lane i: group i / 4). Scales 1..254 are
+/* The four E8M0 scales of a chunk (s4: their bytes, group 0 lowest) as 16 float lanes (lane i: group i / 4). Scales 1..254 are
  * float exponents as they are; 0 (2^-127, subnormal) and 255 (2^128, past float) are taken
  * from the table with a second factor of 2 for 255, as the reference computes them. */
-T_512 INL __m512 chunk_scales512(const uint8_t *sp) {
-    uint32_t s4;
-    memcpy(&s4, sp, 4);
+T_512 INL __m512 chunk_scales512(uint32_t s4) {
     const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
     __m512i s = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)s4), shift), _mm512_set1_epi32(255));
     uint32_t n = ~s4;
@@ -359,11 +379,14 @@ T_512 INL void mx_block512c(const uint8_t *blocks, const uint8_t *scales, int in
 #pragma GCC unroll 4
         for (int t = 0; t < TG; t++) acc[k][t] = _mm512_setzero_ps();
     const float *x0 = xp + (size_t)t0 * in;
+    const size_t ahead = (size_t)PREFETCH_ROWS * G * 16;
     for (int c = 0; c < C; c++) {
         __m512i v[4];
         __m512 p[4][4];
 #pragma GCC unroll 4
         for (int k = 0; k < R; k++) v[k] = _mm512_loadu_si512((const void *)(bp[k] + (size_t)c * 64));
+#pragma GCC unroll 4
+        for (int k = 0; k < R; k++) prefetch_ahead(bp[k] + (size_t)c * 64, ahead);
 #pragma GCC unroll 8
         for (int n = 0; n < 8; n++) {
             __m512 xv[4];
@@ -378,7 +401,9 @@ T_512 INL void mx_block512c(const uint8_t *blocks, const uint8_t *scales, int in
         }
 #pragma GCC unroll 4
         for (int k = 0; k < R; k++) {
-            __m512 sc = chunk_scales512(sp[k] + (size_t)c * 4);
+            uint32_t s4;
+            memcpy(&s4, sp[k] + (size_t)c * 4, 4);
+            __m512 sc = chunk_scales512(s4);
 #pragma GCC unroll 4
             for (int t = 0; t < TG; t++) acc[k][t] = _mm512_fmadd_ps(p[k][t], sc, acc[k][t]);
         }
@@ -423,48 +448,80 @@ T_512 static void mx_rows_512(const uint8_t *blocks, const uint8_t *scales, int 
     }
 }
 
-/* bf16 dot products: the group's 32 decoded weights packed as bf16 [even | odd] (exact:
- * an E2M1 value times a power of two has at most 2 significant bits) against x in the
- * same order; vdpbf16ps sums each adjacent pair into float32 lanes. 4 rows x TG tokens. */
+/* bf16 dot products over whole 64-byte chunks (4 groups, 128 elements) of a row. The 16-bit
+ * lane j of a chunk holds bytes 2j and 2j + 1, i.e. elements 4j .. 4j + 3, one nibble each;
+ * vpermw looks a nibble up in a table of the 16 E2M1 values as bf16 (exact: at most 2
+ * significant bits) using the lane's low 5 bits, so with the table written twice no mask is
+ * needed: lane j of w_k = element 4j + k. x is kept in the same order (mx_pos_bf16), zero
+ * padded to whole chunks. Every 128-bit lane of a chunk is one group, so each float32 lane
+ * of the dot products sums one group's unscaled products and is then scaled once (an exact
+ * power of two) into the accumulator. R = 4 rows (clamped to the last) x TG tokens. */
 T_BF16 INL void mx_block_bf16(const uint8_t *blocks, const uint8_t *scales, int in, int r, int r_end,
                               const uint16_t *xp, int t0, const int TG, float *y, int ys) {
-    const int G = in / 32;
-    const __m512 lut = _mm512_loadu_ps(FP4);
+    const int G = in / 32, C = (in + 127) / 128, xs = C * 128;
+    const int tail = G - 4 * (C - 1); /* groups in the last chunk, 1..4 */
+    const __m512i tab = _mm512_loadu_si512((const void *)FP4_BF16);
     const uint8_t *bp[4], *sp[4];
     for (int k = 0; k < 4; k++) {
         int rr = r + k < r_end ? r + k : r_end - 1;
         bp[k] = blocks + (size_t)rr * G * 16;
         sp[k] = scales + (size_t)rr * G;
     }
-    __m512 acc[4][8];
+    __m512 acc[4][4];
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
-#pragma GCC unroll 8
+#pragma GCC unroll 4
         for (int t = 0; t < TG; t++) acc[k][t] = _mm512_setzero_ps();
-    const uint16_t *x0 = xp + (size_t)t0 * in;
-    for (int g = 0; g < G; g++) {
-        __m512bh wb[4];
+    const uint16_t *x0 = xp + (size_t)t0 * xs;
+    const size_t ahead = (size_t)PREFETCH_ROWS * G * 16;
+    for (int c = 0; c < C; c++) {
+        const int last = c == C - 1;
+        __m512i vv[4];
+        if (__builtin_expect(last && tail < 4, 0)) {
+            const __mmask64 m = ((__mmask64)1 << (16 * tail)) - 1;
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) vv[k] = _mm512_maskz_loadu_epi8(m, bp[k] + (size_t)c * 64);
+        } else {
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) vv[k] = _mm512_loadu_si512((const void *)(bp[k] + (size_t)c * 64));
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) prefetch_ahead(bp[k] + (size_t)c * 64, ahead);
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
-            __m512 wl, wh;
-            mx_decode512(bp[k] + g * 16, sp[k][g], lut, &wl, &wh);
-            wb[k] = _mm512_cvtne2ps_pbh(wh, wl); /* low half: wl (even elements), high half: wh */
-        }
-#pragma GCC unroll 8
-        for (int t = 0; t < TG; t++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x0 + (size_t)t * in + (size_t)g * 32));
+            __m512i v = vv[k];
+            __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v, tab);
+            __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
+            __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab);
+            __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab);
+            uint32_t s4;
+            if (__builtin_expect(last && tail < 4, 0)) { /* groups past the row's end: scale 1 against zero weights */
+                s4 = 0x7f7f7f7fu;
+                for (int g = 0; g < tail; g++) s4 = (s4 & ~(0xffu << (8 * g))) | ((uint32_t)sp[k][c * 4 + g] << (8 * g));
+            } else {
+                memcpy(&s4, sp[k] + (size_t)c * 4, 4);
+            }
+            __m512 sc = chunk_scales512(s4);
 #pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) acc[k][t] = _mm512_dpbf16_ps(acc[k][t], wb[k], xv);
+            for (int t = 0; t < TG; t++) {
+                const uint16_t *xc = x0 + (size_t)t * xs + (size_t)c * 128;
+                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512((const void *)xc));
+                p = _mm512_dpbf16_ps(p, w1, (__m512bh)_mm512_loadu_si512((const void *)(xc + 32)));
+                p = _mm512_dpbf16_ps(p, w2, (__m512bh)_mm512_loadu_si512((const void *)(xc + 64)));
+                p = _mm512_dpbf16_ps(p, w3, (__m512bh)_mm512_loadu_si512((const void *)(xc + 96)));
+                acc[k][t] = _mm512_fmadd_ps(p, sc, acc[k][t]);
+            }
         }
     }
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) {
         if (r + k >= r_end) break;
-#pragma GCC unroll 8
+#pragma GCC unroll 4
         for (int t = 0; t < TG; t++) y[(size_t)(t0 + t) * ys + r + k] = _mm512_reduce_add_ps(acc[k][t]);
     }
 }
 
+/* xp: T rows of pad128(in) bf16 in the order of mx_pos_bf16 */
 T_BF16 static void mx_rows_bf16(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
                                 const uint16_t *xp, int T, float *y, int ys) {
     (void)nrows;
@@ -587,9 +644,10 @@ typedef struct task {
     const pf_cpu_weights *w;
     int T;
     int bf16_x;          /* phase 1 uses the bf16 MXFP4 kernel (x in xb) */
+    int bf16_h;          /* phase 2 uses it too (h, bf16 values when round_bf16, in hb) */
     const float *scale;  /* [T] factor of each output row, or NULL */
     const int *dest;     /* [T] rows of out */
-    size_t xo, guo, ho, yo;
+    size_t xo, guo, ho, yo; /* ho: into h, or into hb when bf16_h */
     int u1, u2;          /* first unit of this task in phase 1 / phase 2 */
 } task;
 
@@ -635,7 +693,8 @@ struct pf_cpu {
 
     /* scratch, owned, 64-byte aligned, grown under call_mu; sizes in elements, summed over a call's tasks */
     float *xp;   size_t xp_cap;   /* T * H: x in kernel order (float32) */
-    uint16_t *xb; size_t xb_cap;  /* T * H: x in MXFP4 order as bf16 (bf16 kernel only) */
+    uint16_t *xb; size_t xb_cap;  /* T * pad128(H): x as bf16 in mx_pos_bf16 order (bf16 kernel only) */
+    uint16_t *hb; size_t hb_cap;  /* T * pad128(I): h as bf16 in mx_pos_bf16 order (bf16 kernel only) */
     float *gu;   size_t gu_cap;   /* T * 2I */
     float *h;    size_t h_cap;    /* T * I: SwiGLU output in the down weights' kernel order */
     float *y;    size_t y_cap;    /* T * H: the down projection before scaling into out */
@@ -692,9 +751,15 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
         const int H = w->hidden, mx = w->format == PF_CPU_MXFP4;
         for (int t = r0 > base ? r0 - base : 0; t < tk->T && base + t < r1; t++) {
             const char *xt = (const char *)j->x + (size_t)j->xrow[base + t] * j->x_stride * j->x_size;
+            if (tk->bf16_h) { /* the padding of this row of hb (phase 1 writes the rest) */
+                const size_t I = (size_t)w->inter;
+                uint16_t *ht = c->hb + tk->ho + (size_t)t * pad128(I);
+                for (size_t e = I; e < pad128(I); e++) ht[mx_pos_bf16(e)] = 0;
+            }
             if (tk->bf16_x) {
-                uint16_t *dt = c->xb + tk->xo + (size_t)t * H;
-                for (int e = 0; e < H; e++) dt[mx_pos((size_t)e)] = ((const uint16_t *)xt)[e];
+                uint16_t *dt = c->xb + tk->xo + (size_t)t * pad128((size_t)H);
+                for (int e = 0; e < H; e++) dt[mx_pos_bf16((size_t)e)] = ((const uint16_t *)xt)[e];
+                for (size_t e = (size_t)H; e < pad128((size_t)H); e++) dt[mx_pos_bf16(e)] = 0;
                 continue;
             }
             float *dt = c->xp + tk->xo + (size_t)t * H;
@@ -711,7 +776,8 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
 static void gate_up_part(pf_cpu *c, const task *tk, int lo, int hi) {
     const pf_cpu_weights *w = tk->w;
     const int H = w->hidden, I = w->inter, T = tk->T, mx = w->format == PF_CPU_MXFP4;
-    float *gu = c->gu + tk->guo, *h = c->h + tk->ho;
+    float *gu = c->gu + tk->guo, *h = tk->bf16_h ? NULL : c->h + tk->ho;
+    uint16_t *hb = tk->bf16_h ? c->hb + tk->ho : NULL;
     if (mx && tk->bf16_x)
         c->mx_rows_bf16((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xb + tk->xo, T, gu, 2 * I);
     else if (mx)
@@ -720,7 +786,7 @@ static void gate_up_part(pf_cpu *c, const task *tk, int lo, int hi) {
         c->dense_cols(w->gate_up, w->format, H, 2 * I, lo, hi, c->xp + tk->xo, T, gu, 2 * I);
     for (int t = 0; t < T; t++) {
         const float *g = gu + (size_t)t * 2 * I;
-        float *ht = h + (size_t)t * I;
+        float *ht = h ? h + (size_t)t * I : NULL;
         for (int k = lo / 2; k < hi / 2; k++) {
             float gate = g[2 * k], up = g[2 * k + 1], hv;
             if (w->round_bf16) {
@@ -738,6 +804,12 @@ static void gate_up_part(pf_cpu *c, const task *tk, int lo, int hi) {
                 }
                 hv = swiglu(gate, up, w->alpha, w->limit);
             }
+            if (tk->bf16_h) { /* hv is a bf16 value (round_bf16): its top half is exact */
+                uint32_t u;
+                memcpy(&u, &hv, sizeof u);
+                hb[(size_t)t * pad128((size_t)I) + mx_pos_bf16((size_t)k)] = (uint16_t)(u >> 16);
+                continue;
+            }
             ht[!mx ? (size_t)k : c->chunked ? mx_pos_chunked((size_t)k, (size_t)I) : mx_pos((size_t)k)] = hv;
         }
     }
@@ -748,7 +820,9 @@ static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
     const pf_cpu_weights *w = tk->w;
     const int H = w->hidden, I = w->inter, T = tk->T;
     float *y = c->y + tk->yo;
-    if (w->format == PF_CPU_MXFP4)
+    if (tk->bf16_h)
+        c->mx_rows_bf16((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->hb + tk->ho, T, y, H);
+    else if (w->format == PF_CPU_MXFP4)
         c->mx_rows((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->h + tk->ho, T, y, H);
     else
         c->dense_cols(w->down, w->format, I, H, lo, hi, c->h + tk->ho, T, y, H);
@@ -947,6 +1021,7 @@ void pf_cpu_destroy(pf_cpu *c) {
     free(c->xb);
     free(c->gu);
     free(c->h);
+    free(c->hb);
     free(c->y);
     free(c->tasks);
     free(c);
@@ -986,7 +1061,7 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
     if (x_rows < 1 || out_rows < 1 || x_stride < 1 || out_stride < 1) return PF_CPU_EINVAL;
     const int H = w[0] ? w[0]->hidden : 0;
     if (x_stride < H || out_stride < H) return PF_CPU_EINVAL;
-    size_t nx = 0, ngu = 0, nh = 0, nb = 0;
+    size_t nx = 0, ngu = 0, nh = 0, nb = 0, nhb = 0;
     long long total = 0, u1 = 0, u2 = 0;
     for (int k = 0; k < n; k++) {
         if (!check_weights(w[k]) || w[k]->hidden != H) return PF_CPU_EINVAL;
@@ -1015,19 +1090,21 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
         const int T = counts[k], I = w[k]->inter, unit = unit_of(w[k]);
         const int mx = w[k]->format == PF_CPU_MXFP4;
         task *tk = &c->tasks[k];
-        /* bf16 dot products pay off from 3 tokens on; below, the chunked float32 kernel decodes less per weight */
+        /* bf16 dot products where both factors are bf16 values: bf16 inputs; h of a bf16 model */
         tk->w = w[k];
         tk->T = T;
-        tk->bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL && T >= 3;
+        tk->bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL;
+        tk->bf16_h = mx && w[k]->round_bf16 && c->mx_rows_bf16 != NULL;
         tk->scale = scale ? scale + base : NULL;
         tk->dest = dest + base;
         tk->xo = tk->bf16_x ? nb : nx;
-        if (tk->bf16_x) nb += (size_t)T * H;
+        if (tk->bf16_x) nb += (size_t)T * pad128((size_t)H);
         else nx += (size_t)T * H;
         tk->guo = ngu;
         ngu += (size_t)T * 2 * I;
-        tk->ho = nh;
-        nh += (size_t)T * I;
+        tk->ho = tk->bf16_h ? nhb : nh;
+        if (tk->bf16_h) nhb += (size_t)T * pad128((size_t)I);
+        else nh += (size_t)T * I;
         tk->yo = (size_t)base * H;
         tk->u1 = first1;
         tk->u2 = first2;
@@ -1039,6 +1116,7 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
               reserve((void **)&c->xb, &c->xb_cap, nb, sizeof(uint16_t)) ||
               reserve((void **)&c->gu, &c->gu_cap, ngu, sizeof(float)) ||
               reserve((void **)&c->h, &c->h_cap, nh, sizeof(float)) ||
+              reserve((void **)&c->hb, &c->hb_cap, nhb, sizeof(uint16_t)) ||
               reserve((void **)&c->y, &c->y_cap, (size_t)total * H, sizeof(float));
     if (bad) {
         pthread_mutex_unlock(&c->call_mu);

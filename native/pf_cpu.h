@@ -37,8 +37,8 @@
  * CPU dispatch: the kernels of every level are compiled into the one library; the level
  * is chosen at pf_cpu_create (PF_CPU_LEVEL_AUTO: the best this CPU runs) and may be
  * forced lower for testing. Levels: portable C; AVX2 + FMA; AVX-512 (F, BW, VL); AVX512_BF16
- * (the AVX-512 kernels, plus bf16 dot products for MXFP4 weights when x is given in bf16 and
- * there are 3 or more tokens: the products are exact, both factors being bf16 values).
+ * (the AVX-512 kernels, plus bf16 dot products for MXFP4 weights whenever both factors are
+ * bf16 values: x given in bf16, and h of a round_bf16 expert; the products are exact).
  */
 #ifndef PF_CPU_H
 #define PF_CPU_H
