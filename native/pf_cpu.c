@@ -2,9 +2,10 @@
  * pf_cpu.c: the CPU expert kernel (see pf_cpu.h for the API and its rules).
  *
  * Layout of the work:
- *   prepare   (calling thread) x -> xp: float32 token rows; for MXFP4 gate_up every
- *             32-element group is reordered [even elements | odd elements], the order in
- *             which one byte's two nibbles are decoded, so no shuffle is needed per group.
+ *   phase 0   (all threads; the calling thread alone for up to PREPARE_INLINE_ROWS rows)
+ *             x -> the token rows in the order the gate_up kernel reads them: float32 (the
+ *             MXFP4 float32 kernels: nibble-major within 32- or 128-element groups, so no
+ *             shuffle is needed per group) or bf16 (the bf16 kernel, mx_pos_bf16).
  *   phase 1   (all threads) each thread computes its range of gate_up outputs for all
  *             tokens into gu, adds the bias and applies the clamped SwiGLU to its pairs,
  *             writing h (in the kernel order of the down weights).
@@ -39,6 +40,7 @@
 #define MX_SUPER 8  /* AVX-512: rows per block that all token pairs pass over before the next */
 #endif
 #define DN_UNIT 32  /* columns per dense unit */
+#define PREPARE_INLINE_ROWS 16 /* calls with at most this many token rows prepare them on the calling thread */
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8 /* MXFP4 kernels: prefetch the rows this many rows ahead (measured best of 4, 8, 16) */
 #endif
@@ -1125,7 +1127,12 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
     c->cur = (job){.tasks = c->tasks, .ntasks = n, .units1 = first1, .units2 = first2, .x = x, .x_format = x_format,
                    .x_size = x_format == PF_CPU_BF16 ? 2 : 4, .x_stride = x_stride, .xrow = rows, .nrows = (int)total,
                    .out = out, .out_stride = out_stride};
-    run_job(c, 0, 2);
+    if (total <= PREPARE_INLINE_ROWS) { /* a few rows: cheaper here than one more hand-off of the pool */
+        prepare_rows(c, &c->cur, 0, (int)total);
+        run_job(c, 1, 2);
+    } else {
+        run_job(c, 0, 2);
+    }
     c->cur = (job){0};
     pthread_mutex_unlock(&c->call_mu);
     return PF_CPU_OK;

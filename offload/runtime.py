@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,6 +35,7 @@ from pdflash.offload.prefetch import ExpertPrefetcher
 from pdflash.offload.stats import band_name
 
 LINK_GBPS_MIN, LINK_GBPS_MAX = 1e-3, 1e4  # a simulated link from 1 MB/s to 10 TB/s
+HYBRID_SWITCH_INTERVAL_S = 1e-4  # the interpreter's switch interval while the CPU experts' helper thread runs
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -155,6 +157,7 @@ class OffloadedModel:
         self.cache = None
         self.cpu = None
         self._cpu_pool = None
+        self._switch_interval = None  # the interpreter's, while hybrid execution lowers it
         dev = resolve_device(device)
         if eviction not in EVICTION_POLICIES:
             raise PdflashError(f"unknown eviction policy {eviction!r}: choose one of {', '.join(EVICTION_POLICIES)}",
@@ -294,6 +297,11 @@ class OffloadedModel:
             self.cpu.calibrate()
             if self.device.type == "cuda":  # the CPU experts overlap the device's work
                 self._cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="pdflash-cpu-experts")
+                # The helper thread needs the interpreter lock before and after each kernel call
+                # while the decoding thread launches device work in Python; at the default 5 ms
+                # switch interval it could wait most of a layer for it. Restored on close.
+                self._switch_interval = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._switch_interval, HYBRID_SWITCH_INTERVAL_S))
             self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
                                        background_band=self._background_priority)
 
@@ -559,6 +567,9 @@ class OffloadedModel:
         if self._cpu_pool is not None:
             self._cpu_pool.shutdown(wait=True)  # no CPU expert reads the host store after this
             self._cpu_pool = None
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
         if self.cpu is not None:
             self.cpu.close()
             self.cpu = None

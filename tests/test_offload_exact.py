@@ -172,6 +172,25 @@ def test_cuda_matches_transformers_on_cuda(ckpts):
     assert tokens[K] == tokens[K + 3] == tokens[None]
 
 
+@pytest.mark.gpu
+def test_cuda_hybrid_matches_fetch_only_in_float32(ckpts):
+    """On CUDA the CPU experts run in a helper thread beside the device's work: float32 greedy
+    tokens equal the fetch-only run's, and the interpreter's switch interval, lowered for the
+    helper thread while the runtime is open, is restored on close."""
+    import sys
+
+    path, before = ckpts["mxfp4-bf16"], sys.getswitchinterval()
+    with OffloadedModel.load(path, device="cuda", dtype=torch.float32, expert_cache_experts=K) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+    with OffloadedModel.load(path, device="cuda", dtype=torch.float32, expert_cache_experts=K, cpu_experts="auto",
+                             link_gbps=0.01, cpu_threads=2) as rt:
+        assert sys.getswitchinterval() < before
+        assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == want
+        assert rt.stats()["cpu_experts"]["computed"] > 0
+        assert rt.cost.to_dict()["host_layer_overhead_ms"] is not None  # measured on the helper thread's path
+    assert sys.getswitchinterval() == before
+
+
 # -- Qwen3-MoE ---------------------------------------------------------------------------------
 # The reference is transformers' Qwen3MoeForCausalLM with eager attention (pdflash's choice for
 # this family: see offload/qwen3_moe.py) and its default experts implementation; FP8 checkpoints
