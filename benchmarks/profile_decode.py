@@ -67,13 +67,18 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=None, help="With --cuda-graphs: the decoder's KV length (default: just what the run needs).")
     ap.add_argument("--min-bucket", type=int, default=None, help="With --cuda-graphs: smallest key-length bucket (default GraphedDecoder.MIN_BUCKET; "
                     "--min-bucket equal to --max-len attends over the whole cache every step).")
+    ap.add_argument("--dtype", default=None, help="Compute dtype (bfloat16, float32; default the checkpoint's).")
+    ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "all"], help="Hybrid expert execution mode.")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="Also write profile_<name>_python.txt: cProfile of the decoding thread's Python over --tokens tokens.")
     args = ap.parse_args()
     preset = ModelPreset.from_name(args.preset)
     ensure(args.checkpoint_dir, preset)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     total = preset.num_hidden_layers * preset.num_local_experts
     slots = None if args.cache_fraction >= 1 else max(preset.num_experts_per_tok, round(args.cache_fraction * total))
-    with OffloadedModel.load(args.checkpoint_dir, device="cuda", expert_cache_experts=slots, preload=slots is None) as rt:
+    with OffloadedModel.load(args.checkpoint_dir, device="cuda", dtype=args.dtype, expert_cache_experts=slots,
+                             preload=slots is None, cpu_experts=args.cpu_experts) as rt:
         wall = {"experts": 0.0}
         orig = OffloadedExperts.forward
 
@@ -106,6 +111,22 @@ def main() -> int:
             tok = int(step(tok).argmax(-1))
         plain = (time.perf_counter() - t0) / args.tokens
         experts_share = wall["experts"] / args.tokens
+        if args.cprofile:
+            import cProfile
+            import io
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(args.tokens):
+                tok = int(step(tok).argmax(-1))
+            torch.cuda.synchronize()
+            pr.disable()
+            buf = io.StringIO()
+            st = pstats.Stats(pr, stream=buf)
+            st.sort_stats("tottime").print_stats(35)
+            st.sort_stats("cumulative").print_stats(35)
+            (args.out_dir / f"profile_{args.name}_python.txt").write_text(buf.getvalue())
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -121,6 +142,7 @@ def main() -> int:
             "name": args.name, "cache_fraction": args.cache_fraction,
             "max_len": dec.max_len if args.cuda_graphs else None, "min_bucket": dec.min_bucket if args.cuda_graphs else None,
             "buckets_captured": sorted(dec._steps) if args.cuda_graphs else None,
+            "cpu_experts": args.cpu_experts, "dtype": str(rt.dtype),
             "ms_per_token": plain * 1e3,
             "experts_cpu_wall_ms_per_token": experts_share * 1e3,
             "device_busy_ms_per_token": device_us / 1e3 / args.tokens,
