@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -202,6 +203,84 @@ class CpuExpertRunner(CpuRunner):
         self._weights.clear()
 
 
+class HybridGuard:
+    """Whether the host path pays on this machine now, judged by the decode steps it realizes.
+
+    The cost model prices one layer's split; it does not see what host compute does to the rest
+    of a step: the kernel's DRAM reads compete with the link's DMA for the same memory, its
+    threads with the decoding thread and the scheduler's copy workers, its results with the
+    interpreter lock. So the placement is checked against measured step times: decode steps
+    (forwards of one token that follow a forward of one token) run in windows of ``window``
+    steps, alternately with the host path and without it, ``rounds`` times each (the first step
+    of a window is not counted: it pays the switch). The mode with the lower median step time is
+    kept (without the host path on a tie within ``margin``) for ``hold`` decode steps, then
+    checked again the same way; a check that confirms the same mode doubles the hold, up to
+    ``max_hold``. ``on_forward(tokens)`` is a forward observer of the runtime."""
+
+    def __init__(self, window: int = 4, rounds: int = 2, hold: int = 64, max_hold: int = 1024, margin: float = 0.02,
+                 clock: Callable[[], float] = time.perf_counter):
+        if window < 2 or rounds < 1 or hold < 1:
+            raise ValueError("window >= 2, rounds >= 1 and hold >= 1 are needed")
+        self.window, self.rounds, self.margin = window, rounds, margin
+        self.hold, self.max_hold = hold, max_hold
+        self.clock = clock
+        self.enabled = True  # the host path is allowed now
+        self.checks = 0  # completed comparisons
+        self.last = {"on_ms": None, "off_ms": None}  # medians of the last comparison
+        self._prev: tuple[float, int] | None = None  # (start, tokens) of the previous forward
+        self._start_check()
+
+    def _start_check(self) -> None:
+        self._plan = [True, False] * self.rounds  # host path on / off, one window each
+        self._window_steps = 0
+        self._samples: dict[bool, list[float]] = {True: [], False: []}
+        self._holding = 0  # decode steps left in the hold (0: checking)
+        self.enabled = self._plan[0]
+
+    def on_forward(self, tokens: int) -> None:
+        now = self.clock()
+        prev, self._prev = self._prev, (now, tokens)
+        if prev is None or prev[1] != 1 or tokens != 1:
+            return
+        self._step(now - prev[0])
+
+    def _step(self, seconds: float) -> None:
+        """One decode step ran in the current mode and took ``seconds``."""
+        if self._holding:
+            self._holding -= 1
+            if not self._holding:
+                self._start_check()
+            return
+        if self._window_steps:  # the window's first step pays the switch
+            self._samples[self.enabled].append(seconds)
+        self._window_steps += 1
+        if self._window_steps < self.window:
+            return
+        self._plan.pop(0)
+        self._window_steps = 0
+        if self._plan:
+            self.enabled = self._plan[0]
+            return
+        on, off = _median(self._samples[True]), _median(self._samples[False])
+        choice = on < off * (1 - self.margin)
+        if self.checks and choice == self._choice:
+            self.hold = min(self.max_hold, 2 * self.hold)
+        self._choice = choice
+        self.checks += 1
+        self.last = {"on_ms": on * 1e3, "off_ms": off * 1e3}
+        self.enabled = choice
+        self._holding = self.hold
+
+    def stats(self) -> dict:
+        return {"host_path": self.enabled, "checks": self.checks, **self.last, "hold_steps": self.hold}
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
 class CpuPlacement:
     """The per-layer decision of hybrid execution (``cpu_experts="auto"`` with a link):
     ``placer(layer, misses, positions, K, device) -> experts to compute on the CPU``.
@@ -211,11 +290,12 @@ class CpuPlacement:
     runner's calibrated, kept-current EWMA, installed as the model's host hook), the layer's
     in-flight experts and its resident ones. Experts computed on the CPU that are hot (used
     at least ``hot_uses`` times within the last ``hot_window`` forwards) are still brought
-    into the cache in the background band, so the cache keeps the hot set.
+    into the cache in the background band, so the cache keeps the hot set. With a ``guard``
+    (:class:`HybridGuard`), nothing goes to the CPU while the guard finds the host path slower.
     """
 
     def __init__(self, cache, scheduler, runner: CpuExpertRunner, cost, hot_uses: int = 2, hot_window: int = 8,
-                 background_band: int = 2, observe_every_s: float = 0.005):
+                 background_band: int = 2, observe_every_s: float = 0.005, guard: HybridGuard | None = None):
         self.cache = cache
         self.scheduler = scheduler
         self.runner = runner
@@ -224,6 +304,7 @@ class CpuPlacement:
         self.hot_window = hot_window
         self.background_band = background_band
         self.observe_every_s = observe_every_s
+        self.guard = guard
         self._last_observe = 0.0
         self._uses: dict[tuple[int, int], deque] = {}  # (layer, expert) -> forwards that needed it off-cache
         self.decisions = 0
@@ -241,6 +322,8 @@ class CpuPlacement:
                 in_flight += 1
             else:
                 missing[e] = len(positions[e])
+        if self.guard is not None and not self.guard.enabled:
+            return []
         miss_set = set(misses)
         resident = [len(p) for e, p in positions.items() if e not in miss_set]
         plan = self.cost.place_layer(missing, in_flight=in_flight, resident_tokens=resident)

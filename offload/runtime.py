@@ -125,6 +125,7 @@ class OffloadedModel:
         trace: int = 0,
         cpu_experts: str = "off",
         cpu_threads: int | None = None,
+        hybrid_guard: bool = True,
     ) -> "OffloadedModel":
         """Validate and load a checkpoint; experts go to (pinned) host memory, the rest to ``device``.
 
@@ -149,6 +150,9 @@ class OffloadedModel:
         CPU device otherwise). "auto" falls back to "off" where the kernel cannot read the experts (the
         reason is in ``stats()["cpu_experts"]``); "all" is an error there.
         ``cpu_threads``: the kernel's threads (default: the cores this process may use).
+        ``hybrid_guard`` (with "auto"): decode steps check the placement against what it realizes,
+        alternating windows with and without the host path, and keep the faster
+        (offload/cpu_compute.py, ``HybridGuard``); False trusts the per-layer cost model alone.
         """
         self = object.__new__(cls)
         self._closed = True
@@ -172,7 +176,7 @@ class OffloadedModel:
         try:
             self._load(ckpt, dev, dtype, expert_cache_mib, expert_cache_experts, block_tokens, eviction, link_gbps,
                        workers, chunk_mib, lookahead_depth, history_depth, route_ahead_priority, background_priority, progress,
-                       trace, resolve_mode(cpu_experts), cpu_threads)
+                       trace, resolve_mode(cpu_experts), cpu_threads, hybrid_guard)
         except BaseException:
             self._release()
             raise
@@ -185,7 +189,7 @@ class OffloadedModel:
 
     def _load(self, ckpt, dev, dtype, cache_mib, cache_experts, block_tokens, eviction, link_gbps, workers, chunk_mib,
               lookahead_depth, history_depth, route_ahead_priority, background_priority, progress, trace=0,
-              cpu_mode="off", cpu_threads=None) -> None:
+              cpu_mode="off", cpu_threads=None, hybrid_guard=True) -> None:
         fam = ckpt.family
         self._background_priority = background_priority
         self.path = ckpt.path
@@ -256,7 +260,7 @@ class OffloadedModel:
             if kernel is None:
                 kernel = fam.expert_kernel(layout, self.dtype, old)
                 if cpu_mode != "off":
-                    self._start_cpu(cpu_mode, old, cpu_threads)
+                    self._start_cpu(cpu_mode, old, cpu_threads, hybrid_guard)
             return OffloadedExperts(i, E, self.cache, kernel, self._on_routed, cpu=self.cpu, cpu_mode=self.cpu_mode,
                                     placer=self.placer, cpu_pool=self._cpu_pool,
                                     on_host_overhead=self._observe_host_overhead if self.placer is not None else None)
@@ -275,7 +279,7 @@ class OffloadedModel:
         self._tokenizer = None
         self._closed = False
 
-    def _start_cpu(self, cpu_mode: str, original, cpu_threads: int | None) -> None:
+    def _start_cpu(self, cpu_mode: str, original, cpu_threads: int | None, hybrid_guard: bool = True) -> None:
         """The native CPU kernel over the host store (and, for "auto", the placement decision)."""
         from pdflash.native import NativeLibraryMissing
         from pdflash.native.cpu_experts import CpuExpertError
@@ -292,7 +296,7 @@ class OffloadedModel:
         if cpu_mode == "auto":
             from concurrent.futures import ThreadPoolExecutor
 
-            from pdflash.offload.cpu_compute import CpuPlacement
+            from pdflash.offload.cpu_compute import CpuPlacement, HybridGuard
 
             self.cpu.calibrate()
             if self.device.type == "cuda":  # the CPU experts overlap the device's work
@@ -302,8 +306,11 @@ class OffloadedModel:
                 # switch interval it could wait most of a layer for it. Restored on close.
                 self._switch_interval = sys.getswitchinterval()
                 sys.setswitchinterval(min(self._switch_interval, HYBRID_SWITCH_INTERVAL_S))
+            guard = HybridGuard() if hybrid_guard else None
             self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
-                                       background_band=self._background_priority)
+                                       background_band=self._background_priority, guard=guard)
+            if guard is not None:
+                self.add_forward_observer(guard.on_forward)
 
     # -- hooks -----------------------------------------------------------------------
     def _on_forward_start(self, module, args, kwargs):
@@ -503,6 +510,7 @@ class OffloadedModel:
                 "reason_off": self.cpu_reason,
                 "computed": fs.cpu,
                 "seconds": fs.cpu_seconds if ran else None,
+                "guard": self.placer.guard.stats() if self.placer is not None and self.placer.guard is not None else None,
                 **(self.cpu.stats() if self.cpu is not None else {}),
             },
             "experts_per_token": {

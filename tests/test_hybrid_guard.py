@@ -1,0 +1,93 @@
+"""HybridGuard: the host path is kept only while decode steps realize it faster (offload/cpu_compute.py)."""
+
+import pytest
+
+from pdflash.offload.cpu_compute import HybridGuard
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def run(guard, clock, steps, on_s, off_s, tokens=1):
+    """``steps`` forwards of ``tokens`` tokens, each lasting on_s or off_s by the guard's mode."""
+    modes = []
+    for _ in range(steps):
+        guard.on_forward(tokens)
+        modes.append(guard.enabled)
+        clock.t += on_s if guard.enabled else off_s
+    return modes
+
+
+@pytest.mark.parametrize("on_s,off_s,want", [(0.030, 0.040, True), (0.045, 0.040, False), (0.0400, 0.0401, False)])
+def test_keeps_the_faster_mode(on_s, off_s, want):
+    clock = Clock()
+    g = HybridGuard(window=3, rounds=2, hold=10, clock=clock)
+    run(g, clock, 1 + 3 * 4, on_s, off_s)  # the first forward has no predecessor; then four windows
+    assert g.checks == 1 and g.enabled is want
+    assert g.stats()["on_ms"] == pytest.approx(on_s * 1e3) and g.stats()["off_ms"] == pytest.approx(off_s * 1e3)
+
+
+def test_windows_alternate_and_the_hold_doubles_when_confirmed():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=1, hold=4, max_hold=16, clock=clock)
+    modes = run(g, clock, 1 + 4, 0.05, 0.04)
+    assert modes == [True, True, False, False, False] and g.checks == 1 and not g.enabled
+    held = run(g, clock, 4, 0.05, 0.04)
+    assert held == [False] * 3 + [True] and g.checks == 1  # held (nothing re-measured), then the next check opens
+    run(g, clock, 4, 0.05, 0.04)  # the second check confirms "off"
+    assert g.checks == 2 and not g.enabled and g.hold == 8
+    run(g, clock, 8 + 4, 0.05, 0.04)
+    assert g.checks == 3 and g.hold == 16
+    run(g, clock, 16 + 4, 0.05, 0.04)
+    assert g.checks == 4 and g.hold == 16  # max_hold
+
+
+def test_only_decode_steps_count():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=1, hold=4, clock=clock)
+    run(g, clock, 20, 0.01, 0.02, tokens=5)  # prefill / verify forwards
+    assert g.checks == 0 and g.enabled
+    g.on_forward(1)
+    clock.t += 100.0  # a forward of one token followed by a prefill: that gap is not a step
+    run(g, clock, 1, 0.01, 0.02, tokens=9)
+    assert g.checks == 0 and g.stats()["on_ms"] is None
+
+
+def test_first_step_of_a_window_is_not_counted():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=1, hold=4, clock=clock)
+    g.on_forward(1)
+    for seconds in (9.0, 0.03, 9.0, 0.04):  # a slow switch step opens each window
+        clock.t += seconds
+        g.on_forward(1)
+    assert g.checks == 1 and g.stats()["on_ms"] == pytest.approx(30) and g.stats()["off_ms"] == pytest.approx(40)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        HybridGuard(window=1)
+
+
+def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
+    """The runtime's placer consults the guard: off -> every miss is fetched."""
+    import torch
+
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.generate import generate
+    from pdflash.offload.runtime import OffloadedModel
+    from pdflash.offload.synthetic import write_checkpoint
+
+    tiny = ModelPreset.from_name("tiny")
+    path = write_checkpoint(tmp_path / "m", tiny, mxfp4=True, seed=3, progress=False)
+    with OffloadedModel.load(path, dtype=torch.float32, cpu_experts="auto", expert_cache_experts=tiny.num_experts_per_tok,
+                             link_gbps=0.01, cpu_threads=1) as rt:
+        guard = rt.placer.guard
+        assert guard is not None and guard.on_forward in rt._forward_observers
+        guard.enabled, guard._holding = False, 10**6  # as if a check had found the host path slower
+        generate(rt, [1, 2, 3], max_new_tokens=4, eos_token_ids=[])
+        assert rt.stats()["cpu_experts"]["computed"] == 0 and rt.stats()["cpu_experts"]["guard"]["host_path"] is False
