@@ -5,7 +5,8 @@
 
 For each dtype (``--dtypes``, float32 and bfloat16) and each mode (off: every missing expert
 fetched; auto: each layer's misses split between the link and the CPU kernel by the cost
-model; all: every expert on the CPU), one greedy generation of ``--tokens`` tokens after a
+model, checked by the guard against realized decode steps; auto-model: the cost model alone,
+no guard; all: every expert on the CPU), one greedy generation of ``--tokens`` tokens after a
 fixed prompt with an expert cache of ``--cache-fraction`` of all experts (plain decoding,
 eager: CUDA graphs off so the three modes run the same code around the experts). Reports the
 token ids' agreement with the fetch-only run of the same dtype (the aim in float32:
@@ -34,8 +35,8 @@ PROMPT = [200, 1000, 31, 9, 77, 4000, 250, 17, 3, 44, 81, 90, 123, 7, 66, 19]
 
 
 def run_one(ckpt: str, device: str, dtype: str, mode: str, args) -> dict:
-    with OffloadedModel.load(ckpt, device=device, dtype=dtype, cpu_experts=mode, cpu_threads=args.cpu_threads,
-                             link_gbps=args.link_gbps,
+    with OffloadedModel.load(ckpt, device=device, dtype=dtype, cpu_experts="auto" if mode == "auto-model" else mode,
+                             cpu_threads=args.cpu_threads, link_gbps=args.link_gbps, hybrid_guard=mode != "auto-model",
                              expert_cache_experts=None if mode == "all" else args._slots) as rt:
         vocab = int(rt.config.vocab_size)
         prompt = [t % vocab for t in PROMPT]

@@ -93,7 +93,7 @@ def main() -> int:
         if args.cuda_graphs:
             from pdflash.offload.graphs import GraphedDecoder
 
-            need = 16 + args.warmup + 2 * args.tokens + 1
+            need = 16 + args.warmup + 3 * args.tokens + 1
             dec = GraphedDecoder(rt, max_len=max(need, args.max_len or 0), graphs=True, min_bucket=args.min_bucket)
             dec.prepare(16)
             step = dec.decode
