@@ -68,7 +68,8 @@ def main() -> int:
     ap.add_argument("--min-bucket", type=int, default=None, help="With --cuda-graphs: smallest key-length bucket (default GraphedDecoder.MIN_BUCKET; "
                     "--min-bucket equal to --max-len attends over the whole cache every step).")
     ap.add_argument("--dtype", default=None, help="Compute dtype (bfloat16, float32; default the checkpoint's).")
-    ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "all"], help="Hybrid expert execution mode.")
+    ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "auto-model", "all"],
+                    help="Hybrid expert execution mode (auto-model: auto without the guard).")
     ap.add_argument("--cprofile", action="store_true",
                     help="Also write profile_<name>_python.txt: cProfile of the decoding thread's Python over --tokens tokens.")
     args = ap.parse_args()
@@ -78,7 +79,8 @@ def main() -> int:
     total = preset.num_hidden_layers * preset.num_local_experts
     slots = None if args.cache_fraction >= 1 else max(preset.num_experts_per_tok, round(args.cache_fraction * total))
     with OffloadedModel.load(args.checkpoint_dir, device="cuda", dtype=args.dtype, expert_cache_experts=slots,
-                             preload=slots is None, cpu_experts=args.cpu_experts) as rt:
+                             preload=slots is None, cpu_experts=args.cpu_experts.replace("-model", ""),
+                             hybrid_guard=args.cpu_experts != "auto-model") as rt:
         wall = {"experts": 0.0}
         orig = OffloadedExperts.forward
 
