@@ -10,7 +10,7 @@ and ``intermediate_size`` is ``moe_intermediate_size``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdflash import PdflashError
 
@@ -94,6 +94,24 @@ def _yarn(factor: float, original: int) -> dict:
     }
 
 
+_GPT_OSS_20B = ModelPreset(
+    name="gpt-oss-20b",
+    num_hidden_layers=24,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    sliding_window=128,
+    vocab_size=201088,
+    tokenizer_vocab=1024,
+    max_position_embeddings=131072,
+    rope_theta=150000.0,
+    rope_scaling=_yarn(32.0, 4096),
+)
+
 PRESETS: dict[str, ModelPreset] = {
     # Small enough for CPU tests in seconds; keeps every module type: sinks, sliding and full
     # attention (window 8, so prompts of a dozen tokens cross it), YaRN rotary, top-k routing.
@@ -115,42 +133,11 @@ PRESETS: dict[str, ModelPreset] = {
         rope_scaling=_yarn(4.0, 1024),
     ),
     # openai/gpt-oss-20b (../shared/REFERENCE.md).
-    "gpt-oss-20b": ModelPreset(
-        name="gpt-oss-20b",
-        num_hidden_layers=24,
-        num_local_experts=32,
-        num_experts_per_tok=4,
-        hidden_size=2880,
-        intermediate_size=2880,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=64,
-        sliding_window=128,
-        vocab_size=201088,
-        tokenizer_vocab=1024,
-        max_position_embeddings=131072,
-        rope_theta=150000.0,
-        rope_scaling=_yarn(32.0, 4096),
-    ),
+    "gpt-oss-20b": _GPT_OSS_20B,
     # openai/gpt-oss-120b: the 20b's attention and expert shapes, 36 layers of 128 experts (top-4);
     # 65 GB of MXFP4 experts, so GPU benchmarks fill it in memory (synthetic.SyntheticCheckpoint).
-    "gpt-oss-120b": ModelPreset(
-        name="gpt-oss-120b",
-        num_hidden_layers=36,
-        num_local_experts=128,
-        num_experts_per_tok=4,
-        hidden_size=2880,
-        intermediate_size=2880,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=64,
-        sliding_window=128,
-        vocab_size=201088,
-        tokenizer_vocab=1024,
-        max_position_embeddings=131072,
-        rope_theta=150000.0,
-        rope_scaling=_yarn(32.0, 4096),
-    ),
+    "gpt-oss-120b": replace(_GPT_OSS_20B, name="gpt-oss-120b", num_hidden_layers=36, num_local_experts=128,
+                            rope_scaling=_yarn(32.0, 4096), layer_types=()),  # () -> derived for 36 layers
     # Qwen3-MoE with every module type of Qwen3-30B-A3B (qk-norm, GQA, softmax -> top-k ->
     # renormalised routing, per-expert SiLU-gated MLPs), small enough for CPU tests.
     "qwen3-tiny": ModelPreset(

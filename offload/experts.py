@@ -133,7 +133,7 @@ class OffloadedExperts(nn.Module):
         for e in experts:
             s = cache.lookup(layer, e)
             (hits.append((e, s)) if s is not None else misses.append(e))
-        cpu_job, cpu_list = None, []
+        cpu_future, cpu_result, cpu_list = None, None, []  # the helper thread's job (CUDA) / a result (CPU device)
         if self.cpu_mode == "auto" and misses and self.placer is not None:
             on_cpu = set(self.placer(layer, misses, positions, K, dev))
             if on_cpu:
@@ -143,13 +143,13 @@ class OffloadedExperts(nn.Module):
                     t_host = time.perf_counter()
                     x_host = x.to("cpu", non_blocking=False)
                     w_host = w_flat.to("cpu", non_blocking=False)
-                    cpu_job = self.cpu_pool.submit(self._cpu_compute, x_host, w_host, K, cpu_list, positions)
+                    cpu_future = self.cpu_pool.submit(self._cpu_compute, x_host, w_host, K, cpu_list, positions)
                     host_before = time.perf_counter() - t_host
         for e in misses:  # submitted before the hits compute, so the link starts at once
             f = cache.request(layer, e)
             (pending.append((e, f)) if f is not None else waiting.append(e))
-        if cpu_list and cpu_job is None:  # CPU device: computed here while the fetches cross the link
-            cpu_job = self._cpu_compute(x, w_flat, K, cpu_list, positions)
+        if cpu_list and cpu_future is None:  # CPU device: computed here while the fetches cross the link
+            cpu_result = self._cpu_compute(x, w_flat, K, cpu_list, positions)
         done_slots = []
         if hits:
             compute(hits)
@@ -176,18 +176,17 @@ class OffloadedExperts(nn.Module):
                     if f is None:
                         raise PdflashError(f"layer {layer}: no expert cache slot could be freed")
                 pending.append((waiting.popleft(), f))
-        if cpu_job is not None:
-            if hasattr(cpu_job, "result"):  # the helper thread's job: time it took beyond the kernel
-                t_wait = time.perf_counter()
-                res = cpu_job.result()
-                t_store = time.perf_counter()
-                self._store_cpu(contrib, res, dev)
-                if self.on_host_overhead is not None:
-                    waited = t_store - t_wait  # the part of the job the device did not hide
-                    extra = res[2] - res[3]  # job wall time in the thread minus the kernel's own time
-                    self.on_host_overhead(host_before + min(waited, extra) + time.perf_counter() - t_store)
-            else:
-                self._store_cpu(contrib, cpu_job, dev)
+        if cpu_future is not None:  # the helper thread's job: also the time it took beyond the kernel
+            t_wait = time.perf_counter()
+            res = cpu_future.result()
+            t_store = time.perf_counter()
+            self._store_cpu(contrib, res, dev)
+            if self.on_host_overhead is not None:
+                waited = t_store - t_wait  # the part of the job the device did not hide
+                extra = res[2] - res[3]  # job wall time in the thread minus the kernel's own time
+                self.on_host_overhead(host_before + min(waited, extra) + time.perf_counter() - t_store)
+        elif cpu_result is not None:
+            self._store_cpu(contrib, cpu_result, dev)
         cache.end_layer()
         out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
         return out.reshape(shape)
