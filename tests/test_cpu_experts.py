@@ -111,13 +111,14 @@ def test_mxfp4_matches_transformers(level, threads, H, I):
 
 @pytest.mark.parametrize("level", LEVELS_HERE)
 @pytest.mark.parametrize("threads", [1, 3])
-def test_mxfp4_bf16_input(level, threads):
-    """bf16 hidden states (the bf16 model): at avx512_bf16 the bf16 dot-product kernel runs."""
-    H, I = 96, 96
-    w, (w1, b1, w2, b2) = mxfp4_expert(H, I, seed=3)
+@pytest.mark.parametrize("H,I", [(96, 96), (160, 224), (288, 416)])  # chunks of 4 groups + 1..3 left over
+def test_mxfp4_bf16_input(level, threads, H, I):
+    """bf16 hidden states (the bf16 model): at avx512_bf16 the bf16 dot-product kernel runs for
+    every token count, over whole 128-element chunks and the groups left over."""
+    w, (w1, b1, w2, b2) = mxfp4_expert(H, I, seed=3 + H)
     g = torch.Generator().manual_seed(6)
     with CpuExperts(threads=threads, level=level) as k:
-        for T in (1, 4, 6, 16):
+        for T in (1, 2, 3, 4, 6, 16):
             x = torch.randn(T, H, generator=g).bfloat16()
             check(k.forward(w, x), transformers_expert(w1, b1, w2, b2, x))
 
