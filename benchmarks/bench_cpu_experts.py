@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -53,6 +51,7 @@ import_pdflash()
 
 import torch  # noqa: E402
 
+from pdflash.machine import machine_info  # noqa: E402
 from pdflash.native.cpu_experts import CpuExperts, ExpertWeights, detect_level  # noqa: E402
 from pdflash.offload.gpt_oss import mxfp4_expert_layout  # noqa: E402
 
@@ -258,9 +257,7 @@ def main(argv=None) -> int:
     layout, buf, weights = make_experts(args.experts, hidden, inter, args.seed)
 
     result = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                    "best_level": detect_level(), "torch": torch.__version__},
+        "machine": dict(machine_info(), best_level=detect_level()),
         "shape": {"hidden": hidden, "inter": inter, "experts": args.experts, "expert_bytes": layout.expert_bytes,
                   "weight_bytes": weights[0].nbytes, "buffer_bytes": buf.numel()},
         "runs": [],
