@@ -327,6 +327,7 @@ def generate(
     block_size: Annotated[str | None, typer.Option(help="With --draft: tokens per verify pass, auto (default: chosen each step by the block planner, 1 = plain decoding) or a fixed N from 1 up to the draft's trained block size.")] = None,
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none.")] = "previous",
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
+    prompt_lookup: Annotated[bool, typer.Option("--prompt-lookup/--no-prompt-lookup", help="With a draft, greedy: when the last 3 tokens occurred earlier, what followed them then leads the verify block where the draft proposes otherwise (output unchanged).")] = True,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
     cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: each missing expert fetched or computed on the CPU, whichever the cost model expects sooner; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all. Default: auto on the CPU device, off on CUDA (the hybrid placement does not pay yet there).", show_default=False)] = None,
     cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use).")] = None,
@@ -359,7 +360,7 @@ def generate(
     if cuda_graphs and device not in ("cuda", "auto") and not str(device).startswith("cuda:"):
         raise PdflashError("--cuda-graphs needs --device cuda", exit_code=2)
     spec = speculative_options(draft, block_size=block_size, predictor=route_ahead_predictor,
-                               acceptance=draft_acceptance, temperature=temperature)
+                               acceptance=draft_acceptance, temperature=temperature, lookup=prompt_lookup)
     text = _read_prompt(prompt)
     draw = live_enabled(live, json_out)
     opts = _load_options(

@@ -86,6 +86,7 @@ def speculative_options(
     acceptance: float | None,
     temperature: float,
     default_predictor: str = "previous",
+    lookup: bool = True,
 ) -> dict | None:
     """Check the command-line options of a draft run before anything is loaded.
 
@@ -114,7 +115,7 @@ def speculative_options(
             raise PdflashError("--draft-acceptance (oracle-acceptance mode) needs greedy decoding: drop --temperature",
                                exit_code=2)
     return {"draft_dir": Path(draft_dir), "block_size": draft_block_size(draft_dir, block_size),
-            "auto": block_size in (None, AUTO), "predictor": predictor, "acceptance": acceptance}
+            "auto": block_size in (None, AUTO), "predictor": predictor, "acceptance": acceptance, "lookup": lookup}
 
 
 def oracle_reference(rt, input_ids: Sequence[int], max_new_tokens: int, block_size: int, *, decoder=None,
@@ -152,6 +153,7 @@ def speculative_on_runtime(
     eos_token_ids: Sequence[int] | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
     graphs: bool | None = None,
+    lookup: bool = True,
 ) -> SpeculativeResult:
     """Speculative generation on ``rt``; ``graphs`` (default: on CUDA) runs the prefill and every
     verify block through a ``GraphedDecoder`` whose graphs for block lengths 1 .. B are captured
@@ -203,7 +205,7 @@ def speculative_on_runtime(
         return speculative_generate(
             rt.model, draft, prompt, max_new_tokens, block_size=block, temperature=temperature,
             generator=generator, eos_token_ids=eos, route_ahead=route_ahead, oracle=oracle, on_step=on_step,
-            planner=planner, moved_bytes=moved_bytes, decoder=decoder,
+            planner=planner, moved_bytes=moved_bytes, decoder=decoder, lookup=lookup,
         )
     finally:
         if route_ahead is not None:
@@ -227,6 +229,7 @@ def generate_with_draft(
     on_step: Callable | None = None,
     on_verify: Callable[[StepInfo], None] | None = None,
     graphs: bool | None = None,
+    lookup: bool = True,
 ) -> tuple[object, dict]:
     """``pdflash generate --draft``: returns (a GenerationResult as plain decoding returns it,
     extra report fields).
@@ -257,7 +260,7 @@ def generate_with_draft(
     res = speculative_on_runtime(rt, draft, input_ids, max_new_tokens, block_size=AUTO if auto else block_size,
                                  predictor=predictor,
                                  acceptance=acceptance, temperature=temperature, seed=seed, eos_token_ids=eos,
-                                 on_step=step_hook, graphs=graphs)
+                                 on_step=step_hook, graphs=graphs, lookup=lookup)
     n = len(res.token_ids)
     st = res.stats
     gen = GenerationResult(
@@ -282,6 +285,7 @@ def generate_with_draft(
         "draft_ms": st.draft_seconds * 1e3,
         "verify_ms": st.verify_seconds * 1e3,
         "route_ahead": res.route_ahead,
+        "copied_steps": st.copied_steps,
     }
     if res.planner is not None:
         extra["planner"] = res.planner

@@ -296,17 +296,22 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 class RepeatIndex:
     """Whether the sequence's last ``n`` tokens occurred earlier in it (the planner's hint that the
-    text copies itself); updated incrementally as tokens are committed."""
+    text copies itself), and what followed them the last time; updated incrementally as tokens
+    are committed."""
 
     def __init__(self, tokens: Sequence[int], n: int = 3):
         self.n = n
-        self.seen: set[tuple[int, ...]] = set()
-        self.indexed = 0  # n-grams ending before this position are in ``seen``
+        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> position just after its latest earlier occurrence
+        self.indexed = 0  # n-grams ending before this position are in ``after``
         self._index(tokens, len(tokens) - 1)
+
+    @property
+    def seen(self):
+        return self.after.keys()
 
     def _index(self, tokens: Sequence[int], end: int) -> None:
         for i in range(max(self.indexed, self.n), end + 1):
-            self.seen.add(tuple(tokens[i - self.n: i]))
+            self.after[tuple(tokens[i - self.n: i])] = i
         self.indexed = max(self.indexed, end + 1)
 
     def repeating(self, tokens: Sequence[int]) -> bool:
@@ -314,7 +319,15 @@ class RepeatIndex:
         if len(tokens) <= self.n:
             return False
         self._index(tokens, len(tokens) - 1)
-        return tuple(tokens[-self.n:]) in self.seen
+        return tuple(tokens[-self.n:]) in self.after
+
+    def continuation(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of tokens[-n:] ([] if none)."""
+        if len(tokens) <= self.n or k < 1:
+            return []
+        self._index(tokens, len(tokens) - 1)
+        i = self.after.get(tuple(tokens[-self.n:]))
+        return [] if i is None else list(tokens[i: i + k])
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -351,6 +364,7 @@ class SpeculativeStats:
     verify_seconds: float = 0.0
     blocks: dict[int, int] = field(default_factory=dict)  # verified block length -> steps
     decode_bytes: float | None = None  # bytes over the link between the first and the last token
+    copied_steps: int = 0  # steps whose leading proposals were copied from earlier text (lookup)
 
     def __post_init__(self) -> None:
         if not self.drafted_per_position:
@@ -399,6 +413,7 @@ class SpeculativeStats:
             "decode_ms": 1e3 * self.decode_seconds,
             "draft_ms": 1e3 * self.draft_seconds,
             "verify_ms": 1e3 * self.verify_seconds,
+            "copied_steps": self.copied_steps,
         }
 
 
@@ -458,6 +473,7 @@ def speculative_generate(
     planner: BlockPlanner | None = None,
     moved_bytes: Callable[[], float] | None = None,
     decoder=None,
+    lookup: bool = True,
 ) -> SpeculativeResult:
     """Generate up to ``max_new_tokens`` after ``input_ids`` with draft-then-verify steps.
 
@@ -470,6 +486,9 @@ def speculative_generate(
     ``moved_bytes`` (cumulative link bytes) measures the decode phase's bytes per committed token.
     ``decoder`` (a ``GraphedDecoder`` over ``target``'s runtime, holding prompt + max_new_tokens
     positions) runs the prefill and every verify block instead of ``target``'s own forward.
+    ``lookup`` (greedy, no oracle): when the last 3 committed tokens occurred earlier and what
+    followed them then differs from the draft's first proposal, those tokens replace the draft's
+    leading proposals (the verify pass decides; output unchanged).
     """
     if not input_ids:
         raise PdflashError("the prompt is empty; give at least one token")
@@ -548,6 +567,12 @@ def speculative_generate(
                         confidence = draft_probs.gather(1, proposals[:, None])[:, 0].tolist()
                 if oracle is not None:
                     proposals = torch.tensor(oracle.propose(tokens, n), dtype=torch.long, device=device)
+                elif greedy and lookup:  # the text copies itself: what followed last time leads the block
+                    copied = repeats.continuation(tokens, n)
+                    if copied and copied[0] != int(proposals[0]):
+                        proposals = torch.cat((torch.tensor(copied, dtype=torch.long, device=device),
+                                               proposals[len(copied):]))
+                        stats.copied_steps += 1
             _sync(device)
             draft_s = time.perf_counter() - t_draft - ((oracle.refresh_seconds - refresh_before) if oracle else 0.0)
             if planner is not None and n:
