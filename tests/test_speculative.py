@@ -427,3 +427,29 @@ def test_unknown_predictor(pair):
     target, _ = pair
     with pytest.raises(PdflashError, match="unknown route-ahead predictor"):
         RouteAhead(target, "psychic", None, block_size=4)
+
+
+def test_prompt_lookup_copies_earlier_text_and_stays_lossless(pair):
+    """A prompt that repeats itself: what followed the last 3 tokens earlier leads the verify block
+    when the draft proposes otherwise; the output is transformers' greedy either way."""
+    target, draft = pair
+    prompt = PROMPT * 3
+    with torch.no_grad():
+        want = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    on = speculative_generate(target, draft, prompt, 30, block_size=4)
+    off = speculative_generate(target, draft, prompt, 30, block_size=4, lookup=False)
+    assert on.token_ids == want and off.token_ids == want
+    assert on.stats.copied_steps > 0 and off.stats.copied_steps == 0
+    assert on.to_dict()["copied_steps"] == on.stats.copied_steps
+
+
+def test_repeat_index_continuation():
+    from pdflash.draft.speculative import RepeatIndex
+
+    t = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    r = RepeatIndex(t)
+    assert r.continuation(t, 2) == [4, 5] and r.continuation(t, 10) == [4, 5, 6, 1, 2, 3]
+    t += [9, 1, 2, 3]
+    assert r.continuation(t, 2) == [9, 1]  # the latest earlier occurrence
+    assert r.continuation([1, 2, 3], 2) == [] and r.continuation(t, 0) == []
