@@ -90,6 +90,12 @@ def test_generate_with_draft_is_lossless_and_reports_speculation(run, mx_pair):
     ra = spec["route_ahead"]
     assert ra["predictor"] == "previous" and {"predicted", "used", "recall", "precision", "wasted_bytes"} <= set(ra)
     assert spec["cache"]["slots"] == 6 and "oracle_acceptance" not in spec
+    assert spec["copied_steps"] >= 0
+    code, out, err = _gen(run, mx_pair, "--json", "--draft", mx_pair / "draft", "--block-size", 3,
+                          "--expert-cache-experts", 6, "--no-prompt-lookup")
+    assert code == 0, err
+    off = json.loads(out)
+    assert off["token_ids"] == plain["token_ids"] and off["copied_steps"] == 0
 
 
 def test_oracle_acceptance_mode_is_labelled_everywhere(run, mx_pair):
