@@ -305,10 +305,6 @@ class RepeatIndex:
         self.indexed = 0  # n-grams ending before this position are in ``after``
         self._index(tokens, len(tokens) - 1)
 
-    @property
-    def seen(self):
-        return self.after.keys()
-
     def _index(self, tokens: Sequence[int], end: int) -> None:
         for i in range(max(self.indexed, self.n), end + 1):
             self.after[tuple(tokens[i - self.n: i])] = i

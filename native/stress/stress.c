@@ -963,6 +963,20 @@ static void *waiter_main(void *p) {
     return NULL;
 }
 
+/* Start *wt blocked in pf_wait(s, t) (wa and ready owned by the caller, alive until the join)
+ * and return once the scheduler counts one waiter and at least `chunks` chunks started, or after
+ * 5 s; *st holds the last statistics read. 1 if that state was reached. */
+static int start_blocked_waiter(pf_sched *s, uint64_t t, uint64_t chunks, waiter_arg *wa, atomic_int *ready,
+                                pthread_t *wt, pf_stats *st) {
+    *wa = (waiter_arg){s, t, ready, 0, -100};
+    pthread_create(wt, NULL, waiter_main, wa);
+    for (double until = now_s() + 5.0; now_s() < until; sleep_s(0.0002)) {
+        pf_get_stats(s, st);
+        if (st->waiting == 1 && st->chunks >= chunks) return 1;
+    }
+    return 0;
+}
+
 typedef struct reset_arg {
     pf_sched *s;
     int result;
@@ -1238,15 +1252,10 @@ static void phase_faults(double scale) {
     uint64_t t = 0;
     check(pf_submit(s, 5, src, dst, SZ, PF_ON_DEMAND, &t) == 0, "faults: paced submit");
     atomic_int ready = 0;
-    waiter_arg wa = {s, t, &ready, 0, -100};
+    waiter_arg wa;
     pthread_t wt;
-    pthread_create(&wt, NULL, waiter_main, &wa);
-    for (;;) { /* until the first chunk is being written and the waiter is blocked inside pf_wait */
-        pf_stats ps;
-        pf_get_stats(s, &ps);
-        if (ps.waiting == 1 && ps.chunks >= 1) break;
-        sleep_s(0.0002);
-    }
+    pf_stats ps; /* until the first chunk is being written and the waiter is blocked inside pf_wait */
+    check(start_blocked_waiter(s, t, 1, &wa, &ready, &wt, &ps), "faults: the waiter blocked with a paced chunk out");
     check(pf_shutdown(s) == 0, "faults: shutdown with a paced chunk in flight");
     pthread_join(wt, NULL);
     check(wa.result == PF_CLOSED, "faults: the waiter woke with PF_CLOSED (%d)", wa.result);
@@ -1358,13 +1367,9 @@ static void phase_cuda(void) {
     uint64_t t = 0;
     check(pf_submit(s, 3, a, b, MB, PF_ON_DEMAND, &t) == 0, "cuda close: submit");
     atomic_int ready = 0;
-    waiter_arg wa = {s, t, &ready, 0, -100};
+    waiter_arg wa;
     pthread_t wt;
-    pthread_create(&wt, NULL, waiter_main, &wa);
-    for (double until = now_s() + 5.0; now_s() < until; sleep_s(0.0005)) {
-        pf_get_stats(s, &st);
-        if (st.waiting == 1 && st.chunks == 1) break;
-    }
+    start_blocked_waiter(s, t, 1, &wa, &ready, &wt, &st);
     check(st.waiting == 1 && st.chunks == 1, "cuda close: the chunk is out and the waiter blocked");
     sleep_s(0.05);
     /* the query takes the scheduler's lock after the worker released it to wait out the slot,
