@@ -251,7 +251,7 @@ class Qwen3MoeFamily(ModelFamily):
     # -- experts ---------------------------------------------------------------------
     def expert_kernel(self, layout: ExpertLayout, dtype: torch.dtype, original: nn.Module) -> "Qwen3ExpertKernel":
         act = getattr(original, "act_fn", None) or F.silu
-        return Qwen3ExpertKernel(layout, dtype, act)
+        return Qwen3ExpertKernel(layout, dtype, act, silu=getattr(self.hf_config, "hidden_act", "silu") == "silu")
 
     def cpu_unsupported_reason(self, layout: ExpertLayout, dtype: torch.dtype) -> str | None:
         if dtype not in (torch.bfloat16, torch.float32):
@@ -357,15 +357,30 @@ class Qwen3ExpertKernel:
     The weights stay in their stored [out, in] row order and the matmuls take the transposed
     view, the operand layout of the library's own (grouped) expert matmuls, so CPU results are
     bit-identical. FP8 slots are dequantized block by block (``dequantize_fp8``).
+
+    For a few tokens on CUDA, ``fused`` gives the fused kernels of dense_triton.py instead (two
+    launches per layer, FP8 decoded in registers).
     """
 
-    def __init__(self, layout: ExpertLayout, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, layout: ExpertLayout, dtype: torch.dtype, act: Callable[[torch.Tensor], torch.Tensor],
+                 silu: bool = True):
         self.layout = layout
         self.dtype = dtype
         self.act = act
+        self.silu = silu  # the activation is SiLU: the fused kernels compute exactly that
+        self._fused: dict[str, object] = {}
 
     def fused(self, device: torch.device):
-        return None
+        """The fused kernels (dense_triton.py) for small token counts on ``device``, or None where
+        they cannot run (no Triton, a CPU without Triton's interpreter, another activation,
+        float16). PDFLASH_FUSED_EXPERTS=0 turns them off."""
+        key = str(device)
+        if key not in self._fused:
+            from pdflash.offload import dense_triton
+
+            ok = self.silu and dense_triton.supported(self.layout, self.dtype) and dense_triton.available(device)
+            self._fused[key] = dense_triton.FusedDenseExperts(self.layout, self.dtype) if ok else None
+        return self._fused[key]
 
     def weights(self, slots: torch.Tensor, slot_ids: list[int]) -> tuple[torch.Tensor, ...]:
         """(W1 [n, 2I, H], W2 [n, H, I]) in the compute dtype."""
