@@ -41,9 +41,9 @@ _DENSE = (torch.bfloat16, torch.float16, torch.float32)
 def _kernels():
     global _KERNELS
     if _KERNELS is None:
-        from pdflash.offload import dense_kernels
+        from pdflash.offload import triton_kernels
 
-        _KERNELS = dense_kernels
+        _KERNELS = triton_kernels
     return _KERNELS
 
 
@@ -109,11 +109,11 @@ class FusedDenseExperts:
         wv = slots.view(torch.uint8 if self.fp8 else self.wdtype)
         sv = slots.view(self.sdtype) if self.fp8 else wv
         bf16 = self.dtype == torch.bfloat16
-        k.gate_up_silu[(n, k.triton.cdiv(I, BLOCK_N))](
+        k.dense_gate_up_silu[(n, k.triton.cdiv(I, BLOCK_N))](
             x, x.stride(0), work, n, wv, wv.stride(0), sv, sv.stride(0), h, self.w_off[0], self.s_off[0], I, top_k,
             NCOL=H, BLK=self.block, BN=BLOCK_N, BC=BLOCK_C, FP8=self.fp8, BF16=bf16,
         )
-        k.down[(n, k.triton.cdiv(H, BLOCK_N))](
+        k.dense_down[(n, k.triton.cdiv(H, BLOCK_N))](
             h, weights, work, n, wv, wv.stride(0), sv, sv.stride(0), contrib, self.w_off[1], self.s_off[1], H,
             NCOL=I, BLK=self.block, BN=BLOCK_N, BC=BLOCK_C, FP8=self.fp8, BF16=bf16,
             OUT_BF16=contrib.dtype == torch.bfloat16,

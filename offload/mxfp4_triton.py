@@ -72,9 +72,9 @@ def available(device: torch.device) -> bool:
 def _kernels():
     global _KERNELS
     if _KERNELS is None:
-        from pdflash.offload import mxfp4_kernels
+        from pdflash.offload import triton_kernels
 
-        _KERNELS = mxfp4_kernels
+        _KERNELS = triton_kernels
     return _KERNELS
 
 
@@ -122,12 +122,12 @@ class FusedMxfp4Experts:
         dn_bias_view = slots.view(dn_bias.dtype)
         esize_gu = gu_bias_view.element_size()
         esize_dn = dn_bias_view.element_size()
-        k.gate_up_glu[(n, cdiv(I, BLOCK_N))](
+        k.mxfp4_gate_up_glu[(n, cdiv(I, BLOCK_N))](
             x, x.stride(0), work, n, slots, slots.stride(0), gu_bias_view, gu_bias_view.stride(0), lut, h,
             gu_w, gu_s, gu_bias.offset // esize_gu, I, top_k, self.limit, self.alpha,
             NB=self.nb_gu, BN=BLOCK_N, BC=BLOCK_C, BF16=h.dtype == torch.bfloat16,
         )
-        k.down[(n, cdiv(H, BLOCK_N))](
+        k.mxfp4_down[(n, cdiv(H, BLOCK_N))](
             h, weights, work, n, slots, slots.stride(0), dn_bias_view, dn_bias_view.stride(0), lut, contrib,
             dn_w, dn_s, dn_bias.offset // esize_dn, H,
             NB=self.nb_dn, BN=BLOCK_N, BC=BLOCK_C, BF16=h.dtype == torch.bfloat16,

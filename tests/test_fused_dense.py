@@ -19,8 +19,12 @@ H, I, E, K, T, B = 64, 96, 5, 2, 3, 32
 
 
 @pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # conftest.py set it before triton was imported
+def _interpreter(request, monkeypatch):
+    """CPU tests: Triton's interpreter (conftest.py set TRITON_INTERPRET before triton was
+    imported). GPU tests keep the environment, TRITON_INTERPRET=0 there: compiled kernels."""
+    if "gpu" in request.keywords:
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("PDFLASH_FUSED_EXPERTS", "1")
 
 

@@ -1,0 +1,160 @@
+"""Triton kernels of the fused expert paths: MXFP4 (gpt-oss; see mxfp4_triton.py for what they
+compute) and dense / FP8 with SiLU (Qwen3-MoE; see dense_triton.py).
+
+Imported only when a fused path is used (this module imports triton at the top). Every kernel
+and the helpers it calls live in this one module: Triton resolves a helper through the calling
+kernel's module globals, and its CPU interpreter patches only those.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mxfp4_rows_dot(base, blocks_off, scales_off, rows, rmask, v_ptr, lut_ptr,
+                    NB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+    """[BN] float32: rows `rows` of an MXFP4 weight (NB bytes per row) dot vector v (2*NB)."""
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for c0 in range(0, NB, BC):
+        c = c0 + tl.arange(0, BC)
+        cmask = c < NB
+        m = rmask[:, None] & cmask[None, :]
+        b = tl.load(base + blocks_off + rows[:, None] * NB + c[None, :], mask=m, other=0).to(tl.int32)
+        s = tl.load(base + scales_off + rows[:, None] * (NB // 16) + (c // 16)[None, :], mask=m, other=127)
+        scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2 ** (s - 127), exact
+        lo = tl.load(lut_ptr + (b & 15))
+        hi = tl.load(lut_ptr + (b >> 4))
+        xe = tl.load(v_ptr + 2 * c, mask=cmask, other=0.0).to(tl.float32)
+        xo = tl.load(v_ptr + 2 * c + 1, mask=cmask, other=0.0).to(tl.float32)
+        acc += tl.sum((lo * xe[None, :] + hi * xo[None, :]) * scale, axis=1)
+    return acc
+
+@triton.jit
+def _round(v, BF16: tl.constexpr):
+    """float32 -> nearest bfloat16 value (ties to even), kept in float32; identity for float32.
+
+    Written with integer bit operations so that Triton's CPU interpreter (whose float casts
+    truncate) rounds exactly as the GPU does.
+    """
+    if BF16:
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        v = b.to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def mxfp4_gate_up_glu(x_ptr, x_stride, work_ptr, n_work, slots_ptr, slot_bytes, bias_ptr, bias_stride, lut_ptr, h_ptr,
+                 w_off, s_off, b_off, I, K, limit, alpha,
+                 NB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BF16: tl.constexpr):
+    i = tl.program_id(0)
+    p = tl.load(work_ptr + i).to(tl.int64)  # pair = t * K + k
+    slot = tl.load(work_ptr + n_work + i).to(tl.int64)
+    t = p // K
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    jm = j < I
+    base = slots_ptr + slot * slot_bytes
+    v = x_ptr + t * x_stride
+    gate = _mxfp4_rows_dot(base, w_off, s_off, 2 * j, jm, v, lut_ptr, NB, BN, BC)
+    up = _mxfp4_rows_dot(base, w_off, s_off, 2 * j + 1, jm, v, lut_ptr, NB, BN, BC)
+    bb = bias_ptr + slot * bias_stride + b_off
+    gate = _round(_round(gate, BF16) + _round(tl.load(bb + 2 * j, mask=jm, other=0.0).to(tl.float32), BF16), BF16)
+    up = _round(_round(up, BF16) + _round(tl.load(bb + 2 * j + 1, mask=jm, other=0.0).to(tl.float32), BF16), BF16)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    sig = _round(tl.sigmoid(_round(gate * alpha, BF16)), BF16)
+    glu = _round(gate * sig, BF16)
+    out = _round(up + 1.0, BF16) * glu
+    tl.store(h_ptr + p * I + j, _round(out, BF16).to(h_ptr.dtype.element_ty), mask=jm)
+
+
+@triton.jit
+def mxfp4_down(h_ptr, rw_ptr, work_ptr, n_work, slots_ptr, slot_bytes, bias_ptr, bias_stride, lut_ptr, out_ptr,
+          w_off, s_off, b_off, H,
+          NB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BF16: tl.constexpr, OUT_BF16: tl.constexpr):
+    i = tl.program_id(0)
+    p = tl.load(work_ptr + i).to(tl.int64)
+    slot = tl.load(work_ptr + n_work + i).to(tl.int64)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    jm = j < H
+    base = slots_ptr + slot * slot_bytes
+    y = _mxfp4_rows_dot(base, w_off, s_off, j, jm, h_ptr + p * (2 * NB), lut_ptr, NB, BN, BC)
+    bias = _round(tl.load(bias_ptr + slot * bias_stride + b_off + j, mask=jm, other=0.0).to(tl.float32), BF16)
+    y = _round(_round(y, BF16) + bias, BF16)
+    wt = tl.load(rw_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p * H + j, _round(y * wt, OUT_BF16).to(out_ptr.dtype.element_ty), mask=jm)
+
+
+# -- dense / FP8 experts with SiLU (dense_triton.py) --------------------------------------
+
+@triton.jit
+def _fp8_e4m3(q):
+    """int32 bytes of float8_e4m3fn -> their float32 values, exactly (integer decode, so Triton's
+    CPU interpreter agrees with the GPU)."""
+    sign = (q >> 7) & 1
+    e = (q >> 3) & 15
+    m = q & 7
+    normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # e == 0: m * 2**-9
+    sub = tl.where(sign == 1, -sub, sub)
+    v = tl.where(e == 0, sub, normal)
+    nan = ((q & 0) | 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where((e == 15) & (m == 7), nan, v)
+
+
+@triton.jit
+def _dense_rows_dot(w_base, s_base, rows, rmask, v_ptr,
+              NCOL: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+              FP8: tl.constexpr, BF16: tl.constexpr):
+    """[BN] float32: rows ``rows`` of a [R, NCOL] weight dot vector v. Dense weights are read in
+    their stored dtype and rounded to the compute dtype; FP8 weights are multiplied by the scale
+    of their BLK x BLK block in float32 and rounded once (transformers' dequantization)."""
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for c0 in range(0, NCOL, BC):
+        c = c0 + tl.arange(0, BC)
+        cmask = c < NCOL
+        m = rmask[:, None] & cmask[None, :]
+        raw = tl.load(w_base + rows[:, None] * NCOL + c[None, :], mask=m, other=0)
+        if FP8:
+            s = tl.load(s_base + (rows // BLK)[:, None] * (NCOL // BLK) + (c // BLK)[None, :], mask=m, other=0.0)
+            w = _round(_fp8_e4m3(raw.to(tl.int32)) * s.to(tl.float32), BF16)
+        else:
+            w = _round(raw.to(tl.float32), BF16)
+        xv = tl.load(v_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * xv[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def dense_gate_up_silu(x_ptr, x_stride, work_ptr, n_work, w_ptr, w_slot, s_ptr, s_slot, h_ptr, w_off, s_off, I, K,
+                 NCOL: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+                 FP8: tl.constexpr, BF16: tl.constexpr):
+    i = tl.program_id(0)
+    p = tl.load(work_ptr + i).to(tl.int64)  # pair = t * K + k
+    slot = tl.load(work_ptr + n_work + i).to(tl.int64)
+    t = p // K
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    jm = j < I
+    wb = w_ptr + slot * w_slot + w_off
+    sb = s_ptr + slot * s_slot + s_off
+    v = x_ptr + t * x_stride
+    gate = _round(_dense_rows_dot(wb, sb, j, jm, v, NCOL, BLK, BN, BC, FP8, BF16), BF16)  # rows 0 .. I-1
+    up = _round(_dense_rows_dot(wb, sb, I + j, jm, v, NCOL, BLK, BN, BC, FP8, BF16), BF16)  # rows I .. 2I-1
+    act = _round(gate / (1.0 + tl.exp(-gate)), BF16)  # SiLU
+    tl.store(h_ptr + p * I + j, _round(act * up, BF16).to(h_ptr.dtype.element_ty), mask=jm)
+
+
+@triton.jit
+def dense_down(h_ptr, rw_ptr, work_ptr, n_work, w_ptr, w_slot, s_ptr, s_slot, out_ptr, w_off, s_off, H,
+         NCOL: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+         FP8: tl.constexpr, BF16: tl.constexpr, OUT_BF16: tl.constexpr):
+    i = tl.program_id(0)
+    p = tl.load(work_ptr + i).to(tl.int64)
+    slot = tl.load(work_ptr + n_work + i).to(tl.int64)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    jm = j < H
+    wb = w_ptr + slot * w_slot + w_off
+    sb = s_ptr + slot * s_slot + s_off
+    y = _round(_dense_rows_dot(wb, sb, j, jm, h_ptr + p * NCOL, NCOL, BLK, BN, BC, FP8, BF16), BF16)
+    wt = tl.load(rw_ptr + p).to(tl.float32)
+    tl.store(out_ptr + p * H + j, _round(y * wt, OUT_BF16).to(out_ptr.dtype.element_ty), mask=jm)
