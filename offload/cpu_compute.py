@@ -151,25 +151,39 @@ class CpuExpertRunner(CpuRunner):
         self.level = self.kernel.level
         self.max_tokens = MAX_TOKENS
         self._weights: dict[tuple[int, int], object] = {}
+        self._slot_weights: dict[int, object] = {}
+        self._slots_ptr = None
         self.hidden = (self.layout.piece("down_proj_blocks").shape[0] if self.layout.quantized
                        else self.layout.piece("down_proj").shape[1])
 
-    def weights(self, layer: int, expert: int):
+    def _row_weights(self, row: torch.Tensor):
+        """ExpertWeights viewing one packed row (host store row or cache slot; no copy)."""
         from pdflash.native.cpu_experts import ExpertWeights
 
+        v = lambda name: self.layout.view(row, name)  # noqa: E731
+        if self.layout.quantized:
+            return ExpertWeights.mxfp4(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), v("gate_up_proj_bias"),
+                                       v("down_proj_blocks"), v("down_proj_scales"), v("down_proj_bias"),
+                                       alpha=self.alpha, limit=self.limit, round_bf16=self.round_bf16)
+        return ExpertWeights.dense(v("gate_up_proj"), v("gate_up_proj_bias"), v("down_proj"), v("down_proj_bias"),
+                                   alpha=self.alpha, limit=self.limit, round_bf16=self.round_bf16)
+
+    def weights(self, layer: int, expert: int):
         key = (layer, expert)
         w = self._weights.get(key)
         if w is None:
-            row = self.host.row(layer, expert)
-            v = lambda name: self.layout.view(row, name)  # noqa: E731
-            if self.layout.quantized:
-                w = ExpertWeights.mxfp4(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), v("gate_up_proj_bias"),
-                                        v("down_proj_blocks"), v("down_proj_scales"), v("down_proj_bias"),
-                                        alpha=self.alpha, limit=self.limit, round_bf16=self.round_bf16)
-            else:
-                w = ExpertWeights.dense(v("gate_up_proj"), v("gate_up_proj_bias"), v("down_proj"), v("down_proj_bias"),
-                                        alpha=self.alpha, limit=self.limit, round_bf16=self.round_bf16)
-            self._weights[key] = w
+            w = self._weights[key] = self._row_weights(self.host.row(layer, expert))
+        return w
+
+    def slot_weights(self, slots: torch.Tensor, slot: int):
+        """ExpertWeights viewing cache slot ``slot`` of ``slots`` (host memory: the CPU device).
+        The views stay valid while ``slots`` lives; whichever expert the slot holds is read."""
+        if self._slots_ptr != slots.data_ptr():
+            self._slot_weights.clear()
+            self._slots_ptr = slots.data_ptr()
+        w = self._slot_weights.get(slot)
+        if w is None:
+            w = self._slot_weights[slot] = self._row_weights(slots[slot])
         return w
 
     def _compute(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -179,28 +193,41 @@ class CpuExpertRunner(CpuRunner):
                   w_flat: torch.Tensor, out: torch.Tensor) -> None:
         """As :meth:`CpuRunner.run_layer`, in one native call: gathering the rows, the routing
         weights and the scatter into ``out`` happen in C, one pool hand-off per phase."""
+        t0 = time.perf_counter()
+        calls, tokens = self._forward([(self.weights(layer, e), positions[e]) for e in experts], K, x, w_flat, out)
+        if calls:
+            self._account(len(experts), tokens, calls, time.perf_counter() - t0)
+
+    def run_slots(self, slots: torch.Tensor, batch: list[tuple[int, int]], positions: dict[int, list[int]], K: int,
+                  x: torch.Tensor, w_flat: torch.Tensor, out: torch.Tensor) -> None:
+        """As :meth:`run_layer` for experts that sit in cache slots on the CPU device: ``batch``
+        [(expert, slot)], read from the slot rows. Not counted as host-path experts: these are
+        the cache's own (hits and arrivals), computed natively instead of dequantized by torch."""
+        self._forward([(self.slot_weights(slots, s), positions[e]) for e, s in batch], K, x, w_flat, out)
+
+    def _forward(self, items: list, K: int, x: torch.Tensor, w_flat: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+        """items [(ExpertWeights, positions)] in one native call, at most max_tokens rows per
+        expert call -> (expert calls, token rows)."""
         ws, counts, dest = [], [], []
         m = self.max_tokens
-        for e in experts:
-            pos = positions[e]
-            w = self.weights(layer, e)
+        for w, pos in items:
             for i in range(0, len(pos), m):
                 chunk = pos[i: i + m]
                 ws.append(w)
                 counts.append(len(chunk))
                 dest += chunk
         if not ws:
-            return
+            return 0, 0
         d = torch.tensor(dest, dtype=torch.int32)
         rows = torch.div(d, K, rounding_mode="floor")
         scale = w_flat.index_select(0, d).contiguous()
-        t0 = time.perf_counter()
         self.kernel.forward_many(ws, counts, rows, d, x, out, scale)
-        self._account(len(experts), len(dest), len(ws), time.perf_counter() - t0)
+        return len(ws), len(dest)
 
     def close(self) -> None:
         self.kernel.close()
         self._weights.clear()
+        self._slot_weights.clear()
 
 
 class HybridGuard:

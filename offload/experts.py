@@ -13,10 +13,12 @@ given; this module
    crossing the link,
 4. sums each token's K weighted expert outputs in top-k order in one reduction.
 
-Two compute paths, both independent of which experts were hits or how arrivals were
+Three compute paths, each independent of which experts were hits or how arrivals were
 batched (so every cache size gives the same output):
-- the fused MXFP4 kernels (mxfp4_triton.py) for up to FUSED_MAX_TOKENS tokens on CUDA
-  (decode, verify blocks): one program per (token, expert) pair and feature tile;
+- the fused Triton kernels (mxfp4_triton.py, dense_triton.py) for up to FUSED_MAX_TOKENS tokens
+  on CUDA (decode, verify blocks): one program per (token, expert) pair and feature tile;
+- on the CPU device, the native CPU kernel reading the slot rows in place (``slot_cpu``, where it
+  reads the family's experts): one call per batch, each (token, expert) row computed alone;
 - otherwise (prefill, the CPU, dense experts) one matmul per expert over its tokens in
   token order, mirroring the library's own per-expert loop (the family's kernel: weights and
   apply), so outputs are bit-identical to the library's CPU path.
@@ -62,6 +64,7 @@ class OffloadedExperts(nn.Module):
         cpu_mode: str = "off",
         placer=None,
         cpu_pool: ThreadPoolExecutor | None = None,
+        slot_cpu=None,
         on_host_overhead: Callable[[float], None] | None = None,
     ):
         super().__init__()
@@ -74,6 +77,7 @@ class OffloadedExperts(nn.Module):
         self.cpu_mode = cpu_mode if cpu is not None else "off"
         self.placer = placer  # callable(layer, misses, positions, K, device) -> experts to compute on the CPU
         self.cpu_pool = cpu_pool  # one helper thread (CUDA): CPU experts overlap the device's work
+        self.slot_cpu = slot_cpu  # CPU device: the native kernel over the cache's slot rows (CpuExpertRunner.run_slots)
         self.on_host_overhead = on_host_overhead  # the cost model's per-layer host overhead (hybrid)
         self.calls = 0
 
@@ -114,6 +118,11 @@ class OffloadedExperts(nn.Module):
             x = x.contiguous()
             w_flat = w_flat.contiguous()
             h = torch.empty((T * K, fused.inter), dtype=self.kernel.dtype, device=dev)
+        native = fused is None and self.slot_cpu is not None and dev.type == "cpu"
+        if native:
+            x = x.contiguous()
+            w32 = w_flat.to(torch.float32).contiguous()
+            buf = torch.empty((T * K, H), dtype=torch.float32)
 
         def compute(batch: list[tuple[int, int]]) -> None:
             """batch: [(expert, slot)] -> writes contrib rows of their (t, k) positions."""
@@ -122,6 +131,10 @@ class OffloadedExperts(nn.Module):
                 slot_of = [s for e, s in batch for _ in positions[e]]
                 work = torch.tensor([pos, slot_of], dtype=torch.int32).to(dev, non_blocking=True)
                 fused.run(cache.slots, x, w_flat, work, h, contrib, K)
+                return
+            if native:  # the CPU device: slot rows are host memory, read in place by the native kernel
+                self.slot_cpu.run_slots(cache.slots, batch, positions, K, x, w32, buf)
+                self._store_cpu(contrib, ([p for e, _ in batch for p in positions[e]], buf), dev)
                 return
             weights = self.kernel.weights(cache.slots, [s for _, s in batch])
             for i, (e, _) in enumerate(batch):  # one matmul per expert: its result depends only on its tokens

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -160,6 +161,7 @@ class OffloadedModel:
         self.host = None
         self.cache = None
         self.cpu = None
+        self.slot_cpu = None
         self._cpu_pool = None
         self._switch_interval = None  # the interpreter's, while hybrid execution lowers it
         dev = resolve_device(device)
@@ -261,8 +263,10 @@ class OffloadedModel:
                 kernel = fam.expert_kernel(layout, self.dtype, old)
                 if cpu_mode != "off":
                     self._start_cpu(cpu_mode, old, cpu_threads, hybrid_guard)
+                if dev.type == "cpu" and cpu_mode != "all" and reason is None:
+                    self._start_slot_cpu(old, cpu_threads)
             return OffloadedExperts(i, E, self.cache, kernel, self._on_routed, cpu=self.cpu, cpu_mode=self.cpu_mode,
-                                    placer=self.placer, cpu_pool=self._cpu_pool,
+                                    placer=self.placer, cpu_pool=self._cpu_pool, slot_cpu=self.slot_cpu,
                                     on_host_overhead=self._observe_host_overhead if self.placer is not None else None)
 
         self.model = fam.build(dev, self.dtype, ckpt.get, make_experts)
@@ -311,6 +315,28 @@ class OffloadedModel:
                                        background_band=self._background_priority, guard=guard)
             if guard is not None:
                 self.add_forward_observer(guard.on_forward)
+
+    def _start_slot_cpu(self, original, cpu_threads: int | None) -> None:
+        """CPU device, experts through the cache: the native kernel computes them from their slot
+        rows (host memory here) instead of torch dequantizing every use; the host-path runner
+        when there is one. Not where the kernel cannot run (no native library, a family whose
+        CPU runner is torch's) or with PDFLASH_FUSED_EXPERTS=0 (the generic path, as on CUDA)."""
+        from pdflash.native import NativeLibraryMissing
+        from pdflash.native.cpu_experts import CpuExpertError
+        from pdflash.offload.cpu_compute import CpuExpertRunner
+
+        if os.environ.get("PDFLASH_FUSED_EXPERTS") == "0":
+            return
+        runner = self.cpu
+        if runner is None:
+            try:
+                runner = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
+            except (CpuExpertError, NativeLibraryMissing):
+                return
+        if isinstance(runner, CpuExpertRunner):
+            self.slot_cpu = runner
+        elif runner is not self.cpu:
+            runner.close()
 
     # -- hooks -----------------------------------------------------------------------
     def _on_forward_start(self, module, args, kwargs):
@@ -511,6 +537,7 @@ class OffloadedModel:
                 "computed": fs.cpu,
                 "seconds": fs.cpu_seconds if ran else None,
                 "guard": self.placer.guard.stats() if self.placer is not None and self.placer.guard is not None else None,
+                "cache_experts_native": self.slot_cpu is not None,
                 **(self.cpu.stats() if self.cpu is not None else {}),
             },
             "experts_per_token": {
@@ -578,6 +605,9 @@ class OffloadedModel:
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
+        if self.slot_cpu is not None and self.slot_cpu is not self.cpu:
+            self.slot_cpu.close()
+        self.slot_cpu = None
         if self.cpu is not None:
             self.cpu.close()
             self.cpu = None

@@ -97,6 +97,32 @@ def test_logits_bit_identical_prefill(ckpts):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["mxfp4-bf16", "dense-f32", "dense-bf16"])
+def test_cache_slots_computed_natively_on_the_cpu_device(ckpts, reference, name, monkeypatch):
+    """The CPU device, experts through the cache: the native kernel reads the slot rows in place
+    (stats say so); its logits equal the generic torch path's (PDFLASH_FUSED_EXPERTS=0), bit for
+    bit in bf16 and up to summation order in float32, and its greedy tokens are transformers',
+    at the minimum cache (every layer evicts)."""
+    path = ckpts[name]
+    dtype = CHECKPOINTS[name][1]
+    ids = torch.tensor([PROMPT])
+    logits = {}
+    for flag in ("1", "0"):  # "1": the default (unset; "1" itself would ask for Triton's interpreter here)
+        if flag == "1":
+            monkeypatch.delenv("PDFLASH_FUSED_EXPERTS", raising=False)
+        else:
+            monkeypatch.setenv("PDFLASH_FUSED_EXPERTS", "0")
+        with OffloadedModel.load(path, dtype=dtype, expert_cache_experts=K) as rt:
+            assert rt.stats()["cpu_experts"]["cache_experts_native"] == (flag == "1")
+            logits[flag] = rt.forward(ids).logits
+            assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == reference[name]
+            assert rt.stats()["cpu_experts"]["computed"] == 0  # cache experts, not host-path ones
+    if dtype == torch.bfloat16:
+        assert torch.equal(logits["1"], logits["0"])
+    else:
+        torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("level", ["auto", "scalar"])
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_cpu_experts_all_matches_transformers(ckpts, reference, name, level, monkeypatch):
