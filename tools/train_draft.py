@@ -326,6 +326,13 @@ def train_draft(target, train_ids, held_ids, out: Path, args, device, log) -> di
     cfg = draft_config(target, args, MASK_ID)
     torch.manual_seed(args.seed + 7)
     draft = DFlashDraftModel(cfg, target.model.embed_tokens, target.lm_head).to(device=device, dtype=torch.float32)
+    if args.draft_init is not None:  # continue from a trained draft of the same shape
+        init = load_draft(args.draft_init, target)
+        if init.config.to_dict() != cfg.to_dict():
+            raise SystemExit(f"train_draft: --draft-init {args.draft_init} has another shape than the draft asked for")
+        draft.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
+        del init
+        log(f"draft initialised from {args.draft_init}")
     draft.requires_grad_(True)
     b = cfg.block_size
     gen_len = args.draft_gen_len
@@ -416,6 +423,7 @@ def train_draft(target, train_ids, held_ids, out: Path, args, device, log) -> di
         "validation_sequences": int(v_seqs.shape[0]),
         "sequence_length": int(v_seqs.shape[1]),
         "batch": {"sequences": args.draft_batch, "anchors_per_sequence": args.draft_anchors, "lr": args.draft_lr},
+        "initialised_from": str(args.draft_init) if args.draft_init is not None else None,
         "data_seconds": round(data_s, 1),
         "steps": step,
         "train_seconds": round(train_s, 1),
@@ -465,6 +473,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--draft-batch", type=int, default=64)
     ap.add_argument("--draft-anchors", type=int, default=16)
     ap.add_argument("--draft-lr", type=float, default=2e-3)
+    ap.add_argument("--draft-init", type=Path, default=None, help="start from this trained draft directory (same shape)")
     ap.add_argument("--draft-max-steps", type=int, default=6000)
     ap.add_argument("--draft-val-every", type=int, default=500)
     ap.add_argument("--draft-check-prompts", type=int, default=8, help="held-out prompts of each kind in the final check")
