@@ -5,7 +5,7 @@
     python benchmarks/bench_default_vs_plain.py --repeats 3 -- --expert-cache-experts 64 --link-gbps 2
 
 Arguments after ``--`` go to both commands (default: the `make demo` setting,
-``--expert-cache-experts 64 --link-gbps 2``). Per prompt and repeat both commands run with
+``--expert-cache-experts 64 --link-gbps 2``); ``--default-args`` to the default arm only. Per prompt and repeat both commands run with
 ``--json --max-new-tokens N`` (order alternating by repeat); the ratio is default tokens/s over
 --no-draft tokens/s of the same repeat. Reports per prompt the median ratio, the block lengths
 the planner chose, acceptance, and whether both produced the same tokens; overall the median and
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--pdflash", default=f"{sys.executable} -m pdflash.cli.main", help="How to run pdflash.")
+    ap.add_argument("--default-args", default="", help="Extra arguments of the default (speculative) arm only, "
+                    "e.g. '--route-ahead-predictor none'.")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     base = args.pdflash.split()
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = base + ["generate", prompt, "--max-new-tokens", str(args.max_new_tokens), "--json", *extra]
                 if arm == "no-draft":
                     cmd.append("--no-draft")
+                else:
+                    cmd += args.default_args.split()
                 t0 = time.perf_counter()
                 got[arm] = run(cmd)
                 got[arm]["wall_s"] = time.perf_counter() - t0
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"median_ratio": statistics.median(ratios),
                "geomean_ratio": math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
                "lowest_ratio": min(ratios), "all_same_tokens": all(v["same_tokens"] for v in per_prompt.values())}
-    result = {"command_args": extra, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+    result = {"command_args": extra, "default_args": args.default_args.split(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "per_prompt": per_prompt, "summary": summary, "runs": rows}
     print("| prompt | default tok/s | --no-draft tok/s | ratio |\n|---|---:|---:|---:|", file=sys.stderr)
     for prompt, v in per_prompt.items():

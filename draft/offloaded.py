@@ -78,6 +78,15 @@ def make_planner(rt, max_block: int, *, use_confidence: bool = True):
     return planner
 
 
+# What `generate --draft` prefetches for its verify blocks when not told: nothing. Measured, the
+# route-ahead prefetch of the "previous" rule cost more than it saved under the block planner: on
+# the CPU (embedded pair, `make demo` setting) default generate ran at 0.89x / 0.94x (median /
+# geometric mean over 8 prompts) of --no-draft with it and 0.99x / 1.06x without it; on the H200
+# (bench-priority, gpt-oss-20b shape, P = 0.7) the on-demand arm beat the route-ahead ones by 1.16x
+# (docs/benchmarks.md). `--route-ahead-predictor` turns it on; bench-priority measures the band.
+DEFAULT_PREDICTOR = "none"
+
+
 def speculative_options(
     draft_dir: str | Path | None,
     *,
@@ -85,7 +94,7 @@ def speculative_options(
     predictor: str,
     acceptance: float | None,
     temperature: float,
-    default_predictor: str = "previous",
+    default_predictor: str = DEFAULT_PREDICTOR,
     lookup: bool = True,
 ) -> dict | None:
     """Check the command-line options of a draft run before anything is loaded.

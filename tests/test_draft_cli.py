@@ -87,9 +87,15 @@ def test_generate_with_draft_is_lossless_and_reports_speculation(run, mx_pair):
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert spec["block_size"] == 3 and spec["verify_steps"] >= 1 and spec["acceptance_length"] >= 1.0
     assert len(spec["acceptance_per_position"]) == 2 and spec["draft_ms"] >= 0 and spec["verify_ms"] > 0
-    ra = spec["route_ahead"]
-    assert ra["predictor"] == "previous" and {"predicted", "used", "recall", "precision", "wasted_bytes"} <= set(ra)
     assert spec["cache"]["slots"] == 6 and "oracle_acceptance" not in spec
+    assert spec["route_ahead"] is None  # the default predictor is none (draft.offloaded.DEFAULT_PREDICTOR)
+    code, out, err = _gen(run, mx_pair, "--json", "--draft", mx_pair / "draft", "--block-size", 3,
+                          "--expert-cache-experts", 6, "--route-ahead-predictor", "previous")
+    assert code == 0, err
+    prev = json.loads(out)
+    assert prev["token_ids"] == plain["token_ids"]
+    ra = prev["route_ahead"]
+    assert ra["predictor"] == "previous" and {"predicted", "used", "recall", "precision", "wasted_bytes"} <= set(ra)
     assert spec["copied_steps"] >= 0
     code, out, err = _gen(run, mx_pair, "--json", "--draft", mx_pair / "draft", "--block-size", 3,
                           "--expert-cache-experts", 6, "--no-prompt-lookup")
