@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the fused kernels need Triton (pip install triton)")
 
+from fused_pairs import assert_batch_invariant, fused_contrib, generic_contrib, runtime_tokens_fused_and_generic  # noqa: E402
+
 from pdflash.offload.host_store import ExpertLayout  # noqa: E402
 from pdflash.offload.qwen3_moe import Qwen3ExpertKernel  # noqa: E402
 
@@ -50,27 +52,6 @@ def _slots(wdtype, sdtype=torch.float32, seed=0):
     return layout, slots, torch.Generator().manual_seed(seed + 1)
 
 
-def _generic(kernel, slots, x, w, idx):
-    """contrib [T*K, H] from the generic path, one pair at a time."""
-    weights = kernel.weights(slots, list(range(E)))
-    out = torch.empty(T * K, H, dtype=torch.promote_types(kernel.dtype, w.dtype))
-    for p, e in enumerate(idx.view(-1).tolist()):
-        out[p] = (kernel.apply(weights, e, x[p // K : p // K + 1]) * w[p])[0]
-    return out
-
-
-def _fused(kernel, slots, x, w, idx, batches):
-    fused = kernel.fused(torch.device("cpu"))
-    assert fused is not None
-    out = torch.full((T * K, H), float("nan"), dtype=torch.promote_types(kernel.dtype, w.dtype))
-    h = torch.empty(T * K, I, dtype=kernel.dtype)
-    flat = idx.view(-1).tolist()
-    for batch in batches:
-        work = torch.tensor([batch, [flat[p] for p in batch]], dtype=torch.int32)
-        fused.run(slots, x, w, work, h, out, K)
-    return out
-
-
 @pytest.mark.parametrize("dtype,wdtype,sdtype", [
     (torch.bfloat16, torch.bfloat16, None), (torch.float32, torch.bfloat16, None), (torch.float32, torch.float32, None),
     (torch.bfloat16, torch.float32, None), (torch.bfloat16, torch.float8_e4m3fn, torch.float32),
@@ -82,8 +63,8 @@ def test_fused_matches_generic_path(dtype, wdtype, sdtype):
     x = torch.randn(T, H, generator=g).to(dtype)
     w = torch.rand(T * K, generator=g).to(dtype)
     idx = torch.tensor([[0, 3], [4, 0], [2, 1]])
-    want = _generic(kernel, slots, x, w, idx)
-    got = _fused(kernel, slots, x, w, idx, [list(range(T * K))])
+    want = generic_contrib(kernel, slots, x, w, idx)
+    got = fused_contrib(kernel, slots, x, w, idx, [list(range(T * K))])
     assert not got.isnan().any()
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
@@ -127,11 +108,7 @@ def test_fused_is_batch_invariant():
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     w = torch.rand(T * K, generator=g).to(torch.bfloat16)
     idx = torch.tensor([[1, 3], [3, 0], [2, 4]])
-    together = _fused(kernel, slots, x, w, idx, [list(range(T * K))])
-    one_by_one = _fused(kernel, slots, x, w, idx, [[p] for p in reversed(range(T * K))])
-    waves = _fused(kernel, slots, x, w, idx, [[1, 2], [5, 0, 3], [4]])
-    assert not together.isnan().any()
-    assert torch.equal(together, one_by_one) and torch.equal(together, waves)
+    assert_batch_invariant(kernel, slots, x, w, idx)
 
 
 def test_fused_is_off_where_it_cannot_compute(monkeypatch):
@@ -150,20 +127,11 @@ def test_runtime_decodes_the_same_tokens_with_the_fused_path(tmp_path, monkeypat
     """qwen3-tiny on the CPU in float32: greedy tokens with the fused kernels at the minimum cache
     (misses arrive one by one) equal the generic path's with every expert resident."""
     from pdflash.offload.config import ModelPreset
-    from pdflash.offload.generate import generate
-    from pdflash.offload.runtime import OffloadedModel
     from pdflash.offload.synthetic import write_checkpoint
 
     tiny = ModelPreset.from_name("qwen3-tiny")
     path = write_checkpoint(tmp_path / "m", tiny, seed=13, quant=quant)
-    prompt = [5, 77, 200]
-    runs = {}
-    for fused, slots in (("0", None), ("1", tiny.num_experts_per_tok)):
-        monkeypatch.setenv("PDFLASH_FUSED_EXPERTS", fused)
-        with OffloadedModel.load(path, expert_cache_experts=slots, dtype=torch.float32) as rt:
-            runs[fused] = generate(rt, prompt, max_new_tokens=4, eos_token_ids=[]).token_ids
-            used = rt.family.decoder_layers(rt.model)[0].mlp.experts.kernel.fused(rt.device)
-            assert (used is not None) == (fused == "1")
+    runs = runtime_tokens_fused_and_generic(path, monkeypatch, tiny.num_experts_per_tok, dtype=torch.float32)
     assert runs["1"] == runs["0"]
 
 
