@@ -16,7 +16,7 @@ cold cache (``reset_cache``) and a cold cost model (``forget_costs``, as a fresh
 generate`` process starts), in an order shuffled per prompt with a fixed seed:
 
 - ``plain``: graphed plain decoding (``generate(..., cuda_graphs=True)``; eager on CPU);
-- ``auto@P``: speculative decoding, block planner, oracle acceptance P, route-ahead ``previous``;
+- ``auto@P``: speculative decoding, block planner, oracle acceptance P, route-ahead by ``--predictor`` (default: generate's, none);
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from pdflash.draft.offloaded import DEFAULT_PREDICTOR
 from pdflash.machine import machine_info
 
 TARGETS = {0.9: 1.6, 0.7: 1.2, 0.3: 0.97}  # auto / plain, same run (issue: speculation that pays)
@@ -128,7 +129,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     block = "auto" if kind == "auto" else int(kind[1:])
                     ref = refs[trained if block == "auto" else block]
                     res = speculative_on_runtime(rt, draft, prompt, n, block_size=block, acceptance=float(p),
-                                                 reference=ref, predictor="previous", seed=args.seed + pi,
+                                                 reference=ref, predictor=args.predictor, seed=args.seed + pi,
                                                  eos_token_ids=[], graphs=graphs)
                     d = res.to_dict()
                     st = rt.stats()
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link.")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--predictor", default=DEFAULT_PREDICTOR,
+                    help=f"Route-ahead predictor of the speculative arms (default: generate's, {DEFAULT_PREDICTOR}).")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.acceptance = [float(p) for p in args.acceptance.split(",") if p.strip()]
