@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdflash.draft import greedy_generate, load_draft, make_oracle, speculative_generate
+from references import gpt_oss_reference  # noqa: E402
 
 
 
@@ -33,12 +34,11 @@ def written(tmp_path_factory):
 
 
 def test_make_synthetic_writes_a_fitted_draft_that_decodes_losslessly(written):
-    from transformers import GptOssForCausalLM
 
     out, info = written
     assert info["draft"]["path"] == str(out / "draft") and info["draft"]["block_size"] == 4
     assert {"config.json", "model.safetensors"} <= {p.name for p in (out / "draft").iterdir()}
-    target = GptOssForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    target = gpt_oss_reference(out, dtype=torch.float32).eval()
     draft = load_draft(out / "draft", target)
     prompt = [3, 17, 41, 5, 99, 12, 7, 250, 31, 8, 64]
     want = greedy_generate(target, prompt, 20)

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.synthetic import write_checkpoint
+from references import gpt_oss_reference  # noqa: E402
 
 TINY = ModelPreset.from_name("tiny")
 PROMPT = "The router keeps the best experts for every token"
@@ -24,9 +25,8 @@ def ck(tmp_path_factory):
 
 
 def _reference_tokens(path, prompt_ids, n):
-    from transformers import GptOssForCausalLM
 
-    model = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = gpt_oss_reference(path, dtype=torch.bfloat16)
     gen = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
     return gen[0, len(prompt_ids):].tolist()
 

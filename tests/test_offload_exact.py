@@ -14,6 +14,7 @@ from pdflash.offload.config import ModelPreset
 from pdflash.offload.generate import generate
 from pdflash.offload.runtime import OffloadedModel
 from pdflash.offload.synthetic import write_checkpoint
+from references import gpt_oss_reference  # noqa: E402
 
 TINY = ModelPreset.from_name("tiny")
 E, K, L = TINY.num_local_experts, TINY.num_experts_per_tok, TINY.num_hidden_layers
@@ -39,12 +40,11 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(ckpts):
     """name -> greedy tokens of transformers' GptOssForCausalLM."""
-    from transformers import GptOssForCausalLM
 
     out = {}
     for name, (_, dtype) in CHECKPOINTS.items():
         path = ckpts[name.replace("-as-f32", "")]
-        model = GptOssForCausalLM.from_pretrained(path, dtype=dtype)
+        model = gpt_oss_reference(path, dtype=dtype)
         ids = torch.tensor([PROMPT])
         gen = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
         out[name] = gen[0, len(PROMPT):].tolist()
@@ -86,9 +86,8 @@ def test_other_eviction_policies_are_exact(ckpts, reference):
 
 def test_logits_bit_identical_prefill(ckpts):
     """Not only the argmax: the prefill logits are bit-identical to the library's."""
-    from transformers import GptOssForCausalLM
 
-    ref = GptOssForCausalLM.from_pretrained(ckpts["dense-bf16"], dtype=torch.bfloat16)
+    ref = gpt_oss_reference(ckpts["dense-bf16"], dtype=torch.bfloat16)
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         want = ref(ids).logits
@@ -165,10 +164,9 @@ def test_hybrid_placement_matches_transformers(ckpts, reference, name):
 
 def test_cpu_experts_prefill_logits_bit_identical_bf16(ckpts):
     """A bf16 model's rounding is reproduced step by step: prefill logits equal transformers'."""
-    from transformers import GptOssForCausalLM
 
     for name in ("dense-bf16", "mxfp4-bf16"):
-        ref = GptOssForCausalLM.from_pretrained(ckpts[name], dtype=torch.bfloat16)
+        ref = gpt_oss_reference(ckpts[name], dtype=torch.bfloat16)
         ids = torch.tensor([PROMPT])
         with torch.no_grad():
             want = ref(ids).logits
@@ -182,10 +180,9 @@ def test_cuda_matches_transformers_on_cuda(ckpts):
     """On CUDA the kernels differ from the library's (cuBLAS shapes, the fused MXFP4 decode
     kernels), so bits may differ: prefill logits close to transformers', and greedy tokens the
     same at every cache size (the expert maths does not depend on hits and misses)."""
-    from transformers import GptOssForCausalLM
 
     path = ckpts["mxfp4-bf16"]
-    ref = GptOssForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda", experts_implementation="batched_mm")
+    ref = gpt_oss_reference(path, dtype=torch.bfloat16, device_map="cuda", experts_implementation="batched_mm")
     ids = torch.tensor([PROMPT], device="cuda")
     with torch.no_grad():
         want_logits = ref(ids).logits.float()

@@ -12,6 +12,7 @@ from pdflash.offload.config import ModelPreset
 from pdflash.offload.generate import generate
 from pdflash.offload.runtime import OffloadedModel
 from pdflash.offload.synthetic import write_checkpoint
+from references import gpt_oss_reference  # noqa: E402
 
 TINY = ModelPreset.from_name("tiny")
 E, K, L = TINY.num_local_experts, TINY.num_experts_per_tok, TINY.num_hidden_layers
@@ -132,10 +133,9 @@ def test_lookahead_and_history_predictions_are_scored(ck):
 
 # -- hooks -------------------------------------------------------------------------------------------
 def test_routing_record_matches_reference_router(ck_dense):
-    from transformers import GptOssForCausalLM
 
     ids = torch.tensor([PROMPT])
-    ref = GptOssForCausalLM.from_pretrained(ck_dense, dtype=torch.bfloat16)
+    ref = gpt_oss_reference(ck_dense, dtype=torch.bfloat16)
     with torch.no_grad():
         logits = ref(ids, output_router_logits=True).router_logits
     want = {layer: sorted(set(torch.topk(lg, K, dim=-1).indices.reshape(-1).tolist())) for layer, lg in enumerate(logits)}
@@ -149,10 +149,10 @@ def test_routing_record_matches_reference_router(ck_dense):
 
 def test_kv_cache_crop_like_speculative_decoding(ck_dense):
     """Crop the KV cache back and re-run: bit-identical to the library model doing the same."""
-    from transformers import DynamicCache, GptOssForCausalLM
+    from transformers import DynamicCache
 
     ids = torch.tensor([PROMPT])
-    ref = GptOssForCausalLM.from_pretrained(ck_dense, dtype=torch.bfloat16)
+    ref = gpt_oss_reference(ck_dense, dtype=torch.bfloat16)
 
     def run(forward):
         kv = DynamicCache()

@@ -24,6 +24,7 @@ from pdflash.bench import peers
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.mxfp4 import dequantize
 from pdflash.offload.synthetic import write_checkpoint
+from references import gpt_oss_reference  # noqa: E402
 
 NEW_TOKENS = 8
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes by the low 3 bits; bit 3 is the sign
@@ -59,9 +60,8 @@ def prompts(ckpts) -> list[list[int]]:
 
 def _hf_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     """transformers' from_pretrained + generate(do_sample=False), EOS disabled."""
-    from transformers import GptOssForCausalLM
 
-    model = GptOssForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    model = gpt_oss_reference(str(model_dir), dtype=torch.bfloat16)
     model.generation_config.eos_token_id = None
     out = []
     for p in prompts:
@@ -72,9 +72,8 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[i
 
 # -- loader ----------------------------------------------------------------------------------
 def test_bf16_loader_equals_from_pretrained_and_decodes_the_same(ckpts, prompts):
-    from transformers import GptOssForCausalLM
 
-    ref = GptOssForCausalLM.from_pretrained(str(ckpts["bf16"]), dtype=torch.bfloat16).state_dict()
+    ref = gpt_oss_reference(str(ckpts["bf16"]), dtype=torch.bfloat16).state_dict()
     model = peers.load_transformers_reference(ckpts["bf16"], "cpu", torch.bfloat16)
     mine = model.state_dict()
     assert mine.keys() == ref.keys()

@@ -14,6 +14,7 @@ from pdflash.offload.graphs import GraphedDecoder
 from pdflash.offload.prompt import check_context, chunked_prefill
 from pdflash.offload.runtime import OffloadedModel
 from pdflash.offload.synthetic import write_checkpoint
+from references import gpt_oss_reference  # noqa: E402
 
 prefill_mod = importlib.import_module("pdflash.offload.prompt")
 gen_mod = importlib.import_module("pdflash.offload.generate")
@@ -74,9 +75,8 @@ def test_graphed_decoder_prefill_in_chunks_equals_one_forward(rt, monkeypatch):
 
 
 def test_speculative_prefill_in_chunks_gives_the_same_tokens_and_draft_context(ckpt, monkeypatch):
-    from transformers import GptOssForCausalLM
 
-    target = GptOssForCausalLM.from_pretrained(ckpt / "t", dtype=torch.float32).eval()
+    target = gpt_oss_reference(ckpt / "t", dtype=torch.float32).eval()
     draft = load_draft(ckpt / "d", target)
     want = speculative_generate(target, draft, PROMPT, 16)
     want_ctx = draft.cache.length
