@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pdflash import PdflashError
 from pdflash.draft.config import DFlashConfig, TargetShape
 from pdflash.draft.model import DFlashDraftModel, _apply_rotary
 from pdflash.draft.taps import FeatureTap
@@ -327,7 +328,10 @@ def train_draft(target, train_ids, held_ids, out: Path, args, device, log) -> di
     torch.manual_seed(args.seed + 7)
     draft = DFlashDraftModel(cfg, target.model.embed_tokens, target.lm_head).to(device=device, dtype=torch.float32)
     if args.draft_init is not None:  # continue from a trained draft of the same shape
-        init = load_draft(args.draft_init, target)
+        try:
+            init = load_draft(args.draft_init, target)
+        except PdflashError as exc:
+            raise SystemExit(f"train_draft: --draft-init: {exc}") from None
         if init.config.to_dict() != cfg.to_dict():
             raise SystemExit(f"train_draft: --draft-init {args.draft_init} has another shape than the draft asked for")
         draft.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
@@ -453,6 +457,8 @@ def argument_problem(args) -> str | None:
         return f"need 1 <= --draft-prompt-min <= --draft-prompt-max, got {args.draft_prompt_min} and {args.draft_prompt_max}"
     if not 0 <= args.draft_file_start <= 1 or not 0 < args.draft_data_share <= 1:
         return "--draft-file-start must be in [0, 1] and --draft-data-share in (0, 1]"
+    if args.draft_init is not None and not (Path(args.draft_init) / "config.json").is_file():
+        return f"--draft-init {args.draft_init}: no draft checkpoint there (no config.json)"
     return None
 
 
