@@ -110,11 +110,13 @@ def test_repeat_fraction_and_file_starts(td):
 def test_argument_problems(td):
     args = SimpleNamespace(block_size=8, draft_gen_len=80, draft_sequences=16, draft_val_sequences=4, draft_gen_batch=8,
                            draft_batch=4, draft_anchors=4, draft_max_steps=5, draft_val_every=2, draft_layers=3,
-                           draft_prompt_min=8, draft_prompt_max=128, draft_file_start=0.25, draft_data_share=0.5)
+                           draft_prompt_min=8, draft_prompt_max=128, draft_file_start=0.25, draft_data_share=0.5,
+                           draft_init=None)
     assert td.argument_problem(args) is None
     assert "--draft-gen-len" in td.argument_problem(SimpleNamespace(**{**vars(args), "draft_gen_len": 8}))
     assert "--draft-prompt-min" in td.argument_problem(SimpleNamespace(**{**vars(args), "draft_prompt_min": 200}))
     assert "--draft-file-start" in td.argument_problem(SimpleNamespace(**{**vars(args), "draft_file_start": 2.0}))
+    assert "--draft-init" in td.argument_problem(SimpleNamespace(**{**vars(args), "draft_init": "/nonexistent"}))
 
 
 def test_verify_walk_replays_the_loop(td):
