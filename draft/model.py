@@ -262,6 +262,19 @@ class DFlashDraftModel(nn.Module):
             x = layer(x, cos, sin, ctx_k, ctx_v, mask)
         return self.norm(x)
 
+    @torch.no_grad()
+    def warm_up(self, lengths) -> None:
+        """For each length n: append n tokens of zero features to an empty context, draft a block
+        of n after them and run the proposals' head; then forget that context. The first call of
+        each shape pays the CPU library's setup for it, here instead of in a decode step."""
+        saved = self.cache
+        w = self.fc.weight
+        for n in sorted(set(int(b) for b in lengths if int(b) >= 2)):
+            self.cache = None
+            self.append_context(w.new_zeros((1, n, self.fc.in_features)))
+            self.lm_head(self(self.block_ids(0, n, w.device), n)[:, 1:])
+        self.cache = saved
+
     def block_ids(self, last_token: int, block_size: int, device) -> torch.Tensor:
         """[1, B] = [last_token, MASK x (B-1)]."""
         ids = torch.full((1, block_size), self.config.mask_token_id, dtype=torch.long, device=device)

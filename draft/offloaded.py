@@ -27,6 +27,7 @@ from pdflash.draft.config import DFlashConfig
 from pdflash.draft.model import DFlashDraftModel
 from pdflash import PdflashError
 from pdflash.offload.prompt import check_context
+from pdflash.offload.warmup import warm_linears
 from pdflash.draft.route_ahead import RouteAhead, check_predictor_name, window_for_cache
 from pdflash.draft.speculative import SpeculativeResult, StepInfo, check_block_size, make_oracle, speculative_generate
 
@@ -184,6 +185,9 @@ def speculative_on_runtime(
 
         decoder = GraphedDecoder.shared(rt, len(prompt) + max_new_tokens)
         decoder.prepare(len(prompt), tokens=range(1, block + 1) if auto else sorted({1, block}))
+    else:  # each verify length's first-call setup, before the prompt (as plain decoding warms its one)
+        warm_linears([rt.model], range(1, block + 1) if auto else sorted({1, block}))
+    draft.warm_up(range(2, block + 1) if auto else [block])
     oracle = None
     if acceptance is not None:
         if reference is None:

@@ -9,7 +9,10 @@ tokens per predicted second; B = 1 is plain decoding (no draft forward). Each st
 1. before drafting (:meth:`BlockPlanner.plan_draft`): with the acceptance expected per position
    (the running per-position acceptance, or stage 2's calibrated estimates of recent drafts), is
    any B > 1 expected to beat B = 1 once the draft's cost is paid? If not, the step is a
-   plain one and the draft does not run. After ``probe_every`` plain steps in a row the draft runs
+   plain one and the draft does not run. Once measured, what recent steps realized decides
+   instead of the prediction: the draft runs while the steps that ran it (an EWMA of their
+   committed tokens per second, the draft's cost and its refused proposals included) beat
+   steady plain decoding, and not otherwise. After ``probe_every`` plain steps in a row the draft runs
    anyway and at least one proposal is verified, so the acceptance figures keep being measured
    (the interval doubles after each probe while plain decoding stays ahead, so probes cost a
    bounded share of a long plain stretch); when the last committed tokens repeat an earlier
@@ -205,6 +208,8 @@ class BlockPlanner:
         self._prev_block: int | None = None
         self._forced_plain = 0  # plain steps still to run for a re-measurement
         self._rate: dict[int, Ewma] = {}  # B -> committed tokens per second its steps realized
+        self._spec_rate = Ewma(0.5)  # committed tokens per second of recent steps that ran the draft
+        self._drafting = False  # stage 1 of the step running now ran the draft
         self._step_bytes0 = 0.0
         self._stage: Choice | None = None
         self._probe = False
@@ -325,7 +330,7 @@ class BlockPlanner:
         brings the next probe forward (at most every ``min_repeat_gap`` plain steps, doubling
         after each such probe that accepted nothing)."""
         self._stage = None
-        self._probe = self._repeat_probe = False
+        self._probe = self._repeat_probe = self._drafting = False
         if limit <= 1 or self._forced_plain > 0:
             self._forced_plain = max(0, self._forced_plain - 1)
             self._stage = self._candidate(1, [], None)
@@ -334,6 +339,11 @@ class BlockPlanner:
             return 1
         draft_s = self.cost.forward_seconds("draft", limit)
         best = self._best(limit, self._stage1_probs(), draft_s)
+        realized = self._speculation_pays()
+        if realized is not None and (best.block > 1) != realized:
+            # What recent steps realized outranks what the model predicts: draft while drafting
+            # has committed more tokens per second than steady plain decoding, else decode plainly.
+            best = self._candidate(limit if realized else 1, self._stage1_probs(), draft_s)
         if best.block == 1 and self._plain_run + 1 >= self._probe_interval:
             self.report.probes += 1
             self._probe_interval *= 2
@@ -356,7 +366,16 @@ class BlockPlanner:
             self._probe_interval = self.probe_every  # speculation pays again: probe at the base rate
         self._plain_run = 0
         self._spec_run += 1
+        self._drafting = True
         return limit
+
+    def _speculation_pays(self) -> bool | None:
+        """Whether the recent steps that ran the draft committed more tokens per second than
+        steady plain decoding (None until both are measured)."""
+        plain = self._plain_steady.value
+        if self._spec_rate.value is None or not plain:
+            return None
+        return self._spec_rate.value > 1.0 / plain
 
     def _stage1_probs(self) -> list[float]:
         """Acceptance expected before drafting: the running per-position acceptance, or, with the
@@ -396,10 +415,13 @@ class BlockPlanner:
             seconds = self.clock() - self._t0
             draft_seconds = self._draft_clock
         self.last_measured_seconds = seconds
-        if block == 1 and self._prev_block == 1:
+        if self._drafting or block > 1:  # the step ran the draft
+            if seconds > 0:
+                self._spec_rate.add(committed / seconds)
+                if block > 1:
+                    self._rate.setdefault(block, Ewma(0.5)).add(committed / seconds)
+        elif block == 1 and self._prev_block == 1:
             self._plain_steady.add(seconds)
-        elif block > 1 and seconds > 0:
-            self._rate.setdefault(block, Ewma(0.5)).add(committed / seconds)
         self._prev_block = block
         counters = self._bytes_now()
         fetched = 0.0

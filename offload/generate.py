@@ -119,6 +119,9 @@ def generate(
         dec.prepare(int(ids.shape[1]))  # the bucket of the first decode step
         step_prefill, step_decode = dec.prefill, dec.decode
     else:
+        from pdflash.offload.warmup import warm_linears
+
+        warm_linears([rt.model], [1])  # the decode shape's first-call setup, before the prompt
         kv = rt.new_kv_cache()
         step_prefill = lambda p: prefill(rt, p, kv)  # noqa: E731
         step_decode = lambda t: decode_one_token(rt, t, kv)  # noqa: E731

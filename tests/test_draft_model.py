@@ -348,3 +348,19 @@ def test_feature_index_is_output_of_decoder_layer(pair):
         target(input_ids=ids)
     with pytest.raises(RuntimeError):
         tap.take()
+
+
+def test_warm_up_leaves_the_context_and_outputs_unchanged(pair):
+    _, draft, _ = pair
+    torch.manual_seed(2)
+    feats = torch.randn(1, 6, 3 * 32)
+    block = draft.block_ids(11, 4, "cpu")
+    draft.reset_context()
+    draft.append_context(feats)
+    before = draft(block, start=6)
+    draft.warm_up(range(1, 9))
+    assert draft.context_length == 6
+    torch.testing.assert_close(draft(block, start=6), before, rtol=0, atol=0)
+    draft.reset_context()
+    draft.warm_up([2, 4])
+    assert draft.context_length == 0 and draft.cache is None

@@ -230,3 +230,60 @@ def test_repeat_index_sees_an_earlier_occurrence_only():
     t += [4, 5, 1, 2, 3]
     assert r.repeating(t)
     assert not RepeatIndex([7, 7]).repeating([7, 7])
+
+
+def _measured_plain(p, seconds=0.01, steps=2):
+    for _ in range(steps):
+        p.begin_step()
+        assert p.plan_draft(8) == 1
+        p.end_step(1, 0, 1, seconds)
+
+
+def test_realized_speculation_outranks_a_pessimistic_prediction():
+    """The model predicts plain decoding (slow link, low acceptance taught); the draft's steps
+    have realized several times plain decoding's tokens per second: the planner keeps drafting."""
+    p = planner(link_gbps=0.1)  # 10 ms per expert
+    teach(p, accept_rate=0.2)
+    p.begin_step()
+    assert p.plan_draft(8) == 1  # what the prediction alone says (as in the test above)
+    p.end_step(1, 0, 1, p._plain_steady.value)
+    plain_rate = 1.0 / p._plain_steady.value
+    p._drafting = True  # a probe's block that committed 4 tokens at 4x plain decoding's rate
+    p.end_step(4, 3, 4, 1.0 / plain_rate)
+    assert p._speculation_pays() is True
+    for _ in range(4):
+        p.begin_step()
+        assert p.plan_draft(8) == 8
+        b = p.choose(8, None, 0.002).block
+        p.end_step(b, b - 1, b, b / (4 * plain_rate), draft_seconds=0.002)
+    assert p._speculation_pays() is True
+
+
+def test_realized_loss_stops_drafting_until_the_next_probe():
+    """The model predicts long blocks (fast link, high acceptance taught); the draft's steps have
+    realized fewer tokens per second than plain decoding: plain steps until a probe."""
+    p = planner(link_gbps=1000, probe_every=6)
+    teach(p, accept_rate=0.95)
+    p.begin_step()
+    assert p.plan_draft(8) == 8  # predicted to pay
+    p.choose(8, None, 0.002)
+    p.end_step(8, 0, 1, 0.05, draft_seconds=0.002)  # realized: 20 tok/s against plain's 200
+    assert p._speculation_pays() is False
+    blocks = []
+    for _ in range(6):
+        p.begin_step()
+        b = p.plan_draft(8)
+        blocks.append(b)
+        p.end_step(b, 0, 1, 0.005 if b == 1 else 0.05, draft_seconds=0.002 if b > 1 else 0.0)
+    assert blocks == [1, 1, 1, 1, 1, 8], blocks  # plain until the probe after 6 plain steps in a row
+
+
+def test_a_drafted_step_that_verifies_one_token_is_not_a_plain_step():
+    p = planner(link_gbps=1000)
+    _measured_plain(p, seconds=0.01, steps=2)
+    steady = list(p._plain_steady.samples)
+    p.begin_step()
+    assert p.plan_draft(8) == 8  # the cold start's block
+    p.end_step(1, 0, 1, 0.03, draft_seconds=0.02)  # the draft ran, stage 2 kept one token
+    assert p._plain_steady.samples == steady  # its draft time does not price plain decoding
+    assert p._spec_rate.value == pytest.approx(1 / 0.03)
