@@ -152,6 +152,10 @@ class ModelFamily:
         replaced (its constants, e.g. gpt-oss's alpha and limit, are read from it)."""
         raise NotImplementedError
 
+    # Whether cpu_runner is the native kernel (offload/cpu_compute.py's CpuExpertRunner), which
+    # the CPU device also uses to compute the cache's experts in place from their slot rows.
+    native_cpu_experts = False
+
     def cpu_unsupported_reason(self, layout, dtype: torch.dtype) -> str | None:
         """Why the native CPU expert kernel cannot compute this family's experts (None: it can)."""
         return f"the native CPU expert kernel does not compute {self.name} experts"

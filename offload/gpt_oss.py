@@ -250,6 +250,8 @@ class GptOssFamily(ModelFamily):
 
         return unsupported_reason(layout, dtype)
 
+    native_cpu_experts = True
+
     def cpu_runner(self, host, original: nn.Module, threads: int | None, dtype: torch.dtype):
         from pdflash.offload.cpu_compute import CpuExpertRunner
 

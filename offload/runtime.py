@@ -319,13 +319,12 @@ class OffloadedModel:
     def _start_slot_cpu(self, original, cpu_threads: int | None) -> None:
         """CPU device, experts through the cache: the native kernel computes them from their slot
         rows (host memory here) instead of torch dequantizing every use; the host-path runner
-        when there is one. Not where the kernel cannot run (no native library, a family whose
-        CPU runner is torch's) or with PDFLASH_FUSED_EXPERTS=0 (the generic path, as on CUDA)."""
+        when there is one. Not where the kernel cannot run (no native library, a family without
+        ``native_cpu_experts``) or with PDFLASH_FUSED_EXPERTS=0 (the generic path, as on CUDA)."""
         from pdflash.native import NativeLibraryMissing
         from pdflash.native.cpu_experts import CpuExpertError
-        from pdflash.offload.cpu_compute import CpuExpertRunner
 
-        if os.environ.get("PDFLASH_FUSED_EXPERTS") == "0":
+        if os.environ.get("PDFLASH_FUSED_EXPERTS") == "0" or not self.family.native_cpu_experts:
             return
         runner = self.cpu
         if runner is None:
@@ -333,10 +332,7 @@ class OffloadedModel:
                 runner = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
             except (CpuExpertError, NativeLibraryMissing):
                 return
-        if isinstance(runner, CpuExpertRunner):
-            self.slot_cpu = runner
-        elif runner is not self.cpu:
-            runner.close()
+        self.slot_cpu = runner
 
     # -- hooks -----------------------------------------------------------------------
     def _on_forward_start(self, module, args, kwargs):

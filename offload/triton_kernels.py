@@ -11,6 +11,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _work_item(work_ptr, n_work, N, BN: tl.constexpr):
+    """This program's (token, expert) pair p = t * K + k, the cache slot it reads, and its tile of
+    BN output features j < N (with the mask): ``work`` holds n_work pairs, then their n_work slots."""
+    i = tl.program_id(0)
+    p = tl.load(work_ptr + i).to(tl.int64)
+    slot = tl.load(work_ptr + n_work + i).to(tl.int64)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    return p, slot, j, j < N
+
+
+@triton.jit
 def _mxfp4_rows_dot(base, blocks_off, scales_off, rows, rmask, v_ptr, lut_ptr,
                     NB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
     """[BN] float32: rows `rows` of an MXFP4 weight (NB bytes per row) dot vector v (2*NB)."""
@@ -47,12 +58,8 @@ def _round(v, BF16: tl.constexpr):
 def mxfp4_gate_up_glu(x_ptr, x_stride, work_ptr, n_work, slots_ptr, slot_bytes, bias_ptr, bias_stride, lut_ptr, h_ptr,
                  w_off, s_off, b_off, I, K, limit, alpha,
                  NB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BF16: tl.constexpr):
-    i = tl.program_id(0)
-    p = tl.load(work_ptr + i).to(tl.int64)  # pair = t * K + k
-    slot = tl.load(work_ptr + n_work + i).to(tl.int64)
+    p, slot, j, jm = _work_item(work_ptr, n_work, I, BN)
     t = p // K
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    jm = j < I
     base = slots_ptr + slot * slot_bytes
     v = x_ptr + t * x_stride
     gate = _mxfp4_rows_dot(base, w_off, s_off, 2 * j, jm, v, lut_ptr, NB, BN, BC)
@@ -72,11 +79,7 @@ def mxfp4_gate_up_glu(x_ptr, x_stride, work_ptr, n_work, slots_ptr, slot_bytes, 
 def mxfp4_down(h_ptr, rw_ptr, work_ptr, n_work, slots_ptr, slot_bytes, bias_ptr, bias_stride, lut_ptr, out_ptr,
           w_off, s_off, b_off, H,
           NB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BF16: tl.constexpr, OUT_BF16: tl.constexpr):
-    i = tl.program_id(0)
-    p = tl.load(work_ptr + i).to(tl.int64)
-    slot = tl.load(work_ptr + n_work + i).to(tl.int64)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    jm = j < H
+    p, slot, j, jm = _work_item(work_ptr, n_work, H, BN)
     base = slots_ptr + slot * slot_bytes
     y = _mxfp4_rows_dot(base, w_off, s_off, j, jm, h_ptr + p * (2 * NB), lut_ptr, NB, BN, BC)
     bias = _round(tl.load(bias_ptr + slot * bias_stride + b_off + j, mask=jm, other=0.0).to(tl.float32), BF16)
@@ -129,12 +132,8 @@ def _dense_rows_dot(w_base, s_base, rows, rmask, v_ptr,
 def dense_gate_up_silu(x_ptr, x_stride, work_ptr, n_work, w_ptr, w_slot, s_ptr, s_slot, h_ptr, w_off, s_off, I, K,
                  NCOL: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
                  FP8: tl.constexpr, BF16: tl.constexpr):
-    i = tl.program_id(0)
-    p = tl.load(work_ptr + i).to(tl.int64)  # pair = t * K + k
-    slot = tl.load(work_ptr + n_work + i).to(tl.int64)
+    p, slot, j, jm = _work_item(work_ptr, n_work, I, BN)
     t = p // K
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    jm = j < I
     wb = w_ptr + slot * w_slot + w_off
     sb = s_ptr + slot * s_slot + s_off
     v = x_ptr + t * x_stride
@@ -148,11 +147,7 @@ def dense_gate_up_silu(x_ptr, x_stride, work_ptr, n_work, w_ptr, w_slot, s_ptr, 
 def dense_down(h_ptr, rw_ptr, work_ptr, n_work, w_ptr, w_slot, s_ptr, s_slot, out_ptr, w_off, s_off, H,
          NCOL: tl.constexpr, BLK: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
          FP8: tl.constexpr, BF16: tl.constexpr, OUT_BF16: tl.constexpr):
-    i = tl.program_id(0)
-    p = tl.load(work_ptr + i).to(tl.int64)
-    slot = tl.load(work_ptr + n_work + i).to(tl.int64)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    jm = j < H
+    p, slot, j, jm = _work_item(work_ptr, n_work, H, BN)
     wb = w_ptr + slot * w_slot + w_off
     sb = s_ptr + slot * s_slot + s_off
     y = _round(_dense_rows_dot(wb, sb, j, jm, h_ptr + p * NCOL, NCOL, BLK, BN, BC, FP8, BF16), BF16)
