@@ -249,7 +249,13 @@ def run_offload(ckpt, ids, args, result: dict) -> None:
             for depth, graphs in [(d, g) for d in args.lookahead for g in ((False, True) if args.cuda_graphs else (False,))]:
                 rt.reset_cache()  # cold cache, zero statistics; not terminal
                 rt.prefetcher.lookahead_depth = depth
+                if DEVICE.startswith("cuda"):
+                    torch.cuda.reset_peak_memory_stats()
                 r = pdflash_decode(rt, ids, args.warmup, args.tokens, graphs)
+                if DEVICE.startswith("cuda"):  # the VRAM budget this run needed (a peer's --n-cpu-moe is sized to it)
+                    free, total = torch.cuda.mem_get_info()
+                    r.update(gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                             gpu_reserved_bytes=torch.cuda.memory_reserved(), gpu_device_used_bytes=total - free)
                 name = (f"pdflash-offload-{round(args.cache_fraction * 100)}pct" + (f"-lookahead{depth}" if depth else "")
                         + (f"-chunk{chunk_mib:g}m-w{workers}" if len(copy_configs) > 1 else "")
                         + ("-graphs" if graphs else ""))
@@ -362,6 +368,8 @@ def main() -> int:
                     help="Scheduler chunk size(s) of the offloaded runs; several values sweep (one load each).")
     ap.add_argument("--workers", type=int, nargs="+", default=[2], help="Scheduler copy thread count(s) of the offloaded runs.")
     ap.add_argument("--skip-transformers", action="store_true", help="Do not run the transformers reference.")
+    ap.add_argument("--skip-resident", action="store_true", help="Do not run pdflash with every expert on the GPU "
+                    "(the link bound then is not computed).")
     ap.add_argument("--cuda-graphs", action="store_true", help="Also run every pdflash configuration with CUDA graphs (offload/graphs.py).")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="Compute dtype of every run (default: the checkpoint's, bf16). float32 removes bf16 rounding "
@@ -408,7 +416,7 @@ def main() -> int:
         result["checkpoint"] = ensure_checkpoint(args.checkpoint_dir, args.preset, quant, args.seed)
     ids = prompt_ids(min(1000, args.preset.tokenizer_vocab - 8), args.prompt_tokens, args.seed)
     result["prompt_ids"] = ids
-    stages = [("resident", run_resident), ("offload", run_offload)]
+    stages = ([] if args.skip_resident else [("resident", run_resident)]) + [("offload", run_offload)]
     if not args.skip_transformers:
         stages.append(("transformers", run_transformers))
     for name, fn in stages:

@@ -179,7 +179,7 @@ class DFlashDraftModel(nn.Module):
     Usage per step (C = ``context_length``):
         model.append_context(features)          # [1, n, K*H] target features of newly committed tokens
         hidden = model(block_ids, start=C)       # [1, B, H], block_ids = [last token, MASK ...]
-        logits = model.lm_head(hidden[:, 1:])    # [1, B-1, V] proposals for positions C+1 .. C+B-1
+        logits = model.head(hidden[:, 1:])       # [1, B-1, V] proposals for positions C+1 .. C+B-1
     """
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Module):
@@ -203,6 +203,12 @@ class DFlashDraftModel(nn.Module):
     @property
     def lm_head(self) -> nn.Module:
         return self._shared[1]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's output head over draft hidden states (cast to the head's dtype: the draft
+        may compute in another, e.g. float32 on a CPU) -> logits."""
+        w = getattr(self.lm_head, "weight", None)
+        return self.lm_head(hidden if w is None else hidden.to(w.dtype))
 
     @property
     def context_length(self) -> int:
@@ -272,7 +278,7 @@ class DFlashDraftModel(nn.Module):
         for n in sorted(set(int(b) for b in lengths if int(b) >= 2)):
             self.cache = None
             self.append_context(w.new_zeros((1, n, self.fc.in_features)))
-            self.lm_head(self(self.block_ids(0, n, w.device), n)[:, 1:])
+            self.head(self(self.block_ids(0, n, w.device), n)[:, 1:])
         self.cache = saved
 
     def block_ids(self, last_token: int, block_size: int, device) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
     block = draft_block_size(draft_dir, block_size)                  # before loading the target
     rt = OffloadedModel.load(model_dir, ..., block_tokens=block)     # cache minimum covers a block
-    draft = load_draft(draft_dir, rt.model)
+    # On a CPU the draft computes in float32: its small matrices run faster there than in bf16
+    # (embedded pair: a draft step of 8 positions 1.9 -> 1.5 ms); proposals are verified as ever.
+    draft = load_draft(draft_dir, rt.model, dtype=torch.float32 if rt.device.type == "cpu" else None)
     result = speculative_on_runtime(rt, draft, ids, 128, block_size=block, predictor="draft-router")
 
 The verify pass runs on ``rt.model`` (the library model with offloaded experts); route-ahead
@@ -258,7 +260,9 @@ def generate_with_draft(
     from pdflash.offload.generate import GenerationResult
     from pdflash.offload.generate import StepInfo as TokenStep
 
-    draft = load_draft(draft_dir, rt.model)
+    # On a CPU the draft computes in float32: its small matrices run faster there than in bf16
+    # (embedded pair: a draft step of 8 positions 1.9 -> 1.5 ms); proposals are verified as ever.
+    draft = load_draft(draft_dir, rt.model, dtype=torch.float32 if rt.device.type == "cpu" else None)
     eos = list(rt.eos_token_ids)
     decode_s = [0.0]
 

@@ -551,7 +551,7 @@ def speculative_generate(
                 hidden = draft(draft.block_ids(tokens[-1], b, device), start)  # [1, b, H]
                 if route_ahead is not None:
                     route_ahead.after_draft(hidden)
-                dlogits = draft.lm_head(hidden[:, 1:])[0]  # [n, V]
+                dlogits = draft.head(hidden[:, 1:])[0]  # [n, V]
                 if greedy:
                     proposals = dlogits.argmax(-1)
                     if planner is not None:
