@@ -2,6 +2,7 @@
 
     python benchmarks/check_hybrid_gpu.py CKPT --out hybrid.json            # CKPT: gpt-oss-20b-shaped MXFP4
     python benchmarks/check_hybrid_gpu.py /tmp/tiny --device cpu --link-gbps 0.05 --cache-fraction 0.5   # CPU check
+    python benchmarks/check_hybrid_gpu.py --in-memory gpt-oss-120b --cache-fraction 0.1408 --out h120.json
 
 For each dtype (``--dtypes``, float32 and bfloat16) and each mode (off: every missing expert
 fetched; auto: each layer's misses split between the link and the CPU kernel by the cost
@@ -14,6 +15,8 @@ identical), tokens per second, and per token the experts served from the cache, 
 computed on the CPU, with the CPU and link time. One JSON object (stdout with --json, or --out).
 ``--cuda-graphs`` decodes through the graphed decoder (what ``generate`` does on CUDA);
 ``--link-gbps 25 --cpu-threads 8`` on CUDA emulates a desktop (PCIe 4.0 x16, an 8-core CPU).
+``--in-memory PRESET`` runs a seeded synthetic MXFP4 checkpoint of that preset generated in host
+memory (offload/synthetic.py; gpt-oss-120b's 65 GB do not fit the GPU machine's disk) instead of CKPT.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pdflash.offload.runtime import OffloadedModel  # noqa: E402
 PROMPT = [200, 1000, 31, 9, 77, 4000, 250, 17, 3, 44, 81, 90, 123, 7, 66, 19]
 
 
-def run_one(ckpt: str, device: str, dtype: str, mode: str, args) -> dict:
+def run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
     with OffloadedModel.load(ckpt, device=device, dtype=dtype, cpu_experts="auto" if mode == "auto-model" else mode,
                              cpu_threads=args.cpu_threads, link_gbps=args.link_gbps, hybrid_guard=mode != "auto-model",
                              expert_cache_experts=None if mode == "all" else args._slots) as rt:
@@ -45,7 +48,13 @@ def run_one(ckpt: str, device: str, dtype: str, mode: str, args) -> dict:
         rt.reset_cache()
         res = generate(rt, prompt, max_new_tokens=args.tokens, eos_token_ids=[], cuda_graphs=graphs)
         st = rt.stats()
-        return {"dtype": dtype, "mode": st["cpu_experts"]["mode"], "asked": mode, "cuda_graphs": graphs,
+        vram = None
+        if rt.device.type == "cuda":
+            import torch
+
+            free, total = torch.cuda.mem_get_info(rt.device)
+            vram = total - free  # everything this process holds on the GPU (cache, weights, context)
+        return {"dtype": dtype, "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": mode, "cuda_graphs": graphs,
                 "link_gbps": args.link_gbps, "link_emulated": st.get("link_emulated", False),
                 "cpu_threads": st["cpu_experts"].get("threads"), "token_ids": res.token_ids,
                 "tokens_per_second": res.tokens_per_second, "tpot_ms": res.tpot_ms,
@@ -57,7 +66,9 @@ def run_one(ckpt: str, device: str, dtype: str, mode: str, args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("ckpt")
+    ap.add_argument("ckpt", nargs="?", default=None)
+    ap.add_argument("--in-memory", default=None, metavar="PRESET",
+                    help="a synthetic MXFP4 checkpoint of this preset generated in host memory, instead of CKPT")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--modes", default="off,auto,all")
@@ -70,7 +81,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
+    if (args.ckpt is None) == (args.in_memory is None):
+        ap.error("give a checkpoint directory or --in-memory PRESET (one of them)")
+    source = args.ckpt
+    if args.in_memory:
+        from pdflash.offload.config import ModelPreset
+        from pdflash.offload.synthetic import SyntheticCheckpoint
+
+        source = SyntheticCheckpoint(ModelPreset.from_name(args.in_memory), mxfp4=True, seed=0)
+        cfg = source.config
+    else:
+        cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
     total = int(cfg["num_hidden_layers"]) * int(cfg["num_local_experts"])
     need = int(cfg["num_experts_per_tok"])
     args._slots = max(need, int(total * args.cache_fraction))
@@ -78,7 +99,7 @@ def main(argv=None) -> int:
     for dtype in args.dtypes.split(","):
         ref = None
         for mode in args.modes.split(","):
-            r = run_one(args.ckpt, args.device, dtype, mode, args)
+            r = run_one(source, args.device, dtype, mode, args)
             if ref is None:
                 ref = r["token_ids"]
             r["identical_to_first_mode"] = r["token_ids"] == ref
@@ -88,7 +109,9 @@ def main(argv=None) -> int:
             print(f"{dtype:9s} {mode:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
                   f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
                   f"identical {r['identical_to_first_mode']}", file=sys.stderr)
-    out = {"ckpt": args.ckpt, "device": args.device, "cache_slots": args._slots, "total_experts": total,
+    if args.in_memory:
+        source.close()
+    out = {"ckpt": args.ckpt or f"synthetic in memory: {args.in_memory}", "synthetic_in_memory": bool(args.in_memory), "device": args.device, "cache_slots": args._slots, "total_experts": total,
            "cuda_graphs": bool(args.cuda_graphs), "link_gbps": args.link_gbps, "cpu_threads": args.cpu_threads,
            "emulated": args.device == "cuda" and args.link_gbps is not None, "runs": runs}
     text = json.dumps(out, indent=1)
