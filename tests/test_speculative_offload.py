@@ -6,6 +6,7 @@ going through the runtime's prefetcher."""
 import json
 
 import pytest
+import torch
 
 from pdflash import PdflashError
 from pdflash.draft import (
@@ -147,3 +148,26 @@ def test_oracle_acceptance_matches_its_expectation_without_repairs(checkpoint, a
         got = speculative_generate(rt.model, draft, PROMPT, new, block_size=BLOCK, oracle=oracle, decoder=dec)
         assert got.token_ids == ref and oracle.divergences == 0 and oracle.refreshes == 0
         assert abs(got.stats.acceptance_length - expect) < 0.45
+
+
+def test_generate_with_draft_on_a_cpu_runs_a_float32_draft_and_stays_lossless(checkpoint, monkeypatch):
+    import pdflash.draft.model as model_mod
+    from pdflash.draft import generate_with_draft
+
+    dtypes = []
+    real = model_mod.load_draft
+
+    def spy(*args, **kwargs):
+        d = real(*args, **kwargs)
+        dtypes.append(d.fc.weight.dtype)
+        return d
+
+    monkeypatch.setattr(model_mod, "load_draft", spy)
+    with OffloadedModel.load(checkpoint / "target", device="cpu", block_tokens=BLOCK) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+        assert rt.model.lm_head.weight.dtype == torch.bfloat16  # the target computes in bf16
+        rt.reset_cache()
+        res, extra = generate_with_draft(rt, PROMPT, draft_dir=checkpoint / "draft", max_new_tokens=NEW, auto=True,
+                                         predictor="none")
+    assert dtypes == [torch.float32]
+    assert res.token_ids[: len(want)] == want[: len(res.token_ids)] and extra["verify_steps"] > 0
