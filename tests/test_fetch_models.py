@@ -211,8 +211,11 @@ def test_interrupted_run_keeps_complete_files_and_rerun_finishes(hub: HubServer,
     stall = hub.stall(shard2, after=1 * MiB)
     home = tmp_path / "home"
     env = cli_env(home, hub.url)
+    # SIGINT back to its default in the child: a test run started in the background of a
+    # non-interactive shell ignores SIGINT, and Python then installs no KeyboardInterrupt handler.
     proc = subprocess.Popen(fetch_cmd(*repo_args(target, None)), env=env, cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert stall.reached.wait(60), "the download never reached the stalled shard"
         proc.send_signal(signal.SIGINT)

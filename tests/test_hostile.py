@@ -356,7 +356,10 @@ main()
 
 def interrupt(hook: str, *args, env=None) -> subprocess.CompletedProcess:
     r, w = os.pipe()
+    # preexec_fn: SIGINT back to its default in the child (a test run started in the background of
+    # a non-interactive shell ignores SIGINT, and Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(w), hook, *map(str, args)], pass_fds=(w,),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                             env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
     os.close(w)
