@@ -338,9 +338,10 @@ class BlockPlanner:
             self._spec_run = 0
             return 1
         draft_s = self.cost.forward_seconds("draft", limit)
-        best = self._best(limit, self._stage1_probs(), draft_s)
         realized = self._speculation_pays()
-        if realized is not None and (best.block > 1) != realized:
+        if realized is None:
+            best = self._best(limit, self._stage1_probs(), draft_s)
+        else:
             # What recent steps realized outranks what the model predicts: draft while drafting
             # has committed more tokens per second than steady plain decoding, else decode plainly.
             best = self._candidate(limit if realized else 1, self._stage1_probs(), draft_s)
