@@ -97,7 +97,7 @@ class PriorityBench:
 
     # -- setup ---------------------------------------------------------------------------------
     def load(self) -> None:
-        from pdflash.draft.model import load_draft
+        from pdflash.draft.offloaded import load_runtime_draft
         from pdflash.offload.runtime import OffloadedModel
 
         cfg, b = self.cfg, self.budget
@@ -107,7 +107,7 @@ class PriorityBench:
             link_gbps=cfg.link_gbps, workers=cfg.workers, lookahead_depth=0, history_depth=0,
             progress=sys.stderr.isatty(), trace=TRACE_EVENTS if cfg.timeline else 0,
         )
-        self.draft = load_draft(cfg.draft_dir, self.rt.model)
+        self.draft = load_runtime_draft(self.rt, cfg.draft_dir)  # as generate loads it
         self.load_s = time.perf_counter() - t0
         tok = self.rt.tokenizer
         self.prompts = [list(tok.encode(t, add_special_tokens=False)) for t in cfg.prompt_texts()]

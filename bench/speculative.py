@@ -152,7 +152,7 @@ def markdown(summary: dict, acceptance: float) -> str:
 
 
 def run(args) -> dict:
-    from pdflash.draft.model import load_draft
+    from pdflash.draft.offloaded import load_runtime_draft
     from pdflash.offload.runtime import OffloadedModel
 
     model_dir, draft_dir = args.model, args.draft
@@ -182,7 +182,7 @@ def run(args) -> dict:
                              lookahead_depth=args.lookahead_depth, progress=True, **size)
     slots = rt.cache.capacity
     try:
-        draft = load_draft(draft_dir, rt.model)
+        draft = load_runtime_draft(rt, draft_dir)  # as generate loads it
         prompts = _encode(rt, args.prompts)
         arms = ["plain"] + [f"spec:{p}" for p in args.predictors.split(",")]
         _log(f"{len(prompts)} prompts x {args.repeats} repeats x arms {arms}; cache {slots}/{total} experts")

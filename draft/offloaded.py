@@ -2,9 +2,7 @@
 
     block = draft_block_size(draft_dir, block_size)                  # before loading the target
     rt = OffloadedModel.load(model_dir, ..., block_tokens=block)     # cache minimum covers a block
-    # On a CPU the draft computes in float32: its small matrices run faster there than in bf16
-    # (embedded pair: a draft step of 8 positions 1.9 -> 1.5 ms); proposals are verified as ever.
-    draft = load_draft(draft_dir, rt.model, dtype=torch.float32 if rt.device.type == "cpu" else None)
+    draft = load_runtime_draft(rt, draft_dir)
     result = speculative_on_runtime(rt, draft, ids, 128, block_size=block, predictor="draft-router")
 
 The verify pass runs on ``rt.model`` (the library model with offloaded experts); route-ahead
@@ -88,6 +86,16 @@ def make_planner(rt, max_block: int, *, use_confidence: bool = True):
 # (bench-priority, gpt-oss-20b shape, P = 0.7) the on-demand arm beat the route-ahead ones by 1.16x
 # (docs/benchmarks.md). `--route-ahead-predictor` turns it on; bench-priority measures the band.
 DEFAULT_PREDICTOR = "none"
+
+
+def load_runtime_draft(rt, draft_dir: str | Path) -> DFlashDraftModel:
+    """The draft at ``draft_dir`` for runtime ``rt``'s model, as generate runs it: on a CPU device
+    it computes in float32, whose small matrices run faster there than bf16 (embedded pair: a draft
+    step of 8 positions 1.9 -> 1.5 ms); elsewhere in the target's dtype. Proposals are verified as
+    ever, so the output does not depend on it."""
+    from pdflash.draft.model import load_draft
+
+    return load_draft(draft_dir, rt.model, dtype=torch.float32 if rt.device.type == "cpu" else None)
 
 
 def speculative_options(
@@ -256,13 +264,10 @@ def generate_with_draft(
     ``verify_ms``, ``route_ahead`` (None when off) and, in oracle-acceptance mode only,
     ``oracle_acceptance`` = P with the oracle's divergence counters.
     """
-    from pdflash.draft.model import load_draft
     from pdflash.offload.generate import GenerationResult
     from pdflash.offload.generate import StepInfo as TokenStep
 
-    # On a CPU the draft computes in float32: its small matrices run faster there than in bf16
-    # (embedded pair: a draft step of 8 positions 1.9 -> 1.5 ms); proposals are verified as ever.
-    draft = load_draft(draft_dir, rt.model, dtype=torch.float32 if rt.device.type == "cpu" else None)
+    draft = load_runtime_draft(rt, draft_dir)
     eos = list(rt.eos_token_ids)
     decode_s = [0.0]
 
