@@ -11,7 +11,7 @@ holds them; the calls cycle through the experts so every call reads its weights 
 token count (``--tokens``, 1,8,16):
 
   dram      streaming read of the whole expert buffer by the kernel's own thread pool
-            (pf_cpu_stream_read: each thread one contiguous slice, the widest loads of the
+            (pf_cpu_stream_read: 64 KiB grabs claimed by the threads, the widest loads of the
             level), best of ``--repeats``: the read bandwidth available to those threads.
   kernel    pf_cpu_expert over the experts in turn, float32 and bf16 inputs; effective
             bandwidth = weight bytes read / seconds per call (median over the calls), and

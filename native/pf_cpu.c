@@ -6,11 +6,11 @@
  *             x -> the token rows in the order the gate_up kernel reads them: float32 (the
  *             MXFP4 float32 kernels: nibble-major within 32- or 128-element groups, so no
  *             shuffle is needed per group) or bf16 (the bf16 kernel, mx_pos_bf16).
- *   phase 1   (all threads) each thread computes its range of gate_up outputs for all
- *             tokens into gu, adds the bias and applies the clamped SwiGLU to its pairs,
+ *   phase 1   (all threads) the threads claim grabs of gate_up outputs, compute them for all
+ *             tokens into gu, add the bias and apply the clamped SwiGLU to their pairs,
  *             writing h (in the kernel order of the down weights).
- *   phase 2   (all threads) each thread computes its range of out's features.
- * Ranges are whole "units" (4 rows for MXFP4, 32 columns for dense weights), so gate /
+ *   phase 2   (all threads) the same over out's features.
+ * Grabs are whole "units" (4 rows for MXFP4, 32 columns for dense weights), so gate /
  * up pairs never straddle two threads.
  *
  * Kernels per level are selected once at create time through function pointers; the
@@ -25,7 +25,9 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <stdatomic.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define PF_X86 1
@@ -600,7 +602,10 @@ T_512 static uint64_t read_512(const uint8_t *p, size_t n) {
         a3 = _mm512_add_epi64(a3, _mm512_loadu_si512((const void *)(p + i + 192)));
     }
     __m512i a = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));
-    return (uint64_t)_mm512_reduce_add_epi64(a) + read_scalar(p + i, n - i);
+    uint64_t lanes[8], sum = 0; /* summed here, wrapping: _mm512_reduce_add_epi64 adds signed */
+    _mm512_storeu_si512((void *)lanes, a);
+    for (int k = 0; k < 8; k++) sum += lanes[k];
+    return sum + read_scalar(p + i, n - i);
 }
 #endif /* PF_X86 */
 
@@ -679,16 +684,21 @@ struct pf_cpu {
 
     pthread_mutex_t call_mu;      /* serializes calls; guards the scratch buffers */
 
-    pthread_mutex_t mu;           /* guards gen, phase, left, done, stop and the job (written before gen++) */
-    pthread_cond_t work_cv;       /* workers: a new generation or stop */
-    pthread_cond_t done_cv;       /* caller: the job's last phase has ended */
-    uint64_t gen;                 /* incremented each time a phase starts */
-    int phase;                    /* the phase running now */
-    int last_phase;               /* the job ends after this phase */
-    int left;                     /* threads still running the current phase */
-    int done;                     /* the job has ended */
-    int stop;
-    job cur;
+    /* The pool. One phase of a job runs at a time; its units are claimed by the threads in
+     * grabs (an atomic counter), so a thread that wakes late finds less work, never delays
+     * the phase. The state word packs the running phase (see ST_*); it and the claim word
+     * are reset together, under mu, each time a phase is published. */
+    pthread_mutex_t mu;           /* guards seq, last_phase, the condition variables' waits and wakes */
+    pthread_cond_t work_cv;       /* workers: a phase was published, or stop */
+    pthread_cond_t done_cv;       /* caller: a phase was published, or the job has ended */
+    _Atomic uint64_t state;       /* the published phase: seq | last | phase | units (ST_*) */
+    _Atomic uint64_t claim;       /* (seq << 32) | the next unit to claim of that phase */
+    _Atomic uint32_t completed;   /* units of the published phase finished */
+    _Atomic int done;             /* the job's last phase has been completed */
+    _Atomic int stop;
+    uint32_t seq;                 /* the last phase published (under mu) */
+    int last_phase;               /* the job ends after this phase (under mu) */
+    job cur;                      /* written by the caller before the job's first phase is published */
 
     pthread_t *tids;              /* owned; tids[i] runs as thread i + 1 */
     int started;
@@ -707,13 +717,6 @@ struct worker_arg {
     pf_cpu *c;
     int idx;
 };
-
-static void split(int n_items, int unit, int nthreads, int idx, int *lo, int *hi) {
-    int units = (n_items + unit - 1) / unit;
-    int a = (int)((long long)units * idx / nthreads), b = (int)((long long)units * (idx + 1) / nthreads);
-    *lo = a * unit < n_items ? a * unit : n_items;
-    *hi = b * unit < n_items ? b * unit : n_items;
-}
 
 /* float32 -> the nearest bfloat16 (ties to even), returned as float32; NaN stays NaN */
 static inline float round_bf16(float f) {
@@ -845,10 +848,8 @@ static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
     }
 }
 
-/* Thread idx's share of a phase whose index space is every task's units laid end to end. */
-static void tasks_part(pf_cpu *c, const job *j, int idx, int phase) {
-    const int units = phase == 1 ? j->units1 : j->units2;
-    const int a = (int)((long long)units * idx / c->threads), b = (int)((long long)units * (idx + 1) / c->threads);
+/* Units [a, b) of a phase whose index space is every task's units laid end to end. */
+static void tasks_part(pf_cpu *c, const job *j, int a, int b, int phase) {
     for (int k = 0; k < j->ntasks; k++) {
         const task *tk = &j->tasks[k];
         const int unit = unit_of(tk->w), first = phase == 1 ? tk->u1 : tk->u2;
@@ -862,88 +863,190 @@ static void tasks_part(pf_cpu *c, const job *j, int idx, int phase) {
     }
 }
 
-static void run_part(pf_cpu *c, int idx, int phase) {
-    const job *j = &c->cur;
-    if (phase == 3) {
-        size_t words = j->rbytes / 8, a = words * idx / c->threads, b = words * (idx + 1) / c->threads;
-        j->rsum[idx] = c->read(j->rbuf + a * 8, (b - a) * 8);
-    } else if (phase == 0) {
-        int lo, hi;
-        split(j->nrows, 1, c->threads, idx, &lo, &hi);
-        if (lo < hi) prepare_rows(c, j, lo, hi);
-    } else {
-        tasks_part(c, j, idx, phase);
+#define READ_UNIT_WORDS 8192 /* phase 3: 64 KiB of the buffer per unit */
+
+/* the number of units of a phase of c->cur */
+static uint32_t phase_units(const job *j, int phase) {
+    switch (phase) {
+    case 0: return (uint32_t)j->nrows;
+    case 1: return (uint32_t)j->units1;
+    case 2: return (uint32_t)j->units2;
+    default: return (uint32_t)((j->rbytes / 8 + READ_UNIT_WORDS - 1) / READ_UNIT_WORDS);
     }
 }
-/* A thread (under c->mu) has finished its part of the current phase. The last one to finish
- * starts the next phase at once (a new generation; it carries on without sleeping) or ends
- * the job; returns 1 if it started a new phase. */
-static int finish_part(pf_cpu *c) {
-    if (--c->left > 0) return 0;
-    if (c->phase < c->last_phase) {
-        c->phase++;
-        c->left = c->threads;
-        c->gen++;
-        pthread_cond_broadcast(&c->work_cv);
-        return 1;
+
+/* Thread idx runs units [a, b) of a phase of c->cur. */
+static void run_units(pf_cpu *c, int idx, int phase, int a, int b) {
+    const job *j = &c->cur;
+    if (phase == 3) {
+        size_t words = j->rbytes / 8, lo = (size_t)a * READ_UNIT_WORDS, hi = (size_t)b * READ_UNIT_WORDS;
+        if (hi > words) hi = words;
+        j->rsum[idx] += c->read(j->rbuf + lo * 8, (hi - lo) * 8);
+    } else if (phase == 0) {
+        prepare_rows(c, j, a, b);
+    } else {
+        tasks_part(c, j, a, b, phase);
     }
-    c->done = 1;
+}
+
+/* The state word: bits 0-31 the phase's units, 32-33 the phase, 34 set if the job ends with
+ * it, 35-63 the phase's sequence number (29 bits, wrapping; 0 is "nothing published yet"). */
+#define SEQ_MASK ((1u << 29) - 1)
+#define ST_UNITS(s) ((uint32_t)(s))
+#define ST_PHASE(s) ((int)(((s) >> 32) & 3u))
+#define ST_LAST(s) ((int)(((s) >> 34) & 1u))
+#define ST_SEQ(s) ((uint32_t)((s) >> 35))
+
+/* Between two phases of a job (and while the caller waits for the job's end) a thread
+ * polls the state for at most this long before it sleeps on its condition variable; the
+ * next phase usually starts within microseconds, far sooner than a sleeping thread wakes.
+ * An idle pool (no job) never polls. */
+#ifndef PF_CPU_POLL_NS
+#define PF_CPU_POLL_NS 100000
+#endif
+
+static inline void cpu_relax(void) {
+#if PF_X86
+    _mm_pause();
+#endif
+}
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Publish phase `phase` of c->cur (under mu), skipping phases without units; after the
+ * job's last phase, end the job. Wakes the sleeping workers and the caller. */
+static void publish(pf_cpu *c, int phase) {
+    uint32_t units = phase_units(&c->cur, phase);
+    while (units == 0 && phase < c->last_phase) units = phase_units(&c->cur, ++phase);
+    if (units == 0) {
+        atomic_store_explicit(&c->done, 1, memory_order_release);
+        pthread_cond_signal(&c->done_cv);
+        return;
+    }
+    c->seq = (c->seq + 1) & SEQ_MASK;
+    if (c->seq == 0) c->seq = 1;
+    atomic_store_explicit(&c->completed, 0, memory_order_relaxed);
+    atomic_store_explicit(&c->claim, (uint64_t)c->seq << 32, memory_order_relaxed);
+    const uint64_t st = (uint64_t)c->seq << 35 | (uint64_t)(phase == c->last_phase) << 34 | (uint64_t)phase << 32 | units;
+    atomic_store_explicit(&c->state, st, memory_order_release);
+    pthread_cond_broadcast(&c->work_cv);
     pthread_cond_signal(&c->done_cv);
-    return 0;
+}
+
+/* The last unit of the phase `st` has been completed: publish the next phase or end the job. */
+static void end_phase(pf_cpu *c, uint64_t st) {
+    pthread_mutex_lock(&c->mu);
+    if (ST_LAST(st)) {
+        atomic_store_explicit(&c->done, 1, memory_order_release);
+        pthread_cond_signal(&c->done_cv);
+    } else {
+        publish(c, ST_PHASE(st) + 1);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Claim and run grabs of the phase `st` until none is left (or a newer phase has replaced
+ * it: the claim word then carries another sequence number and no claim succeeds). Job data
+ * is read only after a successful claim, which implies `st` is still the published phase. */
+static void work_phase(pf_cpu *c, int idx, uint64_t st) {
+    const uint32_t seq = ST_SEQ(st), units = ST_UNITS(st);
+    const int phase = ST_PHASE(st);
+    uint32_t grab = units / ((uint32_t)c->threads * 4u); /* about 4 grabs per thread */
+    if (grab < 1) grab = 1;
+    if (grab > 64) grab = 64;
+    uint64_t cl = atomic_load_explicit(&c->claim, memory_order_relaxed);
+    for (;;) {
+        if ((uint32_t)(cl >> 32) != seq || (uint32_t)cl >= units) return;
+        const uint32_t a = (uint32_t)cl, n = units - a < grab ? units - a : grab;
+        if (!atomic_compare_exchange_weak_explicit(&c->claim, &cl, cl + n, memory_order_acquire, memory_order_relaxed))
+            continue;
+        run_units(c, idx, phase, (int)a, (int)(a + n));
+        if (atomic_fetch_add_explicit(&c->completed, n, memory_order_acq_rel) + n == units) {
+            end_phase(c, st);
+            return;
+        }
+        cl = atomic_load_explicit(&c->claim, memory_order_relaxed);
+    }
+}
+
+/* A worker: wait for a phase newer than `seen` (or stop); poll first if `poll`. */
+static uint64_t wait_phase(pf_cpu *c, uint32_t seen, int poll) {
+    uint64_t st = 0;
+    if (poll) {
+        const uint64_t until = now_ns() + PF_CPU_POLL_NS;
+        for (int i = 1;; i++) {
+            st = atomic_load_explicit(&c->state, memory_order_acquire);
+            if (ST_SEQ(st) != seen || atomic_load_explicit(&c->stop, memory_order_relaxed)) return st;
+            cpu_relax();
+            if (i % 64 == 0 && now_ns() > until) break;
+        }
+    }
+    pthread_mutex_lock(&c->mu);
+    while (!atomic_load_explicit(&c->stop, memory_order_relaxed) &&
+           ST_SEQ(st = atomic_load_explicit(&c->state, memory_order_acquire)) == seen)
+        pthread_cond_wait(&c->work_cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    return st;
 }
 
 static void *worker_main(void *p) {
     struct worker_arg a = *(struct worker_arg *)p;
     free(p);
     pf_cpu *c = a.c;
-    pthread_mutex_lock(&c->mu);
-    uint64_t seen = 0; /* workers start before the first job: generation 0 is "no job" */
+    uint32_t seen = 0;
+    int poll = 0; /* only between phases of a job: an idle pool sleeps */
     for (;;) {
-        while (!c->stop && c->gen == seen) pthread_cond_wait(&c->work_cv, &c->mu);
-        if (c->stop) break;
-        seen = c->gen;
-        int phase = c->phase;
-        pthread_mutex_unlock(&c->mu);
-        run_part(c, a.idx, phase);
-        pthread_mutex_lock(&c->mu);
-        if (finish_part(c)) seen = c->gen - 1; /* it started the next phase: run it too */
+        uint64_t st = wait_phase(c, seen, poll);
+        if (atomic_load_explicit(&c->stop, memory_order_relaxed)) break;
+        seen = ST_SEQ(st);
+        work_phase(c, a.idx, st);
+        poll = !ST_LAST(st);
     }
-    pthread_mutex_unlock(&c->mu);
     return NULL;
 }
 
 /* Run phases first..last of c->cur on every thread (the caller is thread 0); return when the
- * last phase has ended everywhere. Between phases no thread returns to the caller: the last
- * thread to finish a phase starts the next. */
+ * last phase has been completed. */
 static void run_job(pf_cpu *c, int first, int last) {
     pthread_mutex_lock(&c->mu);
-    c->phase = first;
+    atomic_store_explicit(&c->done, 0, memory_order_relaxed);
     c->last_phase = last;
-    c->left = c->threads;
-    c->done = 0;
-    c->gen++;
-    if (c->threads > 1) pthread_cond_broadcast(&c->work_cv);
-    uint64_t seen = c->gen - 1;
-    for (;;) {
-        while (!c->done && c->gen == seen) pthread_cond_wait(&c->work_cv, &c->mu);
-        if (c->done) break;
-        seen = c->gen;
-        int phase = c->phase;
-        pthread_mutex_unlock(&c->mu);
-        run_part(c, 0, phase);
-        pthread_mutex_lock(&c->mu);
-        if (finish_part(c)) seen = c->gen - 1;
-        else if (c->phase == c->last_phase) { /* its share of the last phase is done: wait for the rest */
-            while (!c->done) pthread_cond_wait(&c->done_cv, &c->mu);
-            break;
-        }
-    }
+    publish(c, first);
     pthread_mutex_unlock(&c->mu);
+    uint32_t seen = 0;
+    for (;;) {
+        uint64_t st = atomic_load_explicit(&c->state, memory_order_acquire);
+        if (atomic_load_explicit(&c->done, memory_order_acquire)) break;
+        if (ST_SEQ(st) != seen) {
+            seen = ST_SEQ(st);
+            work_phase(c, 0, st);
+            continue;
+        }
+        /* its grabs are done; the others are finishing theirs: poll, then sleep */
+        const uint64_t until = now_ns() + PF_CPU_POLL_NS;
+        int woke = 0;
+        for (int i = 1; !woke; i++) {
+            woke = atomic_load_explicit(&c->done, memory_order_acquire) ||
+                   ST_SEQ(atomic_load_explicit(&c->state, memory_order_acquire)) != seen;
+            cpu_relax();
+            if (i % 64 == 0 && now_ns() > until) break;
+        }
+        if (woke) continue;
+        pthread_mutex_lock(&c->mu);
+        while (!atomic_load_explicit(&c->done, memory_order_acquire) &&
+               ST_SEQ(atomic_load_explicit(&c->state, memory_order_acquire)) == seen)
+            pthread_cond_wait(&c->done_cv, &c->mu);
+        pthread_mutex_unlock(&c->mu);
+    }
 }
 
 static void stop_workers(pf_cpu *c) {
     pthread_mutex_lock(&c->mu);
-    c->stop = 1;
+    atomic_store_explicit(&c->stop, 1, memory_order_relaxed);
     pthread_cond_broadcast(&c->work_cv);
     pthread_mutex_unlock(&c->mu);
     for (int i = 0; i < c->started; i++) pthread_join(c->tids[i], NULL);
@@ -992,6 +1095,11 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work_cv, NULL);
     pthread_cond_init(&c->done_cv, NULL);
+    atomic_init(&c->state, 0);
+    atomic_init(&c->claim, 0);
+    atomic_init(&c->completed, 0);
+    atomic_init(&c->done, 0);
+    atomic_init(&c->stop, 0);
     for (int i = 1; i < threads; i++) {
         struct worker_arg *a = malloc(sizeof *a); /* owned by the worker once it has started */
         int rc = ENOMEM;

@@ -15,13 +15,16 @@
  * additions and every SwiGLU step; the output rows are then bf16 values held in float32.
  *
  * Work split: the output features of gate_up, then those of down, are divided into
- * contiguous ranges, one per thread; each thread reads only its slice of the weights and
- * computes it for all tokens at once, so a call reads each weight byte once whatever the
- * token count. The two phases are separated by one hand-off (the down projection needs
- * all of h).
+ * units (4 rows of MXFP4 weights, 32 columns of dense ones) that the threads claim in
+ * grabs from one atomic counter; each grab is computed for all tokens at once, so a call
+ * reads each weight byte once whatever the token count, and a thread that starts late
+ * takes fewer grabs instead of holding the others up. The two phases are separated by
+ * one hand-off (the down projection needs all of h).
  *
  * Threads: a pf_cpu owns a pool of (threads - 1) worker threads; the calling thread is
- * the pool's thread 0. Idle workers sleep on a condition variable (no spinning).
+ * the pool's thread 0. Between the phases of a call a thread that has run out of grabs
+ * polls for the next phase for at most PF_CPU_POLL_NS (100 us), then sleeps on a condition
+ * variable; between calls the workers sleep (an idle pool never spins).
  * pf_cpu_expert calls on the same pf_cpu are serialized by a mutex; use one pf_cpu per
  * concurrent caller to run experts in parallel.
  *

@@ -96,7 +96,11 @@ class OffloadedExperts(nn.Module):
         self.calls += 1
         cache, layer = self.cache, self.layer
 
-        idx_cpu = idx.to("cpu")  # device->host sync: every earlier kernel has finished (cache.py)
+        x_host = w_host = None  # host copies of x and w_flat for the CPU experts (CUDA)
+        if self.cpu is not None and x.device.type == "cuda":  # one copy for the routing and the CPU's rows
+            idx_cpu, w_host, x_host = _to_host(idx, w.reshape(-1), x)
+        else:
+            idx_cpu = idx.to("cpu")  # device->host sync: every earlier kernel has finished (cache.py)
         cache.sync_point()
         positions: dict[int, list[int]] = {}  # expert -> its positions p = t*K + k, ascending
         for p, e in enumerate(idx_cpu.view(-1).tolist()):
@@ -110,7 +114,8 @@ class OffloadedExperts(nn.Module):
         contrib = torch.empty((T * K, H), dtype=out_dtype, device=dev)  # weighted output per (t, k)
 
         if self.cpu_mode == "all":  # every routed expert on the CPU, nothing fetched
-            self._store_cpu(contrib, self._cpu_compute(x, w_flat, K, experts, positions), dev)
+            xs, ws = (x_host, w_host) if x_host is not None else (x, w_flat)
+            self._store_cpu(contrib, self._cpu_compute(xs, ws, K, experts, positions), dev)
             out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)
             return out.reshape(shape)
         fused = self.kernel.fused(dev) if T <= FUSED_MAX_TOKENS else None
@@ -154,8 +159,6 @@ class OffloadedExperts(nn.Module):
                 cpu_list = sorted(on_cpu)
                 if self.cpu_pool is not None and dev.type == "cuda":  # overlaps the fetches and the device's compute
                     t_host = time.perf_counter()
-                    x_host = x.to("cpu", non_blocking=False)
-                    w_host = w_flat.to("cpu", non_blocking=False)
                     cpu_future = self.cpu_pool.submit(self._cpu_compute, x_host, w_host, K, cpu_list, positions)
                     host_before = time.perf_counter() - t_host
         for e in misses:  # submitted before the hits compute, so the link starts at once
@@ -214,7 +217,9 @@ class OffloadedExperts(nn.Module):
         xh = x if x.device.type == "cpu" else x.to("cpu")
         wh = w_flat.to("cpu", torch.float32)
         T, H = xh.shape
-        buf = torch.empty((T * K, H), dtype=torch.float32)
+        # pinned when it goes to a device: its copy there is then asynchronous (the caching host
+        # allocator reuses the block once that copy has completed)
+        buf = torch.empty((T * K, H), dtype=torch.float32, pin_memory=x.device.type == "cpu" and self.cache.device.type == "cuda")
         k0 = self.cpu.seconds
         self.cpu.run_layer(self.layer, experts, positions, K, xh, wh, buf)
         kernel = self.cpu.seconds - k0
@@ -231,3 +236,15 @@ class OffloadedExperts(nn.Module):
             return
         p = torch.tensor(pos)
         contrib.index_copy_(0, p.to(dev, non_blocking=True), buf.index_select(0, p).to(dev, contrib.dtype, non_blocking=True))
+
+
+def _to_host(idx: torch.Tensor, w_flat: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router indices [T, K], the routing weights [T*K] (float32) and the hidden rows x [T, H]
+    (its dtype) on the host in one device->host copy (one synchronization instead of three): the
+    three are packed bit for bit as int16 words on the device and split again on the host."""
+    T, K = idx.shape
+    parts = (idx.to(torch.int32).reshape(-1).view(torch.int16), w_flat.to(torch.float32).reshape(-1).view(torch.int16),
+             x.contiguous().reshape(-1).view(torch.int16))
+    host = torch.cat(parts).to("cpu")  # device->host sync: every earlier kernel has finished (cache.py)
+    a, b = parts[0].numel(), parts[0].numel() + parts[1].numel()
+    return host[:a].view(torch.int32).view(T, K), host[a:b].view(torch.float32), host[b:].view(x.dtype).view(x.shape)

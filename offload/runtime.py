@@ -291,8 +291,10 @@ class OffloadedModel:
         if cpu_threads is None and self.device.type == "cuda":
             from pdflash.native.cpu_experts import default_threads
 
-            # beside it run the thread that drives the device and the scheduler's copy workers
-            cpu_threads = max(1, default_threads() - 1 - self.scheduler.workers)
+            if cpu_mode == "all":  # the decoding thread is the pool's thread 0; nothing is fetched
+                cpu_threads = default_threads()
+            else:  # beside it run the thread that drives the device and the scheduler's copy workers
+                cpu_threads = max(1, default_threads() - 1 - self.scheduler.workers)
         try:
             self.cpu = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
         except (CpuExpertError, NativeLibraryMissing) as exc:

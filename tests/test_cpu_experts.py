@@ -333,7 +333,7 @@ def test_c_stress_quick(tmp_path):
 def test_stream_read_checksum(level):
     """The bandwidth probe really reads every byte: its checksum is the sum of the 64-bit words."""
     g = torch.Generator().manual_seed(21)
-    for n in (8, 1000, 4096 + 13, 1 << 20):
+    for n in (3, 8, 1000, 4096 + 13, 1 << 20, 5 * 65536 + 40):
         buf = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
         padded = torch.cat([buf, torch.zeros(-n % 8, dtype=torch.uint8)])
         want = sum(int.from_bytes(padded[i : i + 8].numpy().tobytes(), "little") for i in range(0, len(padded), 8)) % 2**64
@@ -444,3 +444,22 @@ def test_runner_run_layer_matches_per_expert_loop(tmp_path):
         assert runner.experts == 2 * len(experts)
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_routing_and_rows_to_host_in_one_copy_are_bit_exact(dtype):
+    """The hybrid path's one device->host copy packs indices, weights and rows as int16 words:
+    unpacked, each is bit for bit the tensor it came from (NaN payloads and signed zeros too)."""
+    from pdflash.offload.experts import _to_host
+
+    g = torch.Generator().manual_seed(3)
+    T, K, H = 5, 4, 96
+    idx = torch.randint(0, 128, (T, K), generator=g)
+    w = torch.rand((T, K), generator=g).to(dtype)
+    x = torch.randn((T, H), generator=g).to(dtype)
+    x[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")], dtype=dtype)
+    i2, w2, x2 = _to_host(idx, w.reshape(-1), x)
+    assert torch.equal(i2, idx.to(torch.int32)) and i2.shape == (T, K)
+    assert w2.dtype == torch.float32 and torch.equal(w2, w.reshape(-1).float())
+    assert x2.dtype == dtype and x2.shape == (T, H)
+    assert torch.equal(x2.view(torch.int16), x.view(torch.int16))

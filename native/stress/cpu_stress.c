@@ -14,6 +14,8 @@
  *             every output a bf16 value), 1..16 tokens in f32 or bf16,
  *             against a double-precision reference written here from the format's
  *             definition (E2M1 table, 2^(s-127) scales, clamped SwiGLU).
+ *   pool      back-to-back jobs on a pool of more threads than cores: stream reads of
+ *             random sizes (some without a whole word) between batched calls.
  *   shared    several threads call one context at once (calls are serialized) and their
  *             own contexts, each checking its results; contexts are created and destroyed
  *             while others run.
@@ -488,6 +490,41 @@ static void phase_shared(int quick, uint64_t seed) {
     pf_cpu_destroy(c);
 }
 
+/* back-to-back jobs on a pool with more threads than this machine has cores, so workers
+ * wake late, find a phase already finished or a newer one published: stream reads of random
+ * sizes (under 8 bytes: a job without units) between batched calls, each checked */
+static void phase_pool(int quick, uint64_t seed) {
+    uint64_t rng = seed * 7919 + 3;
+    pf_cpu *c;
+    if (pf_cpu_create(8, PF_CPU_LEVEL_AUTO, &c) != PF_CPU_OK) {
+        count(0, "create pool context");
+        return;
+    }
+    const size_t cap = (size_t)3 << 20;
+    uint8_t *buf = malloc(cap);
+    for (size_t i = 0; i < cap; i++) buf[i] = (uint8_t)rng_next(&rng);
+    int good = 0, total = quick ? 40 : 160;
+    for (int i = 0; i < total; i++) {
+        if (i % 2) {
+            good += random_batch(c, &rng);
+            continue;
+        }
+        size_t n = (size_t)(rng_next(&rng) % 4 == 0 ? rng_next(&rng) % 8 : rng_next(&rng) % cap);
+        uint64_t want = 0, got = 1, word;
+        for (size_t k = 0; k < n; k += 8) {
+            word = 0;
+            memcpy(&word, buf + k, n - k < 8 ? n - k : 8);
+            want += word;
+        }
+        good += pf_cpu_stream_read(c, buf, n, &got) == PF_CPU_OK && got == want;
+    }
+    char what[64];
+    snprintf(what, sizeof what, "pool: %d/%d back-to-back jobs match", good, total);
+    count(good == total, what);
+    free(buf);
+    pf_cpu_destroy(c);
+}
+
 int main(int argc, char **argv) {
     int quick = 0;
     uint64_t seed = 1;
@@ -509,6 +546,8 @@ int main(int argc, char **argv) {
     printf("levels: %d passed, %d failed\n", passed, failed);
     phase_batch(quick, seed);
     printf("batch: %d passed, %d failed\n", passed, failed);
+    phase_pool(quick, seed);
+    printf("pool: %d passed, %d failed\n", passed, failed);
     phase_shared(quick, seed);
     printf("cpu_stress: %d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
