@@ -301,6 +301,15 @@ class CpuExperts:
         if rc != 0:
             raise CpuExpertError(f"CPU expert kernel: {self._strerror(rc)}")
 
+    def wake(self) -> None:
+        """Announce a call (``pf_cpu_wake``): sleeping workers poll for it for at most 1 ms
+        instead of waking only when it starts. A hint; no call need follow."""
+        c = self._enter()
+        try:
+            self._lib.pf_cpu_wake(c)
+        finally:
+            self._leave()
+
     def stream_read(self, buf: torch.Tensor) -> int:
         """Read a host tensor once with this pool's threads; returns the sum of its 64-bit words
         (little-endian, modulo 2**64; a trailing partial word zero-padded). For bandwidth measurements."""

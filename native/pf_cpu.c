@@ -697,6 +697,7 @@ struct pf_cpu {
     _Atomic int done;             /* the job's last phase has been completed */
     _Atomic int stop;
     uint32_t seq;                 /* the last phase published (under mu) */
+    uint64_t wakes;               /* pf_cpu_wake calls (under mu) */
     int last_phase;               /* the job ends after this phase (under mu) */
     job cur;                      /* written by the caller before the job's first phase is published */
 
@@ -973,24 +974,45 @@ static void work_phase(pf_cpu *c, int idx, uint64_t st) {
     }
 }
 
-/* A worker: wait for a phase newer than `seen` (or stop); poll first if `poll`. */
-static uint64_t wait_phase(pf_cpu *c, uint32_t seen, int poll) {
-    uint64_t st = 0;
-    if (poll) {
-        const uint64_t until = now_ns() + PF_CPU_POLL_NS;
-        for (int i = 1;; i++) {
-            st = atomic_load_explicit(&c->state, memory_order_acquire);
-            if (ST_SEQ(st) != seen || atomic_load_explicit(&c->stop, memory_order_relaxed)) return st;
-            cpu_relax();
-            if (i % 64 == 0 && now_ns() > until) break;
-        }
+#ifndef PF_CPU_WAKE_NS
+#define PF_CPU_WAKE_NS 1000000
+#endif
+
+/* Poll the state for at most ns: a phase newer than `seen`, or stop -> 1 and *st. */
+static int poll_phase(pf_cpu *c, uint32_t seen, uint64_t ns, uint64_t *st) {
+    const uint64_t until = now_ns() + ns;
+    for (int i = 1;; i++) {
+        *st = atomic_load_explicit(&c->state, memory_order_acquire);
+        if (ST_SEQ(*st) != seen || atomic_load_explicit(&c->stop, memory_order_relaxed)) return 1;
+        cpu_relax();
+        if (i % 64 == 0 && now_ns() > until) return 0;
     }
+}
+
+/* A worker: wait for a phase newer than `seen` (or stop); poll first if `poll`. A sleeping
+ * worker woken by pf_cpu_wake polls for the announced call, then sleeps again. */
+static uint64_t wait_phase(pf_cpu *c, uint32_t seen, int poll) {
+    uint64_t st = 0, ns = poll ? PF_CPU_POLL_NS : 0;
+    for (;;) {
+        if (ns && poll_phase(c, seen, ns, &st)) return st;
+        pthread_mutex_lock(&c->mu);
+        const uint64_t wakes = c->wakes;
+        while (!atomic_load_explicit(&c->stop, memory_order_relaxed) &&
+               ST_SEQ(st = atomic_load_explicit(&c->state, memory_order_acquire)) == seen && c->wakes == wakes)
+            pthread_cond_wait(&c->work_cv, &c->mu);
+        pthread_mutex_unlock(&c->mu);
+        if (atomic_load_explicit(&c->stop, memory_order_relaxed) || ST_SEQ(st) != seen) return st;
+        ns = PF_CPU_WAKE_NS;
+    }
+}
+
+int pf_cpu_wake(pf_cpu *c) {
+    if (!c) return PF_CPU_EINVAL;
     pthread_mutex_lock(&c->mu);
-    while (!atomic_load_explicit(&c->stop, memory_order_relaxed) &&
-           ST_SEQ(st = atomic_load_explicit(&c->state, memory_order_acquire)) == seen)
-        pthread_cond_wait(&c->work_cv, &c->mu);
+    c->wakes++;
+    pthread_cond_broadcast(&c->work_cv);
     pthread_mutex_unlock(&c->mu);
-    return st;
+    return PF_CPU_OK;
 }
 
 static void *worker_main(void *p) {

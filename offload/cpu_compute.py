@@ -11,6 +11,7 @@ side of the placement cost model; ``calibrate()`` measures it once before the fi
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from typing import Callable
@@ -92,6 +93,9 @@ class CpuRunner:
             y = self.run(layer, e, x.index_select(0, pos // K))
             out.index_copy_(0, pos, y.mul_(w_flat[pos].unsqueeze(-1)))
 
+    def wake(self) -> None:
+        """A call is coming: a runner with its own thread pool may get it ready (default: nothing)."""
+
     def seconds_for(self, tokens: int) -> float | None:
         """Predicted seconds to compute one expert for ``tokens`` tokens (None before any measurement)."""
         if not self.rate_bps:
@@ -147,6 +151,7 @@ class CpuExpertRunner(CpuRunner):
         self.limit = float(limit)
         self.round_bf16 = dtype == torch.bfloat16  # a bf16 model rounds every step: so does the kernel then
         self.kernel = CpuExperts(threads=threads, level=level)
+        self.prewake = os.environ.get("PDFLASH_CPU_PREWAKE", "1") != "0"
         self.threads = self.kernel.threads
         self.level = self.kernel.level
         self.max_tokens = MAX_TOKENS
@@ -189,6 +194,12 @@ class CpuExpertRunner(CpuRunner):
     def _compute(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.forward(self.weights(layer, expert), x)
 
+    def wake(self) -> None:
+        """A layer's call is coming (its routing is on the way from the device): the pool's
+        sleeping threads start polling for it (off with PDFLASH_CPU_PREWAKE=0)."""
+        if self.prewake:
+            self.kernel.wake()
+
     def run_layer(self, layer: int, experts: list[int], positions: dict[int, list[int]], K: int, x: torch.Tensor,
                   w_flat: torch.Tensor, out: torch.Tensor) -> None:
         """As :meth:`CpuRunner.run_layer`, in one native call: gathering the rows, the routing
@@ -230,39 +241,55 @@ class CpuExpertRunner(CpuRunner):
         self._slot_weights.clear()
 
 
+GUARD_ARMS = ("off", "model", "host")  # checked in this order; a guard that never completes a check stays "off"
+
+
 class HybridGuard:
-    """Whether the host path pays on this machine now, judged by the decode steps it realizes.
+    """Which placement pays on this machine now, judged by the decode steps it realizes.
 
     The cost model prices one layer's split; it does not see what host compute does to the rest
     of a step: the kernel's DRAM reads compete with the link's DMA for the same memory, its
     threads with the decoding thread and the scheduler's copy workers, its results with the
-    interpreter lock. So the placement is checked against measured step times: decode steps
-    (forwards of one token that follow a forward of one token) run in windows of ``window``
-    steps, alternately with the host path and without it, ``rounds`` times each (the first step
-    of a window is not counted: it pays the switch). The mode with the lower median step time is
-    kept (without the host path on a tie within ``margin``) for ``hold`` decode steps, then
-    checked again the same way; a check that confirms the same mode doubles the hold, up to
+    interpreter lock. So placements ("arms") are checked against measured step times:
+
+    - "off": every miss is fetched (no host path);
+    - "model": the per-layer cost model splits each layer's misses between the link and the CPU;
+    - "host": every miss not already on its way is computed on the CPU (hits stay on the device).
+
+    Decode steps (forwards of one token that follow a forward of one token) run in windows of
+    ``window`` steps, one arm per window in turn, ``rounds`` times each (the first step of a
+    window is not counted: it pays the switch). The arm with the lowest median step time is kept
+    ("off" unless another is faster by more than ``margin``) for ``hold`` decode steps, then
+    checked again the same way; a check that confirms the same arm doubles the hold, up to
     ``max_hold``. ``on_forward(tokens)`` is a forward observer of the runtime."""
 
     def __init__(self, window: int = 4, rounds: int = 2, hold: int = 64, max_hold: int = 1024, margin: float = 0.02,
-                 clock: Callable[[], float] = time.perf_counter):
+                 arms: tuple[str, ...] = GUARD_ARMS, clock: Callable[[], float] = time.perf_counter):
         if window < 2 or rounds < 1 or hold < 1:
             raise ValueError("window >= 2, rounds >= 1 and hold >= 1 are needed")
-        self.window, self.rounds, self.margin = window, rounds, margin
+        arms = tuple(arms)
+        if "off" not in arms or len(arms) < 2 or len(set(arms)) != len(arms) or any(a not in GUARD_ARMS for a in arms):
+            raise ValueError(f"arms: two or more distinct of {GUARD_ARMS}, 'off' among them")
+        self.window, self.rounds, self.margin, self.arms = window, rounds, margin, arms
         self.hold, self.max_hold = hold, max_hold
         self.clock = clock
-        self.enabled = True  # the host path is allowed now
         self.checks = 0  # completed comparisons
-        self.last = {"on_ms": None, "off_ms": None}  # medians of the last comparison
+        self.last: dict[str, float | None] = {f"{a}_ms": None for a in arms}  # medians of the last comparison
+        self._choice: str | None = None
         self._prev: tuple[float, int] | None = None  # (start, tokens) of the previous forward
         self._start_check()
 
+    @property
+    def enabled(self) -> bool:
+        """The host path is in use now (any arm but "off")."""
+        return self.arm != "off"
+
     def _start_check(self) -> None:
-        self._plan = [True, False] * self.rounds  # host path on / off, one window each
+        self._plan = list(self.arms) * self.rounds  # one window per arm, in turn
         self._window_steps = 0
-        self._samples: dict[bool, list[float]] = {True: [], False: []}
+        self._samples: dict[str, list[float]] = {a: [] for a in self.arms}
         self._holding = 0  # decode steps left in the hold (0: checking)
-        self.enabled = self._plan[0]
+        self.arm = self._plan[0]
 
     def on_forward(self, tokens: int) -> None:
         now = self.clock()
@@ -272,34 +299,35 @@ class HybridGuard:
         self._step(now - prev[0])
 
     def _step(self, seconds: float) -> None:
-        """One decode step ran in the current mode and took ``seconds``."""
+        """One decode step ran with the current arm and took ``seconds``."""
         if self._holding:
             self._holding -= 1
             if not self._holding:
                 self._start_check()
             return
         if self._window_steps:  # the window's first step pays the switch
-            self._samples[self.enabled].append(seconds)
+            self._samples[self.arm].append(seconds)
         self._window_steps += 1
         if self._window_steps < self.window:
             return
         self._plan.pop(0)
         self._window_steps = 0
         if self._plan:
-            self.enabled = self._plan[0]
+            self.arm = self._plan[0]
             return
-        on, off = _median(self._samples[True]), _median(self._samples[False])
-        choice = on < off * (1 - self.margin)
+        med = {a: _median(v) for a, v in self._samples.items()}
+        best = min((a for a in self.arms if a != "off"), key=med.__getitem__)
+        choice = best if med[best] < med["off"] * (1 - self.margin) else "off"
         if self.checks and choice == self._choice:
             self.hold = min(self.max_hold, 2 * self.hold)
         self._choice = choice
         self.checks += 1
-        self.last = {"on_ms": on * 1e3, "off_ms": off * 1e3}
-        self.enabled = choice
+        self.last = {f"{a}_ms": m * 1e3 for a, m in med.items()}
+        self.arm = choice
         self._holding = self.hold
 
     def stats(self) -> dict:
-        return {"host_path": self.enabled, "checks": self.checks, **self.last, "hold_steps": self.hold}
+        return {"arm": self.arm, "host_path": self.enabled, "checks": self.checks, **self.last, "hold_steps": self.hold}
 
 
 def _median(xs: list[float]) -> float:
@@ -318,7 +346,8 @@ class CpuPlacement:
     in-flight experts and its resident ones. Experts computed on the CPU that are hot (used
     at least ``hot_uses`` times within the last ``hot_window`` forwards) are still brought
     into the cache in the background band, so the cache keeps the hot set. With a ``guard``
-    (:class:`HybridGuard`), nothing goes to the CPU while the guard finds the host path slower.
+    (:class:`HybridGuard`), its arm decides: the cost model's split, nothing on the CPU, or
+    every miss not in flight on the CPU.
     """
 
     def __init__(self, cache, scheduler, runner: CpuExpertRunner, cost, hot_uses: int = 2, hot_window: int = 8,
@@ -338,6 +367,10 @@ class CpuPlacement:
         self.background = 0  # hot CPU experts queued into the cache
         cost.set_cpu_expert_rate(runner.seconds_for)
 
+    def may_use_host(self) -> bool:
+        """Whether this step's layers may compute experts on the CPU (the guard's arm is not "off")."""
+        return self.guard is None or self.guard.enabled
+
     def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int, device) -> list[int]:
         now = time.perf_counter()
         if now - self._last_observe >= self.observe_every_s:
@@ -349,20 +382,24 @@ class CpuPlacement:
                 in_flight += 1
             else:
                 missing[e] = len(positions[e])
-        if self.guard is not None and not self.guard.enabled:
+        arm = self.guard.arm if self.guard is not None else "model"
+        if arm == "off":
             return []
-        miss_set = set(misses)
-        resident = [len(p) for e, p in positions.items() if e not in miss_set]
-        plan = self.cost.place_layer(missing, in_flight=in_flight, resident_tokens=resident)
+        if arm == "host":  # every miss not already on its way
+            host = sorted(missing)
+        else:
+            miss_set = set(misses)
+            resident = [len(p) for e, p in positions.items() if e not in miss_set]
+            host = self.cost.place_layer(missing, in_flight=in_flight, resident_tokens=resident).host
         self.decisions += 1
         forward = self.cache.stats.forwards
-        for e in plan.host:
+        for e in host:
             uses = self._uses.setdefault((layer, e), deque(maxlen=self.hot_uses))
             uses.append(forward)
             if len(uses) == self.hot_uses and forward - uses[0] < self.hot_window:
                 if self.cache.prefetch(layer, e, self.background_band):
                     self.background += 1
-        return plan.host
+        return host
 
 
 def resolve_mode(mode: str) -> str:

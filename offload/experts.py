@@ -98,6 +98,8 @@ class OffloadedExperts(nn.Module):
 
         x_host = w_host = None  # host copies of x and w_flat for the CPU experts (CUDA)
         if self.cpu is not None and x.device.type == "cuda":  # one copy for the routing and the CPU's rows
+            if self.cpu_mode == "all" or (self.placer is not None and self.placer.may_use_host()):
+                self.cpu.wake()  # the kernel's threads poll while the device finishes the layer's routing
             idx_cpu, w_host, x_host = _to_host(idx, w.reshape(-1), x)
         else:
             idx_cpu = idx.to("cpu")  # device->host sync: every earlier kernel has finished (cache.py)

@@ -151,8 +151,8 @@ class OffloadedModel:
         CPU device otherwise). "auto" falls back to "off" where the kernel cannot read the experts (the
         reason is in ``stats()["cpu_experts"]``); "all" is an error there.
         ``cpu_threads``: the kernel's threads (default: the cores this process may use).
-        ``hybrid_guard`` (with "auto"): decode steps check the placement against what it realizes,
-        alternating windows with and without the host path, and keep the faster
+        ``hybrid_guard`` (with "auto"): decode steps check placements against what they realize,
+        in turn fetch-only, the cost model's split and every miss on the CPU, and keep the fastest
         (offload/cpu_compute.py, ``HybridGuard``); False trusts the per-layer cost model alone.
         """
         self = object.__new__(cls)
@@ -293,8 +293,8 @@ class OffloadedModel:
 
             if cpu_mode == "all":  # the decoding thread is the pool's thread 0; nothing is fetched
                 cpu_threads = default_threads()
-            else:  # beside it run the thread that drives the device and the scheduler's copy workers
-                cpu_threads = max(1, default_threads() - 1 - self.scheduler.workers)
+            else:  # beside it runs the thread that drives the device (the copy workers mostly wait on DMA)
+                cpu_threads = max(1, default_threads() - 1)
         try:
             self.cpu = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
         except (CpuExpertError, NativeLibraryMissing) as exc:

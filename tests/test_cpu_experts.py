@@ -463,3 +463,25 @@ def test_routing_and_rows_to_host_in_one_copy_are_bit_exact(dtype):
     assert w2.dtype == torch.float32 and torch.equal(w2, w.reshape(-1).float())
     assert x2.dtype == dtype and x2.shape == (T, H)
     assert torch.equal(x2.view(torch.int16), x.view(torch.int16))
+
+
+def test_wake_is_a_hint():
+    """pf_cpu_wake announces a call: the result of the call after it is unchanged, a wake with no
+    call after it costs nothing but the poll, and a closed context refuses it."""
+    g = torch.Generator().manual_seed(5)
+    H = I = 64
+    gu = torch.randint(0, 256, (2 * I, H // 32, 16), dtype=torch.uint8, generator=g)
+    gs = torch.randint(120, 130, (2 * I, H // 32), dtype=torch.uint8, generator=g)
+    dn = torch.randint(0, 256, (H, I // 32, 16), dtype=torch.uint8, generator=g)
+    ds = torch.randint(120, 130, (H, I // 32), dtype=torch.uint8, generator=g)
+    w = ExpertWeights.mxfp4(gu, gs, None, dn, ds, None)
+    x = torch.randn(3, H, generator=g)
+    k = CpuExperts(threads=3)
+    want = k.forward(w, x)
+    for _ in range(5):
+        k.wake()
+        assert torch.equal(k.forward(w, x), want)
+    k.wake()
+    k.close()
+    with pytest.raises(CpuExpertError):
+        k.wake()

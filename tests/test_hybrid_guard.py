@@ -1,4 +1,4 @@
-"""HybridGuard: the host path is kept only while decode steps realize it faster (offload/cpu_compute.py)."""
+"""HybridGuard: a placement (arm) is kept only while decode steps realize it faster (offload/cpu_compute.py)."""
 
 import pytest
 
@@ -26,19 +26,19 @@ def run(guard, clock, steps, on_s, off_s, tokens=1):
 @pytest.mark.parametrize("on_s,off_s,want", [(0.030, 0.040, True), (0.045, 0.040, False), (0.0400, 0.0401, False)])
 def test_keeps_the_faster_mode(on_s, off_s, want):
     clock = Clock()
-    g = HybridGuard(window=3, rounds=2, hold=10, clock=clock)
+    g = HybridGuard(window=3, rounds=2, hold=10, arms=("off", "model"), clock=clock)
     run(g, clock, 1 + 3 * 4, on_s, off_s)  # the first forward has no predecessor; then four windows
-    assert g.checks == 1 and g.enabled is want
-    assert g.stats()["on_ms"] == pytest.approx(on_s * 1e3) and g.stats()["off_ms"] == pytest.approx(off_s * 1e3)
+    assert g.checks == 1 and g.enabled is want and g.arm == ("model" if want else "off")
+    assert g.stats()["model_ms"] == pytest.approx(on_s * 1e3) and g.stats()["off_ms"] == pytest.approx(off_s * 1e3)
 
 
 def test_windows_alternate_and_the_hold_doubles_when_confirmed():
     clock = Clock()
-    g = HybridGuard(window=2, rounds=1, hold=4, max_hold=16, clock=clock)
+    g = HybridGuard(window=2, rounds=1, hold=4, max_hold=16, arms=("off", "model"), clock=clock)
     modes = run(g, clock, 1 + 4, 0.05, 0.04)
-    assert modes == [True, True, False, False, False] and g.checks == 1 and not g.enabled
+    assert modes == [False, False, True, True, False] and g.checks == 1 and not g.enabled
     held = run(g, clock, 4, 0.05, 0.04)
-    assert held == [False] * 3 + [True] and g.checks == 1  # held (nothing re-measured), then the next check opens
+    assert held == [False] * 4 and g.checks == 1  # held (nothing re-measured), then the next check opens with "off"
     run(g, clock, 4, 0.05, 0.04)  # the second check confirms "off"
     assert g.checks == 2 and not g.enabled and g.hold == 8
     run(g, clock, 8 + 4, 0.05, 0.04)
@@ -49,28 +49,49 @@ def test_windows_alternate_and_the_hold_doubles_when_confirmed():
 
 def test_only_decode_steps_count():
     clock = Clock()
-    g = HybridGuard(window=2, rounds=1, hold=4, clock=clock)
+    g = HybridGuard(window=2, rounds=1, hold=4, arms=("off", "model"), clock=clock)
     run(g, clock, 20, 0.01, 0.02, tokens=5)  # prefill / verify forwards
-    assert g.checks == 0 and g.enabled
+    assert g.checks == 0 and not g.enabled  # no check completed: still "off", the first arm
     g.on_forward(1)
     clock.t += 100.0  # a forward of one token followed by a prefill: that gap is not a step
     run(g, clock, 1, 0.01, 0.02, tokens=9)
-    assert g.checks == 0 and g.stats()["on_ms"] is None
+    assert g.checks == 0 and g.stats()["model_ms"] is None
 
 
 def test_first_step_of_a_window_is_not_counted():
     clock = Clock()
-    g = HybridGuard(window=2, rounds=1, hold=4, clock=clock)
+    g = HybridGuard(window=2, rounds=1, hold=4, arms=("off", "model"), clock=clock)
     g.on_forward(1)
-    for seconds in (9.0, 0.03, 9.0, 0.04):  # a slow switch step opens each window
+    for seconds in (9.0, 0.04, 9.0, 0.03):  # a slow switch step opens each window (off, then model)
         clock.t += seconds
         g.on_forward(1)
-    assert g.checks == 1 and g.stats()["on_ms"] == pytest.approx(30) and g.stats()["off_ms"] == pytest.approx(40)
+    assert g.checks == 1 and g.stats()["model_ms"] == pytest.approx(30) and g.stats()["off_ms"] == pytest.approx(40)
 
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         HybridGuard(window=1)
+    for arms in (("model", "host"), ("off",), ("off", "off"), ("off", "gpu")):
+        with pytest.raises(ValueError):
+            HybridGuard(arms=arms)
+
+
+@pytest.mark.parametrize("ms,want", [({"model": 40, "off": 45, "host": 30}, "host"),
+                                     ({"model": 30, "off": 45, "host": 40}, "model"),
+                                     ({"model": 44.5, "off": 45, "host": 44.2}, "off"),  # within the margin
+                                     ({"model": 50, "off": 45, "host": 60}, "off")])
+def test_three_arms_keep_the_fastest(ms, want):
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=2, hold=8, clock=clock)
+    arms = []
+    g.on_forward(1)
+    for _ in range(3 * 2 * 2):  # three arms, two rounds, windows of two steps
+        arms.append(g.arm)
+        clock.t += ms[g.arm] / 1e3
+        g.on_forward(1)
+    assert arms == ["off"] * 2 + ["model"] * 2 + ["host"] * 2 + ["off"] * 2 + ["model"] * 2 + ["host"] * 2
+    assert g.checks == 1 and g.arm == want and g.enabled is (want != "off")
+    assert {a: g.stats()[f"{a}_ms"] for a in ms} == pytest.approx(ms)
 
 
 def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
@@ -88,6 +109,12 @@ def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
                              link_gbps=0.01, cpu_threads=1) as rt:
         guard = rt.placer.guard
         assert guard is not None and guard.on_forward in rt._forward_observers
-        guard.enabled, guard._holding = False, 10**6  # as if a check had found the host path slower
+        guard.arm, guard._holding = "off", 10**6  # as if a check had found the host path slower
         generate(rt, [1, 2, 3], max_new_tokens=4, eos_token_ids=[])
         assert rt.stats()["cpu_experts"]["computed"] == 0 and rt.stats()["cpu_experts"]["guard"]["host_path"] is False
+        rt.reset_cache()
+        guard.arm = "host"  # every miss on the CPU: nothing fetched on demand
+        generate(rt, [1, 2, 3], max_new_tokens=4, eos_token_ids=[])
+        st = rt.stats()
+        assert st["cpu_experts"]["computed"] > 0 and st["cpu_experts"]["guard"]["arm"] == "host"
+        assert st["experts_per_token"]["fetched"] == 0, st["experts_per_token"]
