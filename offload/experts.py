@@ -27,9 +27,10 @@ CPU experts (``cpu``, a CpuExpertRunner over the host store): experts chosen by
 ``cpu_mode`` are computed by the native CPU kernel straight from host memory instead of
 being fetched: "all" computes every routed expert there (the cache is not used); "auto"
 asks ``placer`` (the cost model) which non-resident experts to compute on the CPU and which
-to fetch. On CUDA the CPU work runs in a helper thread (the kernel releases the GIL) while
-the device computes the resident and fetched experts; its results join in the same
-reduction. CPU results are float32, scaled by the routing weight, then stored like the
+to fetch. On CUDA the routing, the routing weights and the hidden rows come to the host in
+one copy; the misses are requested and the resident experts launched on the device first, then
+this thread runs the CPU experts (the kernel's pool, this thread its thread 0) while the link
+and the device work, then computes the arrivals; the results join in the same reduction. CPU results are float32, scaled by the routing weight, then stored like the
 device's.
 
 Shape legend: T tokens, K experts per token, H hidden, E experts per layer.
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -63,7 +63,6 @@ class OffloadedExperts(nn.Module):
         cpu=None,
         cpu_mode: str = "off",
         placer=None,
-        cpu_pool: ThreadPoolExecutor | None = None,
         slot_cpu=None,
         on_host_overhead: Callable[[float], None] | None = None,
     ):
@@ -76,7 +75,6 @@ class OffloadedExperts(nn.Module):
         self.cpu = cpu  # CpuExpertRunner or None
         self.cpu_mode = cpu_mode if cpu is not None else "off"
         self.placer = placer  # callable(layer, misses, positions, K, device) -> experts to compute on the CPU
-        self.cpu_pool = cpu_pool  # one helper thread (CUDA): CPU experts overlap the device's work
         self.slot_cpu = slot_cpu  # CPU device: the native kernel over the cache's slot rows (CpuExpertRunner.run_slots)
         self.on_host_overhead = on_host_overhead  # the cost model's per-layer host overhead (hybrid)
         self.calls = 0
@@ -153,25 +151,24 @@ class OffloadedExperts(nn.Module):
         for e in experts:
             s = cache.lookup(layer, e)
             (hits.append((e, s)) if s is not None else misses.append(e))
-        cpu_future, cpu_result, cpu_list = None, None, []  # the helper thread's job (CUDA) / a result (CPU device)
+        cpu_result, cpu_list = None, []
         if self.cpu_mode == "auto" and misses and self.placer is not None:
             on_cpu = set(self.placer(layer, misses, positions, K, dev))
             if on_cpu:
                 misses = [e for e in misses if e not in on_cpu]
                 cpu_list = sorted(on_cpu)
-                if self.cpu_pool is not None and dev.type == "cuda":  # overlaps the fetches and the device's compute
-                    t_host = time.perf_counter()
-                    cpu_future = self.cpu_pool.submit(self._cpu_compute, x_host, w_host, K, cpu_list, positions)
-                    host_before = time.perf_counter() - t_host
-        for e in misses:  # submitted before the hits compute, so the link starts at once
+        for e in misses:  # submitted before anything is computed, so the link starts at once
             f = cache.request(layer, e)
             (pending.append((e, f)) if f is not None else waiting.append(e))
-        if cpu_list and cpu_future is None:  # CPU device: computed here while the fetches cross the link
-            cpu_result = self._cpu_compute(x, w_flat, K, cpu_list, positions)
         done_slots = []
-        if hits:
+        if hits:  # on CUDA only launched: the device computes them while the CPU computes below
             compute(hits)
             done_slots += [s for _, s in hits]
+        if cpu_list:  # on this thread, while the fetches cross the link and the device computes the hits
+            xs, ws = (x_host, w_host) if x_host is not None else (x, w_flat)
+            cpu_result = self._cpu_compute(xs, ws, K, cpu_list, positions)
+            if self.on_host_overhead is not None and dev.type == "cuda":  # its time beyond the kernel's
+                self.on_host_overhead(cpu_result[2] - cpu_result[3])
         while pending or waiting:
             if pending:
                 e, f = pending.popleft()
@@ -194,16 +191,7 @@ class OffloadedExperts(nn.Module):
                     if f is None:
                         raise PdflashError(f"layer {layer}: no expert cache slot could be freed")
                 pending.append((waiting.popleft(), f))
-        if cpu_future is not None:  # the helper thread's job: also the time it took beyond the kernel
-            t_wait = time.perf_counter()
-            res = cpu_future.result()
-            t_store = time.perf_counter()
-            self._store_cpu(contrib, res, dev)
-            if self.on_host_overhead is not None:
-                waited = t_store - t_wait  # the part of the job the device did not hide
-                extra = res[2] - res[3]  # job wall time in the thread minus the kernel's own time
-                self.on_host_overhead(host_before + min(waited, extra) + time.perf_counter() - t_store)
-        elif cpu_result is not None:
+        if cpu_result is not None:
             self._store_cpu(contrib, cpu_result, dev)
         cache.end_layer()
         out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
@@ -213,8 +201,7 @@ class OffloadedExperts(nn.Module):
                      positions: dict[int, list[int]]) -> tuple[list[int], torch.Tensor, float, float]:
         """The native kernel on the host for ``experts``, in one call: (positions, a float32
         [T*K, H] buffer holding their weighted outputs at those rows, the call's wall seconds,
-        the kernel's own seconds). Runs in the helper thread on CUDA (x and w_flat are host
-        copies then)."""
+        the kernel's own seconds). On CUDA x and w_flat are the host copies of :func:`_to_host`."""
         t0 = time.perf_counter()
         xh = x if x.device.type == "cpu" else x.to("cpu")
         wh = w_flat.to("cpu", torch.float32)

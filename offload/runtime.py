@@ -19,7 +19,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -36,7 +35,6 @@ from pdflash.offload.prefetch import ExpertPrefetcher
 from pdflash.offload.stats import band_name
 
 LINK_GBPS_MIN, LINK_GBPS_MAX = 1e-3, 1e4  # a simulated link from 1 MB/s to 10 TB/s
-HYBRID_SWITCH_INTERVAL_S = 1e-4  # the interpreter's switch interval while the CPU experts' helper thread runs
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -162,8 +160,6 @@ class OffloadedModel:
         self.cache = None
         self.cpu = None
         self.slot_cpu = None
-        self._cpu_pool = None
-        self._switch_interval = None  # the interpreter's, while hybrid execution lowers it
         dev = resolve_device(device)
         if eviction not in EVICTION_POLICIES:
             raise PdflashError(f"unknown eviction policy {eviction!r}: choose one of {', '.join(EVICTION_POLICIES)}",
@@ -266,7 +262,7 @@ class OffloadedModel:
                 if dev.type == "cpu" and cpu_mode != "all" and reason is None:
                     self._start_slot_cpu(old, cpu_threads)
             return OffloadedExperts(i, E, self.cache, kernel, self._on_routed, cpu=self.cpu, cpu_mode=self.cpu_mode,
-                                    placer=self.placer, cpu_pool=self._cpu_pool, slot_cpu=self.slot_cpu,
+                                    placer=self.placer, slot_cpu=self.slot_cpu,
                                     on_host_overhead=self._observe_host_overhead if self.placer is not None else None)
 
         self.model = fam.build(dev, self.dtype, ckpt.get, make_experts)
@@ -291,27 +287,17 @@ class OffloadedModel:
         if cpu_threads is None and self.device.type == "cuda":
             from pdflash.native.cpu_experts import default_threads
 
-            if cpu_mode == "all":  # the decoding thread is the pool's thread 0; nothing is fetched
-                cpu_threads = default_threads()
-            else:  # beside it runs the thread that drives the device (the copy workers mostly wait on DMA)
-                cpu_threads = max(1, default_threads() - 1)
+            # the decoding thread runs the kernel as the pool's thread 0; the scheduler's copy
+            # workers mostly wait on DMA
+            cpu_threads = default_threads()
         try:
             self.cpu = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
         except (CpuExpertError, NativeLibraryMissing) as exc:
             raise PdflashError(f"--cpu-experts {cpu_mode}: {exc}") from None
         if cpu_mode == "auto":
-            from concurrent.futures import ThreadPoolExecutor
-
             from pdflash.offload.cpu_compute import CpuPlacement, HybridGuard
 
             self.cpu.calibrate()
-            if self.device.type == "cuda":  # the CPU experts overlap the device's work
-                self._cpu_pool = ThreadPoolExecutor(1, thread_name_prefix="pdflash-cpu-experts")
-                # The helper thread needs the interpreter lock before and after each kernel call
-                # while the decoding thread launches device work in Python; at the default 5 ms
-                # switch interval it could wait most of a layer for it. Restored on close.
-                self._switch_interval = sys.getswitchinterval()
-                sys.setswitchinterval(min(self._switch_interval, HYBRID_SWITCH_INTERVAL_S))
             guard = HybridGuard() if hybrid_guard else None
             self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
                                        background_band=self._background_priority, guard=guard)
@@ -597,12 +583,6 @@ class OffloadedModel:
         if self.scheduler is not None:
             self.scheduler.close()  # joins workers; no copy touches the buffers after this
             self.scheduler = None
-        if self._cpu_pool is not None:
-            self._cpu_pool.shutdown(wait=True)  # no CPU expert reads the host store after this
-            self._cpu_pool = None
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
         if self.slot_cpu is not None and self.slot_cpu is not self.cpu:
             self.slot_cpu.close()
         self.slot_cpu = None
