@@ -254,7 +254,8 @@ class HybridGuard:
 
     - "off": every miss is fetched (no host path);
     - "model": the per-layer cost model splits each layer's misses between the link and the CPU;
-    - "host": every miss not already on its way is computed on the CPU (hits stay on the device).
+    - "host": every miss not already on its way is computed on the CPU (hits stay on the device;
+      nothing is brought into the cache, so no DMA competes with the kernel's DRAM reads).
 
     Decode steps (forwards of one token that follow a forward of one token) run in windows of
     ``window`` steps, one arm per window in turn, ``rounds`` times each (the first step of a
@@ -347,7 +348,7 @@ class CpuPlacement:
     at least ``hot_uses`` times within the last ``hot_window`` forwards) are still brought
     into the cache in the background band, so the cache keeps the hot set. With a ``guard``
     (:class:`HybridGuard`), its arm decides: the cost model's split, nothing on the CPU, or
-    every miss not in flight on the CPU.
+    every miss not in flight on the CPU (then without background fetches).
     """
 
     def __init__(self, cache, scheduler, runner: CpuExpertRunner, cost, hot_uses: int = 2, hot_window: int = 8,
@@ -392,6 +393,8 @@ class CpuPlacement:
             resident = [len(p) for e, p in positions.items() if e not in miss_set]
             host = self.cost.place_layer(missing, in_flight=in_flight, resident_tokens=resident).host
         self.decisions += 1
+        if arm == "host":  # the CPU serves every miss: no link traffic competes with its DRAM reads
+            return host
         forward = self.cache.stats.forwards
         for e in host:
             uses = self._uses.setdefault((layer, e), deque(maxlen=self.hot_uses))

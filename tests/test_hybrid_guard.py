@@ -113,8 +113,10 @@ def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
         generate(rt, [1, 2, 3], max_new_tokens=4, eos_token_ids=[])
         assert rt.stats()["cpu_experts"]["computed"] == 0 and rt.stats()["cpu_experts"]["guard"]["host_path"] is False
         rt.reset_cache()
-        guard.arm = "host"  # every miss on the CPU: nothing fetched on demand
-        generate(rt, [1, 2, 3], max_new_tokens=4, eos_token_ids=[])
+        guard.arm = "host"  # every miss on the CPU: nothing fetched, not even hot experts in the background
+        background = rt.placer.background
+        generate(rt, [1, 2, 3, 1, 2, 3], max_new_tokens=8, eos_token_ids=[])
+        assert rt.placer.background == background
         st = rt.stats()
         assert st["cpu_experts"]["computed"] > 0 and st["cpu_experts"]["guard"]["arm"] == "host"
         assert st["experts_per_token"]["fetched"] == 0, st["experts_per_token"]

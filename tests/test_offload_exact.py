@@ -197,21 +197,23 @@ def test_cuda_matches_transformers_on_cuda(ckpts):
 
 @pytest.mark.gpu
 def test_cuda_hybrid_matches_fetch_only_in_float32(ckpts):
-    """On CUDA the CPU experts run in a helper thread beside the device's work: float32 greedy
-    tokens equal the fetch-only run's, and the interpreter's switch interval, lowered for the
-    helper thread while the runtime is open, is restored on close."""
-    import sys
-
-    path, before = ckpts["mxfp4-bf16"], sys.getswitchinterval()
+    """On CUDA the CPU experts run on the decoding thread while the device computes the hits and
+    the link carries the fetches: float32 greedy tokens equal the fetch-only run's, with the cost
+    model's split (no guard) and with the guard held on its "host" arm (every miss on the CPU)."""
+    path = ckpts["mxfp4-bf16"]
     with OffloadedModel.load(path, device="cuda", dtype=torch.float32, expert_cache_experts=K) as rt:
         want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
     with OffloadedModel.load(path, device="cuda", dtype=torch.float32, expert_cache_experts=K, cpu_experts="auto",
-                             link_gbps=0.01, cpu_threads=2) as rt:
-        assert sys.getswitchinterval() < before
+                             link_gbps=0.01, cpu_threads=2, hybrid_guard=False) as rt:
         assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == want
         assert rt.stats()["cpu_experts"]["computed"] > 0
-        assert rt.cost.to_dict()["host_layer_overhead_ms"] is not None  # measured on the helper thread's path
-    assert sys.getswitchinterval() == before
+        assert rt.cost.to_dict()["host_layer_overhead_ms"] is not None  # measured around the inline call
+    with OffloadedModel.load(path, device="cuda", dtype=torch.float32, expert_cache_experts=K, cpu_experts="auto",
+                             cpu_threads=2) as rt:
+        rt.placer.guard.arm, rt.placer.guard._holding = "host", 10**6
+        assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == want
+        st = rt.stats()
+        assert st["cpu_experts"]["computed"] > 0 and st["experts_per_token"]["fetched"] == 0
 
 
 # -- Qwen3-MoE ---------------------------------------------------------------------------------
