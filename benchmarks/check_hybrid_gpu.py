@@ -108,7 +108,7 @@ def main(argv=None) -> int:
             ept = r["experts_per_token"]
             print(f"{dtype:9s} {mode:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
                   f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
-                  f"identical {r['identical_to_first_mode']}", file=sys.stderr)
+                  f"identical {r['identical_to_first_mode']}{_guard_text(r)}", file=sys.stderr)
     if args.in_memory:
         source.close()
     out = {"ckpt": args.ckpt or f"synthetic in memory: {args.in_memory}", "synthetic_in_memory": bool(args.in_memory), "device": args.device, "cache_slots": args._slots, "total_experts": total,
@@ -120,6 +120,15 @@ def main(argv=None) -> int:
     if args.json:
         print(text)
     return 0
+
+
+def _guard_text(run: dict) -> str:
+    """The guard's kept arm and its last medians per arm (ms per decode step), for the console."""
+    g = (run.get("cpu_experts") or {}).get("guard")
+    if not g:
+        return ""
+    ms = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in g.items() if k.endswith("_ms") and v is not None)
+    return f"  guard: {g.get('arm')} ({ms + ' ms/step' if ms else 'no check yet'})"
 
 
 if __name__ == "__main__":
