@@ -7,7 +7,8 @@
 For each dtype (``--dtypes``, float32 and bfloat16) and each mode (off: every missing expert
 fetched; auto: each layer's misses split between the link and the CPU kernel by the cost
 model, checked by the guard against realized decode steps; auto-model: the cost model alone,
-no guard; all: every expert on the CPU), one greedy generation of ``--tokens`` tokens after a
+no guard; auto-host / auto-off: the guard pinned to that arm, e.g. auto-host every miss on the
+CPU and the hits on the device; all: every expert on the CPU), one greedy generation of ``--tokens`` tokens after a
 fixed prompt with an expert cache of ``--cache-fraction`` of all experts (plain decoding,
 eager: CUDA graphs off so the three modes run the same code around the experts). Reports the
 token ids' agreement with the fetch-only run of the same dtype (the aim in float32:
@@ -38,9 +39,11 @@ PROMPT = [200, 1000, 31, 9, 77, 4000, 250, 17, 3, 44, 81, 90, 123, 7, 66, 19]
 
 
 def run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
-    with OffloadedModel.load(ckpt, device=device, dtype=dtype, cpu_experts="auto" if mode == "auto-model" else mode,
+    with OffloadedModel.load(ckpt, device=device, dtype=dtype, cpu_experts="auto" if mode.startswith("auto") else mode,
                              cpu_threads=args.cpu_threads, link_gbps=args.link_gbps, hybrid_guard=mode != "auto-model",
                              expert_cache_experts=None if mode == "all" else args._slots) as rt:
+        if mode.startswith("auto-") and mode != "auto-model" and rt.placer is not None:
+            rt.placer.guard.pin(mode[len("auto-"):])  # that arm's steady steps, no trials
         vocab = int(rt.config.vocab_size)
         prompt = [t % vocab for t in PROMPT]
         graphs = bool(args.cuda_graphs)
@@ -81,6 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    bad = [m for m in args.modes.split(",") if m not in ("off", "auto", "auto-model", "auto-host", "auto-off", "all")]
+    if bad:
+        ap.error(f"unknown mode(s) {', '.join(bad)}: use off, auto, auto-model, auto-host, auto-off, all")
     if (args.ckpt is None) == (args.in_memory is None):
         ap.error("give a checkpoint directory or --in-memory PRESET (one of them)")
     source = args.ckpt

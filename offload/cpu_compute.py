@@ -255,7 +255,8 @@ class HybridGuard:
     - "off": every miss is fetched (no host path);
     - "model": the per-layer cost model splits each layer's misses between the link and the CPU;
     - "host": every miss not already on its way is computed on the CPU (hits stay on the device;
-      nothing is brought into the cache, so no DMA competes with the kernel's DRAM reads).
+      nothing is brought into the cache, so no DMA competes with the kernel's DRAM reads; the
+      cache keeps what the other arms' windows brought in until the next check).
 
     Decode steps (forwards of one token that follow a forward of one token) run in windows of
     ``window`` steps, one arm per window in turn, ``rounds`` times each (the first step of a
@@ -291,6 +292,12 @@ class HybridGuard:
         self._samples: dict[str, list[float]] = {a: [] for a in self.arms}
         self._holding = 0  # decode steps left in the hold (0: checking)
         self.arm = self._plan[0]
+
+    def pin(self, arm: str) -> None:
+        """Keep ``arm`` from now on, checking nothing (benchmarks measure one arm's steady steps)."""
+        if arm not in self.arms:
+            raise ValueError(f"arm {arm!r} is not one of {self.arms}")
+        self.arm, self._plan, self._holding = arm, [], -1  # a negative hold never runs out
 
     def on_forward(self, tokens: int) -> None:
         now = self.clock()

@@ -68,6 +68,15 @@ def test_first_step_of_a_window_is_not_counted():
     assert g.checks == 1 and g.stats()["model_ms"] == pytest.approx(30) and g.stats()["off_ms"] == pytest.approx(40)
 
 
+def test_a_pinned_arm_is_kept_and_nothing_is_checked():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=1, hold=4, clock=clock)
+    g.pin("host")
+    assert run(g, clock, 50, 0.01, 0.02) == [True] * 50 and g.arm == "host" and g.checks == 0
+    with pytest.raises(ValueError):
+        g.pin("gpu")
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         HybridGuard(window=1)
@@ -109,11 +118,11 @@ def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
                              link_gbps=0.01, cpu_threads=1) as rt:
         guard = rt.placer.guard
         assert guard is not None and guard.on_forward in rt._forward_observers
-        guard.arm, guard._holding = "off", 10**6  # as if a check had found the host path slower
+        guard.pin("off")  # as if a check had found the host path slower
         generate(rt, [1, 2, 3], max_new_tokens=4, eos_token_ids=[])
         assert rt.stats()["cpu_experts"]["computed"] == 0 and rt.stats()["cpu_experts"]["guard"]["host_path"] is False
         rt.reset_cache()
-        guard.arm = "host"  # every miss on the CPU: nothing fetched, not even hot experts in the background
+        guard.pin("host")  # every miss on the CPU: nothing fetched, not even hot experts in the background
         background = rt.placer.background
         generate(rt, [1, 2, 3, 1, 2, 3], max_new_tokens=8, eos_token_ids=[])
         assert rt.placer.background == background

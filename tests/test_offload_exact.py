@@ -210,7 +210,7 @@ def test_cuda_hybrid_matches_fetch_only_in_float32(ckpts):
         assert rt.cost.to_dict()["host_layer_overhead_ms"] is not None  # measured around the inline call
     with OffloadedModel.load(path, device="cuda", dtype=torch.float32, expert_cache_experts=K, cpu_experts="auto",
                              cpu_threads=2) as rt:
-        rt.placer.guard.arm, rt.placer.guard._holding = "host", 10**6
+        rt.placer.guard.pin("host")
         assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == want
         st = rt.stats()
         assert st["cpu_experts"]["computed"] > 0 and st["experts_per_token"]["fetched"] == 0
