@@ -30,8 +30,8 @@ asks ``placer`` (the cost model) which non-resident experts to compute on the CP
 to fetch. On CUDA the routing, the routing weights and the hidden rows come to the host in
 one copy; the misses are requested and the resident experts launched on the device first, then
 this thread runs the CPU experts (the kernel's pool, this thread its thread 0) while the link
-and the device work, then computes the arrivals; the results join in the same reduction. CPU results are float32, scaled by the routing weight, then stored like the
-device's.
+and the device work, then computes the arrivals; the results join in the same reduction. CPU
+results are float32, scaled by the routing weight, then stored like the device's.
 
 Shape legend: T tokens, K experts per token, H hidden, E experts per layer.
 """
