@@ -978,12 +978,19 @@ static void work_phase(pf_cpu *c, int idx, uint64_t st) {
 #define PF_CPU_WAKE_NS 1000000
 #endif
 
-/* Poll the state for at most ns: a phase newer than `seen`, or stop -> 1 and *st. */
-static int poll_phase(pf_cpu *c, uint32_t seen, uint64_t ns, uint64_t *st) {
+/* Something for this thread to act on: a phase newer than `seen`, or stop (a worker) / the
+ * job's end (the caller). */
+static int ready(pf_cpu *c, uint32_t seen, int caller) {
+    if (ST_SEQ(atomic_load_explicit(&c->state, memory_order_acquire)) != seen) return 1;
+    return caller ? atomic_load_explicit(&c->done, memory_order_acquire)
+                  : atomic_load_explicit(&c->stop, memory_order_relaxed);
+}
+
+/* Poll ready() for at most ns; 1 if it came. */
+static int poll_ready(pf_cpu *c, uint32_t seen, int caller, uint64_t ns) {
     const uint64_t until = now_ns() + ns;
     for (int i = 1;; i++) {
-        *st = atomic_load_explicit(&c->state, memory_order_acquire);
-        if (ST_SEQ(*st) != seen || atomic_load_explicit(&c->stop, memory_order_relaxed)) return 1;
+        if (ready(c, seen, caller)) return 1;
         cpu_relax();
         if (i % 64 == 0 && now_ns() > until) return 0;
     }
@@ -992,18 +999,17 @@ static int poll_phase(pf_cpu *c, uint32_t seen, uint64_t ns, uint64_t *st) {
 /* A worker: wait for a phase newer than `seen` (or stop); poll first if `poll`. A sleeping
  * worker woken by pf_cpu_wake polls for the announced call, then sleeps again. */
 static uint64_t wait_phase(pf_cpu *c, uint32_t seen, int poll) {
-    uint64_t st = 0, ns = poll ? PF_CPU_POLL_NS : 0;
+    uint64_t ns = poll ? PF_CPU_POLL_NS : 0;
     for (;;) {
-        if (ns && poll_phase(c, seen, ns, &st)) return st;
+        if (ns && poll_ready(c, seen, 0, ns)) break;
         pthread_mutex_lock(&c->mu);
         const uint64_t wakes = c->wakes;
-        while (!atomic_load_explicit(&c->stop, memory_order_relaxed) &&
-               ST_SEQ(st = atomic_load_explicit(&c->state, memory_order_acquire)) == seen && c->wakes == wakes)
-            pthread_cond_wait(&c->work_cv, &c->mu);
+        while (!ready(c, seen, 0) && c->wakes == wakes) pthread_cond_wait(&c->work_cv, &c->mu);
         pthread_mutex_unlock(&c->mu);
-        if (atomic_load_explicit(&c->stop, memory_order_relaxed) || ST_SEQ(st) != seen) return st;
+        if (ready(c, seen, 0)) break;
         ns = PF_CPU_WAKE_NS;
     }
+    return atomic_load_explicit(&c->state, memory_order_acquire);
 }
 
 int pf_cpu_wake(pf_cpu *c) {
@@ -1049,19 +1055,9 @@ static void run_job(pf_cpu *c, int first, int last) {
             continue;
         }
         /* its grabs are done; the others are finishing theirs: poll, then sleep */
-        const uint64_t until = now_ns() + PF_CPU_POLL_NS;
-        int woke = 0;
-        for (int i = 1; !woke; i++) {
-            woke = atomic_load_explicit(&c->done, memory_order_acquire) ||
-                   ST_SEQ(atomic_load_explicit(&c->state, memory_order_acquire)) != seen;
-            cpu_relax();
-            if (i % 64 == 0 && now_ns() > until) break;
-        }
-        if (woke) continue;
+        if (poll_ready(c, seen, 1, PF_CPU_POLL_NS)) continue;
         pthread_mutex_lock(&c->mu);
-        while (!atomic_load_explicit(&c->done, memory_order_acquire) &&
-               ST_SEQ(atomic_load_explicit(&c->state, memory_order_acquire)) == seen)
-            pthread_cond_wait(&c->done_cv, &c->mu);
+        while (!ready(c, seen, 1)) pthread_cond_wait(&c->done_cv, &c->mu);
         pthread_mutex_unlock(&c->mu);
     }
 }

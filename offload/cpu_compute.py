@@ -278,6 +278,7 @@ class HybridGuard:
         self.checks = 0  # completed comparisons
         self.last: dict[str, float | None] = {f"{a}_ms": None for a in arms}  # medians of the last comparison
         self._choice: str | None = None
+        self._pinned = False  # pin(): one arm kept, nothing checked
         self._prev: tuple[float, int] | None = None  # (start, tokens) of the previous forward
         self._start_check()
 
@@ -297,7 +298,7 @@ class HybridGuard:
         """Keep ``arm`` from now on, checking nothing (benchmarks measure one arm's steady steps)."""
         if arm not in self.arms:
             raise ValueError(f"arm {arm!r} is not one of {self.arms}")
-        self.arm, self._plan, self._holding = arm, [], -1  # a negative hold never runs out
+        self.arm, self._pinned = arm, True
 
     def on_forward(self, tokens: int) -> None:
         now = self.clock()
@@ -308,6 +309,8 @@ class HybridGuard:
 
     def _step(self, seconds: float) -> None:
         """One decode step ran with the current arm and took ``seconds``."""
+        if self._pinned:
+            return
         if self._holding:
             self._holding -= 1
             if not self._holding:

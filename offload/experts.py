@@ -94,13 +94,13 @@ class OffloadedExperts(nn.Module):
         self.calls += 1
         cache, layer = self.cache, self.layer
 
-        x_host = w_host = None  # host copies of x and w_flat for the CPU experts (CUDA)
         if self.cpu is not None and x.device.type == "cuda":  # one copy for the routing and the CPU's rows
             if self.cpu_mode == "all" or (self.placer is not None and self.placer.may_use_host()):
                 self.cpu.wake()  # the kernel's threads poll while the device finishes the layer's routing
             idx_cpu, w_host, x_host = _to_host(idx, w.reshape(-1), x)
         else:
             idx_cpu = idx.to("cpu")  # device->host sync: every earlier kernel has finished (cache.py)
+            x_host, w_host = x, w.reshape(-1)  # the CPU device: x and w are host tensors already
         cache.sync_point()
         positions: dict[int, list[int]] = {}  # expert -> its positions p = t*K + k, ascending
         for p, e in enumerate(idx_cpu.view(-1).tolist()):
@@ -114,8 +114,7 @@ class OffloadedExperts(nn.Module):
         contrib = torch.empty((T * K, H), dtype=out_dtype, device=dev)  # weighted output per (t, k)
 
         if self.cpu_mode == "all":  # every routed expert on the CPU, nothing fetched
-            xs, ws = (x_host, w_host) if x_host is not None else (x, w_flat)
-            self._store_cpu(contrib, self._cpu_compute(xs, ws, K, experts, positions), dev)
+            self._store_cpu(contrib, self._cpu_compute(x_host, w_host, K, experts, positions), dev)
             out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)
             return out.reshape(shape)
         fused = self.kernel.fused(dev) if T <= FUSED_MAX_TOKENS else None
@@ -165,8 +164,7 @@ class OffloadedExperts(nn.Module):
             compute(hits)
             done_slots += [s for _, s in hits]
         if cpu_list:  # on this thread, while the fetches cross the link and the device computes the hits
-            xs, ws = (x_host, w_host) if x_host is not None else (x, w_flat)
-            cpu_result = self._cpu_compute(xs, ws, K, cpu_list, positions)
+            cpu_result = self._cpu_compute(x_host, w_host, K, cpu_list, positions)
             if self.on_host_overhead is not None and dev.type == "cuda":  # its time beyond the kernel's
                 self.on_host_overhead(cpu_result[2] - cpu_result[3])
         while pending or waiting:
@@ -201,16 +199,15 @@ class OffloadedExperts(nn.Module):
                      positions: dict[int, list[int]]) -> tuple[list[int], torch.Tensor, float, float]:
         """The native kernel on the host for ``experts``, in one call: (positions, a float32
         [T*K, H] buffer holding their weighted outputs at those rows, the call's wall seconds,
-        the kernel's own seconds). On CUDA x and w_flat are the host copies of :func:`_to_host`."""
+        the kernel's own seconds). x and w_flat are host tensors (on CUDA the copies of :func:`_to_host`)."""
         t0 = time.perf_counter()
-        xh = x if x.device.type == "cpu" else x.to("cpu")
-        wh = w_flat.to("cpu", torch.float32)
-        T, H = xh.shape
+        wh = w_flat.to(torch.float32)
+        T, H = x.shape
         # pinned when it goes to a device: its copy there is then asynchronous (the caching host
         # allocator reuses the block once that copy has completed)
-        buf = torch.empty((T * K, H), dtype=torch.float32, pin_memory=x.device.type == "cpu" and self.cache.device.type == "cuda")
+        buf = torch.empty((T * K, H), dtype=torch.float32, pin_memory=self.cache.device.type == "cuda")
         k0 = self.cpu.seconds
-        self.cpu.run_layer(self.layer, experts, positions, K, xh, wh, buf)
+        self.cpu.run_layer(self.layer, experts, positions, K, x, wh, buf)
         kernel = self.cpu.seconds - k0
         self.cache.stats.layers[self.layer].cpu += len(experts)
         wall = time.perf_counter() - t0
