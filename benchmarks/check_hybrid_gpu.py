@@ -23,7 +23,10 @@ memory (offload/synthetic.py; gpt-oss-120b's 65 GB do not fit the GPU machine's 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 from pathlib import Path
 
@@ -49,7 +52,13 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
         graphs = bool(args.cuda_graphs)
         generate(rt, prompt, max_new_tokens=2, eos_token_ids=[], cuda_graphs=graphs)  # warm-up (allocations, calibration)
         rt.reset_cache()
+        prof = cProfile.Profile() if args.cprofile else None
+        if prof is not None:
+            prof.enable()
         res = generate(rt, prompt, max_new_tokens=args.tokens, eos_token_ids=[], cuda_graphs=graphs)
+        if prof is not None:
+            prof.disable()
+            _write_profile(prof, args.cprofile / f"{dtype}_{mode}.txt")
         st = rt.stats()
         vram = None
         if rt.device.type == "cuda":
@@ -81,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--link-gbps", type=float, default=None,
                     help="a link of this many GB/s: simulated on the CPU device, real copies paced to it on CUDA")
     ap.add_argument("--cuda-graphs", action="store_true", help="decode through the graphed decoder (the CUDA default of generate)")
+    ap.add_argument("--cprofile", type=Path, default=None, metavar="DIR",
+                    help="profile each timed generation (cProfile; slows it) and write DIR/<dtype>_<mode>.txt")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -126,6 +137,15 @@ def main(argv=None) -> int:
     if args.json:
         print(text)
     return 0
+
+
+def _write_profile(prof: cProfile.Profile, path: Path) -> None:
+    """The profile's top functions by own time and by cumulative time, as text."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
+    path.write_text(text.getvalue())
 
 
 def _guard_text(run: dict) -> str:
