@@ -27,6 +27,7 @@ import cProfile
 import io
 import json
 import pstats
+import time
 import sys
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
         graphs = bool(args.cuda_graphs)
         generate(rt, prompt, max_new_tokens=2, eos_token_ids=[], cuda_graphs=graphs)  # warm-up (allocations, calibration)
         rt.reset_cache()
+        bd = _Breakdown(rt) if args.breakdown else None
         prof = cProfile.Profile() if args.cprofile else None
         if prof is not None:
             prof.enable()
@@ -59,6 +61,7 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
         if prof is not None:
             prof.disable()
             _write_profile(prof, args.cprofile / f"{dtype}_{mode}.txt")
+        breakdown = bd.close() if bd is not None else None
         st = rt.stats()
         vram = None
         if rt.device.type == "cuda":
@@ -73,7 +76,7 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
                 "experts_per_token": st["experts_per_token"], "cpu_experts": st["cpu_experts"],
                 "link_busy_seconds": st["link_busy_seconds"], "exposed_fetch_seconds": st["exposed_fetch_seconds"],
                 "bytes_per_token": st["bytes_per_token"], "cache_slots": st["cache"]["slots"],
-                "cost_model": rt.cost.to_dict()}
+                "cost_model": rt.cost.to_dict(), "layer_breakdown_us": breakdown}
 
 
 def main(argv=None) -> int:
@@ -92,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cuda-graphs", action="store_true", help="decode through the graphed decoder (the CUDA default of generate)")
     ap.add_argument("--cprofile", type=Path, default=None, metavar="DIR",
                     help="profile each timed generation (cProfile; slows it) and write DIR/<dtype>_<mode>.txt")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time each decode step's expert layers by part (routing copy, kernel, result copy, between layers)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -126,6 +131,9 @@ def main(argv=None) -> int:
             print(f"{dtype:9s} {mode:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
                   f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
                   f"identical {r['identical_to_first_mode']}{_guard_text(r)}", file=sys.stderr)
+            if r["layer_breakdown_us"]:
+                print("    per decode layer, us: " + ", ".join(f"{k} {v:.0f}" for k, v in r["layer_breakdown_us"].items()
+                                                           if k != "layers"), file=sys.stderr)
     if args.in_memory:
         source.close()
     out = {"ckpt": args.ckpt or f"synthetic in memory: {args.in_memory}", "synthetic_in_memory": bool(args.in_memory), "device": args.device, "cache_slots": args._slots, "total_experts": total,
@@ -137,6 +145,79 @@ def main(argv=None) -> int:
     if args.json:
         print(text)
     return 0
+
+
+class _Breakdown:
+    """Wall time of each decode layer's expert module by part, from wrappers around the parts
+    (installed for one generation, removed by close()): the routing copy to the host (it waits
+    for the device to finish the layer's attention), the native kernel call, the rest of the
+    host path (_cpu_compute beside the kernel), the result copy back, the rest of the module's
+    forward, and the time from one layer's end to the next layer's start (the device's next
+    graph segment launched, hooks). Layers of one token only (decode)."""
+
+    def __init__(self, rt):
+        from pdflash.native.cpu_experts import CpuExperts
+        from pdflash.offload import experts as ex
+
+        self._ex, self._ce = ex, CpuExperts
+        self.sums: dict[str, float] = {}
+        self.layers = 0
+        self._end: float | None = None
+        self._saved = [(ex, "_to_host", ex._to_host), (ex.OffloadedExperts, "forward", ex.OffloadedExperts.forward),
+                       (ex.OffloadedExperts, "_cpu_compute", ex.OffloadedExperts._cpu_compute),
+                       (ex.OffloadedExperts, "_store_cpu", ex.OffloadedExperts.__dict__["_store_cpu"]),
+                       (CpuExperts, "forward_many", CpuExperts.forward_many)]
+        self._on = False
+        timed = self._timed
+        ex._to_host = timed("routing_copy", ex._to_host)
+        ex.OffloadedExperts._cpu_compute = timed("cpu_compute_call", ex.OffloadedExperts._cpu_compute)
+        ex.OffloadedExperts._store_cpu = staticmethod(timed("result_copy", ex.OffloadedExperts.__dict__["_store_cpu"].__func__))
+        CpuExperts.forward_many = timed("kernel_call", CpuExperts.forward_many)
+        fwd = ex.OffloadedExperts.forward
+
+        def forward(module, hidden_states, *a, **k):
+            t0 = time.perf_counter()
+            one = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0] == 1
+            self._on = one
+            if one and self._end is not None and t0 - self._end < 0.1:
+                self._add("between_layers", t0 - self._end)
+            out = fwd(module, hidden_states, *a, **k)
+            t1 = time.perf_counter()
+            if one:
+                self._add("module", t1 - t0)
+                self.layers += 1
+            self._on = False
+            self._end = t1 if one else None
+            return out
+
+        ex.OffloadedExperts.forward = forward
+
+    def _add(self, key: str, dt: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + dt
+
+    def _timed(self, key: str, fn):
+        def wrapper(*a, **k):
+            if not self._on:
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self._add(key, time.perf_counter() - t0)
+        return wrapper
+
+    def close(self) -> dict:
+        for owner, name, value in self._saved:
+            setattr(owner, name, value)
+        n = max(1, self.layers)
+        out = {k: v / n * 1e6 for k, v in self.sums.items()}
+        if "cpu_compute_call" in out:
+            out["cpu_compute_beside_kernel"] = out.pop("cpu_compute_call") - out.get("kernel_call", 0.0)
+        if "module" in out:
+            out["module_rest"] = out["module"] - sum(out.get(k, 0.0) for k in ("routing_copy", "cpu_compute_beside_kernel",
+                                                                                "kernel_call", "result_copy"))
+        out["layers"] = self.layers
+        return out
 
 
 def _write_profile(prof: cProfile.Profile, path: Path) -> None:
