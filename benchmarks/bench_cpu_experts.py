@@ -112,12 +112,11 @@ def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls:
 
 
 def bench_layer(k: CpuExperts, weights, per_call: int, tokens: int, calls: int, hidden: int,
-                gap_us: float = 0.0, prewake: bool = False) -> dict:
+                gap_us: float = 0.0) -> dict:
     """One batched call (pf_cpu_experts) over ``per_call`` experts, ``tokens`` token rows each,
     as a layer hands its CPU share to the kernel: effective bandwidth = their weight bytes / time.
     ``gap_us``: the caller busy for that long before each call (as decoding is between two
-    layers' calls, while the device runs attention), the pool's threads left idle meanwhile;
-    ``prewake``: the pool told at the gap's start that a call comes (``CpuExperts.wake``)."""
+    layers' calls, while the device runs attention), the pool's threads left idle meanwhile."""
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     rows = torch.arange(tokens, dtype=torch.int32).repeat(per_call)
     dest = torch.arange(per_call * tokens, dtype=torch.int32)
@@ -129,8 +128,6 @@ def bench_layer(k: CpuExperts, weights, per_call: int, tokens: int, calls: int, 
     for i in range(calls):
         ws = [weights[(i * per_call + j) % n] for j in range(per_call)]
         if gap_us > 0:
-            if prewake:
-                k.wake()
             end = time.perf_counter() + gap_us * 1e-6
             while time.perf_counter() < end:
                 pass
@@ -139,7 +136,7 @@ def bench_layer(k: CpuExperts, weights, per_call: int, tokens: int, calls: int, 
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
     nbytes = weights[0].nbytes * per_call
-    return {"experts_per_call": per_call, "tokens": tokens, "calls": calls, "gap_us": gap_us, "prewake": prewake, "weight_bytes": nbytes,
+    return {"experts_per_call": per_call, "tokens": tokens, "calls": calls, "gap_us": gap_us, "weight_bytes": nbytes,
             "median_ms": med * 1e3, "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9}
 
 
@@ -234,8 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,8,16", help="comma-separated token counts (1..16)")
     ap.add_argument("--calls", type=int, default=200, help="timed kernel calls per configuration")
     ap.add_argument("--layer", default="4,8", help="experts per batched call (a layer's CPU share; 0: skip)")
-    ap.add_argument("--gaps", default="0", help="comma-separated idle gaps (us) before each layer call; a gap > 0 "
-                    "runs twice, without and with the pool woken at the gap's start")
+    ap.add_argument("--gaps", default="0", help="comma-separated idle gaps (us) before each layer call")
     ap.add_argument("--repeats", type=int, default=5, help="timed streaming reads per thread count")
     ap.add_argument("--level", default=None, help="kernel level (default: the best this CPU runs)")
     ap.add_argument("--torch-experts", type=int, default=8, help="distinct bf16 experts for the PyTorch comparison (0: skip)")
@@ -287,10 +283,9 @@ def main(argv=None) -> int:
             for m in [int(v) for v in args.layer.split(",") if v and int(v) > 0]:
                 for t in (1, 4):
                     for gap in [float(v) for v in args.gaps.split(",") if v]:
-                        for wake in ((False, True) if gap > 0 else (False,)):
-                            r = bench_layer(k, weights, min(m, len(weights)), t, max(10, args.calls // m), hidden, gap, wake)
-                            r["of_dram"] = r["gbps"] / dram["gbps"]
-                            run["layer"].append(r)
+                        r = bench_layer(k, weights, min(m, len(weights)), t, max(10, args.calls // m), hidden, gap)
+                        r["of_dram"] = r["gbps"] / dram["gbps"]
+                        run["layer"].append(r)
         if args.torch_experts > 0:
             run["torch_bf16"] = bench_torch(n, tokens, args.torch_experts, hidden, inter, args.torch_calls, args.seed)
         result["runs"].append(run)
@@ -308,7 +303,7 @@ def main(argv=None) -> int:
                 print(f"  kernel T={r['tokens']:2d} x {r['x_dtype']:8s}: {r['median_ms']:8.3f} ms/expert  "
                       f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
             for r in run.get("layer", []):
-                gap = f" after {r['gap_us']:.0f} us idle{' (woken)' if r['prewake'] else ''}" if r["gap_us"] else ""
+                gap = f" after {r['gap_us']:.0f} us idle" if r["gap_us"] else ""
                 print(f"  layer {r['experts_per_call']:2d} experts x T={r['tokens']:2d}{gap}: {r['median_ms']:8.3f} ms/call  "
                       f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
             for r in run.get("torch_bf16", []):

@@ -286,29 +286,50 @@ class CpuExperts:
                 continue
             if not isinstance(t, torch.Tensor) or t.dtype != dt or t.shape != (total,) or not t.is_contiguous() or t.device.type != "cpu":
                 raise CpuExpertError(f"{name} must be a contiguous {dt} host tensor of {total} entries")
+        ffi = self._ffi
+        self._experts([w.struct(ffi) for w in weights], counts, ffi.cast("int *", rows.data_ptr()),
+                      ffi.NULL if scale is None else ffi.cast("float *", scale.data_ptr()), x,
+                      out, ffi.cast("int *", dest.data_ptr()))
+
+    def call_many(self, structs: list, counts: list[int], rows: list[int], dest: list[int], scale: list[float],
+                  x: torch.Tensor, out: torch.Tensor) -> None:
+        """:meth:`forward_many` for a caller that holds the weights' structs
+        (``ExpertWeights.struct``) and plain lists: nothing but the lists' lengths and the two
+        tensors is checked here (the kernel checks every index and the weights' shapes). The
+        per-layer path of hybrid execution, where each microsecond beside the kernel counts."""
+        n, total = len(structs), sum(counts)
+        if n != len(counts) or not len(rows) == len(dest) == len(scale) == total:
+            raise CpuExpertError(f"{n} experts, {len(counts)} token counts, {total} entries: "
+                                 f"{len(rows)} rows, {len(dest)} dest, {len(scale)} scales")
+        if n == 0:
+            return
+        H = structs[0].hidden  # the kernel checks that every expert has it
+        if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != H or x.stride(1) != 1 or x.dtype not in _FORMAT:
+            raise CpuExpertError(f"x must be a float32 or bfloat16 [X, {H}] host tensor with contiguous rows")
+        if out.device.type != "cpu" or out.dim() != 2 or out.shape[1] != H or out.stride(1) != 1 or out.dtype != torch.float32:
+            raise CpuExpertError(f"out must be a float32 [R, {H}] host tensor with contiguous rows")
+        ffi = self._ffi
+        self._experts(structs, counts, ffi.new("int[]", rows), ffi.new("float[]", scale), x, out, ffi.new("int[]", dest))
+
+    def _experts(self, structs: list, counts: list[int], rows, scale, x: torch.Tensor, out: torch.Tensor, dest) -> None:
+        """pf_cpu_experts over checked arguments (rows / scale / dest: cffi pointers)."""
         ffi, lib = self._ffi, self._lib
-        ws = ffi.new("pf_cpu_weights *[]", [w.struct(ffi) for w in weights])
+        ws = ffi.new("pf_cpu_weights *[]", structs)
         cnt = ffi.new("int[]", counts)
         c = self._enter()
         try:
-            rc = lib.pf_cpu_experts(c, n, ws, cnt, ffi.cast("int *", rows.data_ptr()),
-                                    ffi.NULL if scale is None else ffi.cast("float *", scale.data_ptr()),
-                                    ffi.cast("void *", x.data_ptr()), _FORMAT[x.dtype], x.shape[0], x.stride(0),
-                                    ffi.cast("float *", out.data_ptr()), ffi.cast("int *", dest.data_ptr()),
-                                    out.shape[0], out.stride(0))
+            rc = lib.pf_cpu_experts(c, len(structs), ws, cnt, rows, scale, ffi.cast("void *", x.data_ptr()),
+                                    _FORMAT[x.dtype], x.shape[0], x.stride(0), ffi.cast("float *", out.data_ptr()),
+                                    dest, out.shape[0], out.stride(0))
         finally:
             self._leave()
         if rc != 0:
             raise CpuExpertError(f"CPU expert kernel: {self._strerror(rc)}")
 
-    def wake(self) -> None:
-        """Announce a call (``pf_cpu_wake``): sleeping workers poll for it for at most 1 ms
-        instead of waking only when it starts. A hint; no call need follow."""
-        c = self._enter()
-        try:
-            self._lib.pf_cpu_wake(c)
-        finally:
-            self._leave()
+    @property
+    def ffi(self):
+        """The cffi module's FFI (for ``ExpertWeights.struct``)."""
+        return self._ffi
 
     def stream_read(self, buf: torch.Tensor) -> int:
         """Read a host tensor once with this pool's threads; returns the sum of its 64-bit words

@@ -697,7 +697,6 @@ struct pf_cpu {
     _Atomic int done;             /* the job's last phase has been completed */
     _Atomic int stop;
     uint32_t seq;                 /* the last phase published (under mu) */
-    uint64_t wakes;               /* pf_cpu_wake calls (under mu) */
     int last_phase;               /* the job ends after this phase (under mu) */
     job cur;                      /* written by the caller before the job's first phase is published */
 
@@ -974,10 +973,6 @@ static void work_phase(pf_cpu *c, int idx, uint64_t st) {
     }
 }
 
-#ifndef PF_CPU_WAKE_NS
-#define PF_CPU_WAKE_NS 1000000
-#endif
-
 /* Something for this thread to act on: a phase newer than `seen`, or stop (a worker) / the
  * job's end (the caller). */
 static int ready(pf_cpu *c, uint32_t seen, int caller) {
@@ -996,29 +991,14 @@ static int poll_ready(pf_cpu *c, uint32_t seen, int caller, uint64_t ns) {
     }
 }
 
-/* A worker: wait for a phase newer than `seen` (or stop); poll first if `poll`. A sleeping
- * worker woken by pf_cpu_wake polls for the announced call, then sleeps again. */
+/* A worker: wait for a phase newer than `seen` (or stop); poll first if `poll`. */
 static uint64_t wait_phase(pf_cpu *c, uint32_t seen, int poll) {
-    uint64_t ns = poll ? PF_CPU_POLL_NS : 0;
-    for (;;) {
-        if (ns && poll_ready(c, seen, 0, ns)) break;
+    if (!poll || !poll_ready(c, seen, 0, PF_CPU_POLL_NS)) {
         pthread_mutex_lock(&c->mu);
-        const uint64_t wakes = c->wakes;
-        while (!ready(c, seen, 0) && c->wakes == wakes) pthread_cond_wait(&c->work_cv, &c->mu);
+        while (!ready(c, seen, 0)) pthread_cond_wait(&c->work_cv, &c->mu);
         pthread_mutex_unlock(&c->mu);
-        if (ready(c, seen, 0)) break;
-        ns = PF_CPU_WAKE_NS;
     }
     return atomic_load_explicit(&c->state, memory_order_acquire);
-}
-
-int pf_cpu_wake(pf_cpu *c) {
-    if (!c) return PF_CPU_EINVAL;
-    pthread_mutex_lock(&c->mu);
-    c->wakes++;
-    pthread_cond_broadcast(&c->work_cv);
-    pthread_mutex_unlock(&c->mu);
-    return PF_CPU_OK;
 }
 
 static void *worker_main(void *p) {

@@ -24,8 +24,7 @@
  * Threads: a pf_cpu owns a pool of (threads - 1) worker threads; the calling thread is
  * the pool's thread 0. Between the phases of a call a thread that has run out of grabs
  * polls for the next phase for at most PF_CPU_POLL_NS (100 us), then sleeps on a condition
- * variable; between calls the workers sleep (an idle pool never spins), unless pf_cpu_wake
- * announced a call: then they poll for it for at most PF_CPU_WAKE_NS.
+ * variable; between calls the workers sleep (an idle pool never spins).
  * pf_cpu_expert calls on the same pf_cpu are serialized by a mutex; use one pf_cpu per
  * concurrent caller to run experts in parallel.
  *
@@ -137,12 +136,6 @@ int pf_cpu_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const int *
  * streaming read bandwidth of the same threads, for comparing the kernel against. Serialized
  * with pf_cpu_expert. */
 int pf_cpu_stream_read(pf_cpu *c, const void *buf, size_t nbytes, uint64_t *sum);
-
-/* A call is about to come (the caller is waiting for its input, e.g. a device's routing):
- * sleeping workers wake now and poll for it for at most PF_CPU_WAKE_NS (1 ms) before they
- * sleep again, so the call does not pay their wake-up from a deep idle state. A hint only:
- * no call need follow. Returns PF_CPU_OK, or PF_CPU_EINVAL for a NULL context. */
-int pf_cpu_wake(pf_cpu *c);
 
 const char *pf_cpu_strerror(int code);
 const char *pf_cpu_level_name(int level);

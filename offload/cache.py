@@ -269,6 +269,8 @@ class ExpertCache:
 
     def cancel_passed(self, layer: int) -> int:
         """Cancel queued prefetches (band >= 1) of layers below ``layer``; frees their slots."""
+        if not self._arriving:  # nothing of this cache on its way: no call into the scheduler
+            return 0
         n = self.sched.cancel_below_layer(layer, min_priority=1)
         if n:
             self._reconcile()

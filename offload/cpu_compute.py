@@ -11,7 +11,6 @@ side of the placement cost model; ``calibrate()`` measures it once before the fi
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from typing import Callable
@@ -93,9 +92,6 @@ class CpuRunner:
             y = self.run(layer, e, x.index_select(0, pos // K))
             out.index_copy_(0, pos, y.mul_(w_flat[pos].unsqueeze(-1)))
 
-    def wake(self) -> None:
-        """A call is coming: a runner with its own thread pool may get it ready (default: nothing)."""
-
     def seconds_for(self, tokens: int) -> float | None:
         """Predicted seconds to compute one expert for ``tokens`` tokens (None before any measurement)."""
         if not self.rate_bps:
@@ -135,6 +131,9 @@ class CpuRunner:
         pass
 
 
+_WEIGHT_POINTERS = ("gate_up", "gate_up_scales", "gate_up_bias", "down", "down_scales", "down_bias")
+
+
 class CpuExpertRunner(CpuRunner):
     """The native CPU kernel bound to one host store. Not thread-safe beyond the kernel's own
     serialization: one runner per computing thread."""
@@ -151,11 +150,12 @@ class CpuExpertRunner(CpuRunner):
         self.limit = float(limit)
         self.round_bf16 = dtype == torch.bfloat16  # a bf16 model rounds every step: so does the kernel then
         self.kernel = CpuExperts(threads=threads, level=level)
-        self.prewake = os.environ.get("PDFLASH_CPU_PREWAKE", "1") != "0"
         self.threads = self.kernel.threads
         self.level = self.kernel.level
         self.max_tokens = MAX_TOKENS
         self._weights: dict[tuple[int, int], object] = {}
+        self._structs: dict[int, object] = {}  # host row -> the kernel's struct viewing it
+        self._template: tuple[int, object] | None = None  # (row, struct) the others are shifted from
         self._slot_weights: dict[int, object] = {}
         self._slots_ptr = None
         self.hidden = (self.layout.piece("down_proj_blocks").shape[0] if self.layout.quantized
@@ -180,6 +180,31 @@ class CpuExpertRunner(CpuRunner):
             w = self._weights[key] = self._row_weights(self.host.row(layer, expert))
         return w
 
+    def struct(self, layer: int, expert: int):
+        """The kernel's weights struct (``pf_cpu_weights``) for the host row of (layer, expert).
+        Every row has the same layout, so only the first is built (and checked) through
+        ExpertWeights; each other one is a copy of it with its pointers moved by the distance
+        between the rows: microseconds, where a 120b model's first decode steps meet thousands
+        of experts for the first time."""
+        r = self.host.row_index(layer, expert)
+        s = self._structs.get(r)
+        if s is not None:
+            return s
+        ffi = self.kernel.ffi
+        if self._template is None:
+            s = self.weights(layer, expert).struct(ffi)  # kept alive by the ExpertWeights in _weights
+            self._template = (r, s)
+        else:
+            r0, t = self._template
+            delta = (r - r0) * self.host.buf.stride(0)
+            s = ffi.new("pf_cpu_weights *", t[0])
+            for name in _WEIGHT_POINTERS:
+                p = getattr(t, name)
+                if p != ffi.NULL:
+                    setattr(s, name, ffi.cast(ffi.typeof(p), int(ffi.cast("uintptr_t", p)) + delta))
+        self._structs[r] = s
+        return s
+
     def slot_weights(self, slots: torch.Tensor, slot: int):
         """ExpertWeights viewing cache slot ``slot`` of ``slots`` (host memory: the CPU device).
         The views stay valid while ``slots`` lives; whichever expert the slot holds is read."""
@@ -194,18 +219,12 @@ class CpuExpertRunner(CpuRunner):
     def _compute(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.forward(self.weights(layer, expert), x)
 
-    def wake(self) -> None:
-        """A layer's call is coming (its routing is on the way from the device): the pool's
-        sleeping threads start polling for it (off with PDFLASH_CPU_PREWAKE=0)."""
-        if self.prewake:
-            self.kernel.wake()
-
     def run_layer(self, layer: int, experts: list[int], positions: dict[int, list[int]], K: int, x: torch.Tensor,
                   w_flat: torch.Tensor, out: torch.Tensor) -> None:
         """As :meth:`CpuRunner.run_layer`, in one native call: gathering the rows, the routing
         weights and the scatter into ``out`` happen in C, one pool hand-off per phase."""
         t0 = time.perf_counter()
-        calls, tokens = self._forward([(self.weights(layer, e), positions[e]) for e in experts], K, x, w_flat, out)
+        calls, tokens = self._forward([(self.struct(layer, e), positions[e]) for e in experts], K, x, w_flat, out)
         if calls:
             self._account(len(experts), tokens, calls, time.perf_counter() - t0)
 
@@ -214,29 +233,30 @@ class CpuExpertRunner(CpuRunner):
         """As :meth:`run_layer` for experts that sit in cache slots on the CPU device: ``batch``
         [(expert, slot)], read from the slot rows. Not counted as host-path experts: these are
         the cache's own (hits and arrivals), computed natively instead of dequantized by torch."""
-        self._forward([(self.slot_weights(slots, s), positions[e]) for e, s in batch], K, x, w_flat, out)
+        ffi = self.kernel.ffi
+        self._forward([(self.slot_weights(slots, s).struct(ffi), positions[e]) for e, s in batch], K, x, w_flat, out)
 
     def _forward(self, items: list, K: int, x: torch.Tensor, w_flat: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
-        """items [(ExpertWeights, positions)] in one native call, at most max_tokens rows per
-        expert call -> (expert calls, token rows)."""
-        ws, counts, dest = [], [], []
+        """items [(weights struct, positions)] in one native call, at most max_tokens rows per
+        expert call -> (expert calls, token rows). Plain lists, no tensor built per call."""
+        structs, counts, dest = [], [], []
         m = self.max_tokens
-        for w, pos in items:
+        for s, pos in items:
             for i in range(0, len(pos), m):
                 chunk = pos[i: i + m]
-                ws.append(w)
+                structs.append(s)
                 counts.append(len(chunk))
                 dest += chunk
-        if not ws:
+        if not structs:
             return 0, 0
-        d = torch.tensor(dest, dtype=torch.int32)
-        rows = torch.div(d, K, rounding_mode="floor")
-        scale = w_flat.index_select(0, d).contiguous()
-        self.kernel.forward_many(ws, counts, rows, d, x, out, scale)
-        return len(ws), len(dest)
+        w = w_flat.tolist()
+        self.kernel.call_many(structs, counts, [p // K for p in dest], dest, [w[p] for p in dest], x, out)
+        return len(structs), len(dest)
 
     def close(self) -> None:
         self.kernel.close()
+        self._structs.clear()
+        self._template = None
         self._weights.clear()
         self._slot_weights.clear()
 

@@ -28,10 +28,12 @@ CPU experts (``cpu``, a CpuExpertRunner over the host store): experts chosen by
 being fetched: "all" computes every routed expert there (the cache is not used); "auto"
 asks ``placer`` (the cost model) which non-resident experts to compute on the CPU and which
 to fetch. On CUDA the routing, the routing weights and the hidden rows come to the host in
-one copy; the misses are requested and the resident experts launched on the device first, then
-this thread runs the CPU experts (the kernel's pool, this thread its thread 0) while the link
-and the device work, then computes the arrivals; the results join in the same reduction. CPU
-results are float32, scaled by the routing weight, then stored like the device's.
+one copy (host_exchange.py); the misses are requested and the resident experts launched on the
+device first, then this thread runs the CPU experts (the kernel's pool, this thread its thread
+0) while the link and the device work, then computes the arrivals; the results join in the
+same reduction. CPU results are float32, scaled by the routing weight, written into a pinned
+buffer that is zero where the device computes, copied up in one copy and added to the device's
+rows (x + 0 = x: the same values as storing them row by row).
 
 Shape legend: T tokens, K experts per token, H hidden, E experts per layer.
 """
@@ -65,6 +67,7 @@ class OffloadedExperts(nn.Module):
         placer=None,
         slot_cpu=None,
         on_host_overhead: Callable[[float], None] | None = None,
+        exchange=None,
     ):
         super().__init__()
         self.layer = layer
@@ -77,6 +80,7 @@ class OffloadedExperts(nn.Module):
         self.placer = placer  # callable(layer, misses, positions, K, device) -> experts to compute on the CPU
         self.slot_cpu = slot_cpu  # CPU device: the native kernel over the cache's slot rows (CpuExpertRunner.run_slots)
         self.on_host_overhead = on_host_overhead  # the cost model's per-layer host overhead (hybrid)
+        self.exchange = exchange  # HostExchange (CUDA with CPU experts): the routing down, the CPU's results up
         self.calls = 0
 
     def extra_repr(self) -> str:
@@ -94,10 +98,9 @@ class OffloadedExperts(nn.Module):
         self.calls += 1
         cache, layer = self.cache, self.layer
 
-        if self.cpu is not None and x.device.type == "cuda":  # one copy for the routing and the CPU's rows
-            if self.cpu_mode == "all" or (self.placer is not None and self.placer.may_use_host()):
-                self.cpu.wake()  # the kernel's threads poll while the device finishes the layer's routing
-            idx_cpu, w_host, x_host = _to_host(idx, w.reshape(-1), x)
+        exchange = self.exchange if self.cpu is not None else None
+        if exchange is not None:  # one copy for the routing and the CPU's rows
+            idx_cpu, w_host, x_host = exchange.routing(idx, w, x)
         else:
             idx_cpu = idx.to("cpu")  # device->host sync: every earlier kernel has finished (cache.py)
             x_host, w_host = x, w.reshape(-1)  # the CPU device: x and w are host tensors already
@@ -111,10 +114,10 @@ class OffloadedExperts(nn.Module):
         dev = x.device
         w_flat = w.reshape(-1)
         out_dtype = torch.promote_types(self.kernel.dtype, w.dtype)
-        contrib = torch.empty((T * K, H), dtype=out_dtype, device=dev)  # weighted output per (t, k)
 
-        if self.cpu_mode == "all":  # every routed expert on the CPU, nothing fetched
-            self._store_cpu(contrib, self._cpu_compute(x_host, w_host, K, experts, positions), dev)
+        if self.cpu_mode == "all":  # every routed expert on the CPU, nothing fetched: every row is the CPU's
+            buf = self._cpu_compute(x_host, w_host, K, experts, positions, exchange)[1]
+            contrib = (exchange.upload(buf) if exchange is not None else buf).to(out_dtype)
             out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)
             return out.reshape(shape)
         fused = self.kernel.fused(dev) if T <= FUSED_MAX_TOKENS else None
@@ -156,6 +159,10 @@ class OffloadedExperts(nn.Module):
             if on_cpu:
                 misses = [e for e in misses if e not in on_cpu]
                 cpu_list = sorted(on_cpu)
+        # weighted output per (t, k); with CPU experts on CUDA, zero where the device writes
+        # nothing: the CPU's rows arrive as a zero-filled buffer added to it
+        joined = exchange is not None and cpu_list
+        contrib = (torch.zeros if joined else torch.empty)((T * K, H), dtype=out_dtype, device=dev)
         for e in misses:  # submitted before anything is computed, so the link starts at once
             f = cache.request(layer, e)
             (pending.append((e, f)) if f is not None else waiting.append(e))
@@ -164,7 +171,7 @@ class OffloadedExperts(nn.Module):
             compute(hits)
             done_slots += [s for _, s in hits]
         if cpu_list:  # on this thread, while the fetches cross the link and the device computes the hits
-            cpu_result = self._cpu_compute(x_host, w_host, K, cpu_list, positions)
+            cpu_result = self._cpu_compute(x_host, w_host, K, cpu_list, positions, exchange)
             if self.on_host_overhead is not None and dev.type == "cuda":  # its time beyond the kernel's
                 self.on_host_overhead(cpu_result[2] - cpu_result[3])
         while pending or waiting:
@@ -190,24 +197,28 @@ class OffloadedExperts(nn.Module):
                         raise PdflashError(f"layer {layer}: no expert cache slot could be freed")
                 pending.append((waiting.popleft(), f))
         if cpu_result is not None:
-            self._store_cpu(contrib, cpu_result, dev)
+            if joined:
+                contrib.add_(exchange.upload(cpu_result[1]))
+            else:
+                self._store_cpu(contrib, cpu_result, dev)
         cache.end_layer()
         out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
         return out.reshape(shape)
 
     def _cpu_compute(self, x: torch.Tensor, w_flat: torch.Tensor, K: int, experts: list[int],
-                     positions: dict[int, list[int]]) -> tuple[list[int], torch.Tensor, float, float]:
+                     positions: dict[int, list[int]], exchange) -> tuple[list[int], torch.Tensor, float, float]:
         """The native kernel on the host for ``experts``, in one call: (positions, a float32
         [T*K, H] buffer holding their weighted outputs at those rows, the call's wall seconds,
-        the kernel's own seconds). x and w_flat are host tensors (on CUDA the copies of :func:`_to_host`)."""
+        the kernel's own seconds). x and w_flat are host tensors (on CUDA the copies of the
+        exchange, whose pinned result buffer then holds the outputs, zero in the other rows)."""
         t0 = time.perf_counter()
-        wh = w_flat.to(torch.float32)
         T, H = x.shape
-        # pinned when it goes to a device: its copy there is then asynchronous (the caching host
-        # allocator reuses the block once that copy has completed)
-        buf = torch.empty((T * K, H), dtype=torch.float32, pin_memory=self.cache.device.type == "cuda")
+        if exchange is not None:
+            buf = exchange.result_buffer(T * K, H, zero=len(experts) < len(positions))
+        else:
+            buf = torch.empty((T * K, H), dtype=torch.float32)
         k0 = self.cpu.seconds
-        self.cpu.run_layer(self.layer, experts, positions, K, x, wh, buf)
+        self.cpu.run_layer(self.layer, experts, positions, K, x, w_flat, buf)
         kernel = self.cpu.seconds - k0
         self.cache.stats.layers[self.layer].cpu += len(experts)
         wall = time.perf_counter() - t0
@@ -216,21 +227,6 @@ class OffloadedExperts(nn.Module):
 
     @staticmethod
     def _store_cpu(contrib: torch.Tensor, results: tuple, dev: torch.device) -> None:
-        pos, buf = results[0], results[1]
-        if len(pos) == contrib.shape[0]:  # every row (all on the CPU): one conversion
-            contrib.copy_(buf.to(dev, non_blocking=True))
-            return
-        p = torch.tensor(pos)
-        contrib.index_copy_(0, p.to(dev, non_blocking=True), buf.index_select(0, p).to(dev, contrib.dtype, non_blocking=True))
-
-
-def _to_host(idx: torch.Tensor, w_flat: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The router indices [T, K], the routing weights [T*K] (float32) and the hidden rows x [T, H]
-    (its dtype) on the host in one device->host copy (one synchronization instead of three): the
-    three are packed bit for bit as int16 words on the device and split again on the host."""
-    T, K = idx.shape
-    parts = (idx.to(torch.int32).reshape(-1).view(torch.int16), w_flat.to(torch.float32).reshape(-1).view(torch.int16),
-             x.contiguous().reshape(-1).view(torch.int16))
-    host = torch.cat(parts).to("cpu")  # device->host sync: every earlier kernel has finished (cache.py)
-    a, b = parts[0].numel(), parts[0].numel() + parts[1].numel()
-    return host[:a].view(torch.int32).view(T, K), host[a:b].view(torch.float32), host[b:].view(x.dtype).view(x.shape)
+        """Rows of the CPU's results into contrib (the CPU device: both are host tensors)."""
+        p = torch.tensor(results[0])
+        contrib.index_copy_(0, p, results[1].index_select(0, p).to(dev, contrib.dtype))

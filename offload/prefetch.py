@@ -117,7 +117,8 @@ class ExpertPrefetcher:
             sc[0] += len(pred)
             sc[1] += len(used)
             sc[2] += len(pred & used)
-        self.cache.protected -= {(layer, e) for e in range(self.num_experts)}
+        if self.cache.protected:
+            self.cache.protected -= {(layer, e) for e in range(self.num_experts)}
         if self.history_depth:
             row = self._freq[layer]
             row.mul_(self.history_decay)

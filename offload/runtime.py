@@ -31,6 +31,7 @@ from pdflash.offload.checkpoint import Checkpoint
 from pdflash.offload.cpu_compute import resolve_mode
 from pdflash.offload.experts import OffloadedExperts
 from pdflash.offload.host_store import HostStore
+from pdflash.offload.host_exchange import HostExchange
 from pdflash.offload.prefetch import ExpertPrefetcher
 from pdflash.offload.stats import band_name
 
@@ -253,16 +254,20 @@ class OffloadedModel:
 
         kernel = None
 
+        exchange = None  # one for every layer (HostExchange: one layer at a time)
+
         def make_experts(i: int, old) -> OffloadedExperts:
-            nonlocal kernel
+            nonlocal kernel, exchange
             if kernel is None:
                 kernel = fam.expert_kernel(layout, self.dtype, old)
                 if cpu_mode != "off":
                     self._start_cpu(cpu_mode, old, cpu_threads, hybrid_guard)
                 if dev.type == "cpu" and cpu_mode != "all" and reason is None:
                     self._start_slot_cpu(old, cpu_threads)
+                if self.cpu is not None and dev.type == "cuda":
+                    exchange = HostExchange(dev)
             return OffloadedExperts(i, E, self.cache, kernel, self._on_routed, cpu=self.cpu, cpu_mode=self.cpu_mode,
-                                    placer=self.placer, slot_cpu=self.slot_cpu,
+                                    placer=self.placer, slot_cpu=self.slot_cpu, exchange=exchange,
                                     on_host_overhead=self._observe_host_overhead if self.placer is not None else None)
 
         self.model = fam.build(dev, self.dtype, ckpt.get, make_experts)

@@ -446,42 +446,39 @@ def test_runner_run_layer_matches_per_expert_loop(tmp_path):
         rt.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_routing_and_rows_to_host_in_one_copy_are_bit_exact(dtype):
+@pytest.mark.parametrize("x_dtype,w_dtype,idx_dtype,T,K", [
+    (torch.bfloat16, torch.bfloat16, torch.int64, 5, 4), (torch.float32, torch.float32, torch.int64, 5, 4),
+    (torch.float32, torch.bfloat16, torch.int32, 3, 3),  # x's words would start at an odd word: w goes as float32
+    (torch.bfloat16, torch.float32, torch.int32, 1, 1)])
+def test_routing_and_rows_to_host_in_one_copy_are_bit_exact(x_dtype, w_dtype, idx_dtype, T, K):
     """The hybrid path's one device->host copy packs indices, weights and rows as int16 words:
-    unpacked, each is bit for bit the tensor it came from (NaN payloads and signed zeros too)."""
-    from pdflash.offload.experts import _to_host
+    unpacked, each is bit for bit the tensor it came from (NaN payloads and signed zeros too),
+    in later calls of other sizes as well (the buffers grow and are reused)."""
+    from pdflash.offload.host_exchange import HostExchange
 
     g = torch.Generator().manual_seed(3)
-    T, K, H = 5, 4, 96
-    idx = torch.randint(0, 128, (T, K), generator=g)
-    w = torch.rand((T, K), generator=g).to(dtype)
-    x = torch.randn((T, H), generator=g).to(dtype)
-    x[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")], dtype=dtype)
-    i2, w2, x2 = _to_host(idx, w.reshape(-1), x)
-    assert torch.equal(i2, idx.to(torch.int32)) and i2.shape == (T, K)
-    assert w2.dtype == torch.float32 and torch.equal(w2, w.reshape(-1).float())
-    assert x2.dtype == dtype and x2.shape == (T, H)
-    assert torch.equal(x2.view(torch.int16), x.view(torch.int16))
+    H = 96
+    ex = HostExchange(torch.device("cpu"))
+    for t in (T, 2 * T + 1, T):
+        idx = torch.randint(0, 128, (t, K), generator=g).to(idx_dtype)
+        w = torch.rand((t, K), generator=g).to(w_dtype)
+        x = torch.randn((t, H), generator=g).to(x_dtype)
+        x[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")], dtype=x_dtype)
+        i2, w2, x2 = ex.routing(idx, w, x)
+        assert i2.dtype == idx_dtype and torch.equal(i2, idx) and i2.shape == (t, K)
+        assert w2.dtype == torch.float32 and torch.equal(w2, w.reshape(-1).float())
+        assert x2.dtype == x_dtype and x2.shape == (t, H)
+        assert torch.equal(x2.view(torch.int16), x.view(torch.int16))
 
 
-def test_wake_is_a_hint():
-    """pf_cpu_wake announces a call: the result of the call after it is unchanged, a wake with no
-    call after it costs nothing but the poll, and a closed context refuses it."""
-    g = torch.Generator().manual_seed(5)
-    H = I = 64
-    gu = torch.randint(0, 256, (2 * I, H // 32, 16), dtype=torch.uint8, generator=g)
-    gs = torch.randint(120, 130, (2 * I, H // 32), dtype=torch.uint8, generator=g)
-    dn = torch.randint(0, 256, (H, I // 32, 16), dtype=torch.uint8, generator=g)
-    ds = torch.randint(120, 130, (H, I // 32), dtype=torch.uint8, generator=g)
-    w = ExpertWeights.mxfp4(gu, gs, None, dn, ds, None)
-    x = torch.randn(3, H, generator=g)
-    k = CpuExperts(threads=3)
-    want = k.forward(w, x)
-    for _ in range(5):
-        k.wake()
-        assert torch.equal(k.forward(w, x), want)
-    k.wake()
-    k.close()
-    with pytest.raises(CpuExpertError):
-        k.wake()
+def test_result_buffer_is_zeroed_when_asked_and_upload_copies_it():
+    from pdflash.offload.host_exchange import HostExchange
+
+    ex = HostExchange(torch.device("cpu"))
+    buf = ex.result_buffer(8, 16, zero=False)
+    buf.fill_(3.0)
+    again = ex.result_buffer(4, 16, zero=True)  # the same memory, reused
+    assert again.data_ptr() == buf.data_ptr() and again.shape == (4, 16) and not again.any()
+    again[1] = 2.5
+    up = ex.upload(again)
+    assert up.shape == (4, 16) and torch.equal(up, again) and up.data_ptr() != again.data_ptr()

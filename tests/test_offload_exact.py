@@ -162,6 +162,29 @@ def test_hybrid_placement_matches_transformers(ckpts, reference, name):
         assert per_layer_cpu == st["cpu_experts"]["computed"]
 
 
+@pytest.mark.parametrize("mode", ["all", "auto"])
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_cpu_experts_through_host_exchange_match_transformers(ckpts, reference, name, mode):
+    """The CUDA host path's exchange (offload/host_exchange.py: the routing and rows down in one
+    packed copy, the CPU's rows up in one zero-filled buffer added to the device's rows), run
+    here on the CPU device: the greedy tokens stay transformers' own, for every expert on the
+    CPU and for the cost model's split."""
+    from pdflash.offload.experts import OffloadedExperts
+    from pdflash.offload.host_exchange import HostExchange
+
+    path = ckpts[name.replace("-as-f32", "")]
+    dtype = CHECKPOINTS[name][1]
+    kw = dict(expert_cache_experts=6, link_gbps=0.01) if mode == "auto" else {}
+    with OffloadedModel.load(path, dtype=dtype, cpu_experts=mode, cpu_threads=2, **kw) as rt:
+        ex = HostExchange(torch.device("cpu"))
+        layers = [m for m in rt.model.modules() if isinstance(m, OffloadedExperts)]
+        for m in layers:
+            m.exchange = ex
+        res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
+        assert res.token_ids == reference[name]
+        assert len(layers) == L and rt.stats()["cpu_experts"]["computed"] > 0
+
+
 def test_cpu_experts_prefill_logits_bit_identical_bf16(ckpts):
     """A bf16 model's rounding is reproduced step by step: prefill logits equal transformers'."""
 

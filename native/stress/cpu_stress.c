@@ -15,8 +15,7 @@
  *             against a double-precision reference written here from the format's
  *             definition (E2M1 table, 2^(s-127) scales, clamped SwiGLU).
  *   pool      back-to-back jobs on a pool of more threads than cores: stream reads of
- *             random sizes (some without a whole word) between batched calls, some announced
- *             by pf_cpu_wake, some wakes followed by no call.
+ *             random sizes (some without a whole word) between batched calls.
  *   shared    several threads call one context at once (calls are serialized) and their
  *             own contexts, each checking its results; contexts are created and destroyed
  *             while others run.
@@ -506,7 +505,6 @@ static void phase_pool(int quick, uint64_t seed) {
     for (size_t i = 0; i < cap; i++) buf[i] = (uint8_t)rng_next(&rng);
     int good = 0, total = quick ? 40 : 160;
     for (int i = 0; i < total; i++) {
-        if (rng_next(&rng) % 3 == 0) CHECK(pf_cpu_wake(c) == PF_CPU_OK); /* a call announced (or not: a hint) */
         if (i % 2) {
             good += random_batch(c, &rng);
             continue;
@@ -523,8 +521,7 @@ static void phase_pool(int quick, uint64_t seed) {
     char what[64];
     snprintf(what, sizeof what, "pool: %d/%d back-to-back jobs match", good, total);
     count(good == total, what);
-    CHECK(pf_cpu_wake(NULL) == PF_CPU_EINVAL);
-    CHECK(pf_cpu_wake(c) == PF_CPU_OK); /* destroyed while its workers poll for a call that never comes */
+    /* destroyed right after a job: its workers may still poll for a next phase */
     free(buf);
     pf_cpu_destroy(c);
 }
