@@ -158,21 +158,21 @@ class _Breakdown:
     def __init__(self, rt):
         from pdflash.native.cpu_experts import CpuExperts
         from pdflash.offload import experts as ex
+        from pdflash.offload.host_exchange import HostExchange
 
-        self._ex, self._ce = ex, CpuExperts
         self.sums: dict[str, float] = {}
         self.layers = 0
         self._end: float | None = None
-        self._saved = [(ex, "_to_host", ex._to_host), (ex.OffloadedExperts, "forward", ex.OffloadedExperts.forward),
+        self._saved = [(HostExchange, "routing", HostExchange.routing), (HostExchange, "upload", HostExchange.upload),
+                       (ex.OffloadedExperts, "forward", ex.OffloadedExperts.forward),
                        (ex.OffloadedExperts, "_cpu_compute", ex.OffloadedExperts._cpu_compute),
-                       (ex.OffloadedExperts, "_store_cpu", ex.OffloadedExperts.__dict__["_store_cpu"]),
-                       (CpuExperts, "forward_many", CpuExperts.forward_many)]
+                       (CpuExperts, "_experts", CpuExperts._experts)]
         self._on = False
         timed = self._timed
-        ex._to_host = timed("routing_copy", ex._to_host)
+        HostExchange.routing = timed("routing_copy", HostExchange.routing)
+        HostExchange.upload = timed("result_copy", HostExchange.upload)
         ex.OffloadedExperts._cpu_compute = timed("cpu_compute_call", ex.OffloadedExperts._cpu_compute)
-        ex.OffloadedExperts._store_cpu = staticmethod(timed("result_copy", ex.OffloadedExperts.__dict__["_store_cpu"].__func__))
-        CpuExperts.forward_many = timed("kernel_call", CpuExperts.forward_many)
+        CpuExperts._experts = timed("kernel_call", CpuExperts._experts)
         fwd = ex.OffloadedExperts.forward
 
         def forward(module, hidden_states, *a, **k):
