@@ -1,0 +1,65 @@
+"""The hybrid benchmarks' own options, run small on the CPU: check_hybrid_gpu.py (--breakdown,
+--cprofile, mode checks) and bench_cpu_experts.py (--gaps)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_check_hybrid_breakdown_and_profile_then_restores_the_code(tmp_path):
+    from pdflash.native.cpu_experts import CpuExperts
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.experts import OffloadedExperts
+    from pdflash.offload.host_exchange import HostExchange
+
+    before = (OffloadedExperts.forward, OffloadedExperts._cpu_compute, HostExchange.routing, HostExchange.upload,
+              CpuExperts._experts)
+    mod = _load("check_hybrid_gpu")
+    out = tmp_path / "h.json"
+    rc = mod.main(["--in-memory", "tiny", "--device", "cpu", "--dtypes", "float32", "--modes", "off,all", "--tokens", "5",
+                   "--link-gbps", "0.05", "--breakdown", "--cprofile", str(tmp_path / "prof"), "--out", str(out)])
+    assert rc == 0
+    after = (OffloadedExperts.forward, OffloadedExperts._cpu_compute, HostExchange.routing, HostExchange.upload,
+             CpuExperts._experts)
+    assert after == before  # every wrapper removed
+    res = json.loads(out.read_text())
+    off, all_ = res["runs"]
+    assert all_["identical_to_first_mode"]  # float32: every expert on the CPU gives fetch-only's tokens
+    n_layers = ModelPreset.from_name("tiny").num_hidden_layers
+    bd = all_["layer_breakdown_us"]
+    assert bd["layers"] == off["layer_breakdown_us"]["layers"] == 4 * n_layers  # 4 one-token forwards after the prefill
+    assert bd["kernel_call"] > 0 and bd["module"] >= bd["kernel_call"] + bd["cpu_compute_beside_kernel"]
+    assert "cpu_compute_beside_kernel" not in off["layer_breakdown_us"]  # fetch-only computes no expert from host memory
+    for mode in ("off", "all"):
+        text = (tmp_path / "prof" / f"float32_{mode}.txt").read_text()
+        assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text
+
+
+def test_check_hybrid_refuses_unknown_modes(capsys):
+    mod = _load("check_hybrid_gpu")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--in-memory", "tiny", "--device", "cpu", "--modes", "off,fast"])
+    assert e.value.code == 2
+    assert "unknown mode(s) fast" in capsys.readouterr().err
+
+
+def test_bench_cpu_experts_layer_calls_after_idle_gaps(tmp_path):
+    mod = _load("bench_cpu_experts")
+    out = tmp_path / "k.json"
+    rc = mod.main(["--small", "--threads", "1", "--tokens", "1", "--layer", "2", "--gaps", "0,50", "--torch-experts", "0",
+                   "--calls", "4", "--experts", "4", "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    layer = json.loads(out.read_text())["runs"][0]["layer"]
+    assert sorted((r["tokens"], r["gap_us"]) for r in layer) == [(1, 0.0), (1, 50.0), (4, 0.0), (4, 50.0)]
+    assert all(r["median_ms"] > 0 and r["experts_per_call"] == 2 for r in layer)
