@@ -1,8 +1,12 @@
 """Where does a decode step's time go? A torch.profiler view of batch-1 decoding on the GPU.
 
     python benchmarks/profile_decode.py --checkpoint-dir /data/oss20b-mxfp4 --out-dir prof/
+    python benchmarks/profile_decode.py --in-memory --preset gpt-oss-120b --cache-fraction 0.1408 \
+        --cuda-graphs --dtype bfloat16 --cpu-experts all --out-dir prof/ --name oss120b_all
 
-Loads the checkpoint with every expert resident (``--cache-fraction`` to offload), decodes
+Loads the checkpoint (``--in-memory``: a seeded synthetic MXFP4 checkpoint of ``--preset``
+generated in host memory, as ``check_hybrid_gpu.py --in-memory`` does; the gpt-oss-120b shape
+fits no disk of the GPU machine) with every expert resident (``--cache-fraction`` to offload), decodes
 ``--warmup`` tokens, then profiles ``--tokens`` tokens and writes:
 
 - ``profile_<name>.txt``: the ops sorted by self CPU time and by self device time;
@@ -25,7 +29,7 @@ from pdflash.offload.config import ModelPreset
 from pdflash.offload.experts import OffloadedExperts
 from pdflash.offload.generate import decode_one_token, prefill
 from pdflash.offload.runtime import OffloadedModel
-from pdflash.offload.synthetic import write_checkpoint
+from pdflash.offload.synthetic import SyntheticCheckpoint, write_checkpoint
 
 
 def ensure(path: Path, preset: ModelPreset) -> None:
@@ -54,9 +58,10 @@ def expert_microtime(rt, repeat: int = 50) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint-dir", type=Path, required=True)
+    ap.add_argument("--checkpoint-dir", type=Path, default=None, help="written there first if missing")
+    ap.add_argument("--in-memory", action="store_true", help="a synthetic checkpoint of --preset in host memory instead")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--preset", default="gpt-oss-20b")
     ap.add_argument("--cache-fraction", type=float, default=1.0)
@@ -72,13 +77,19 @@ def main() -> int:
                     help="Hybrid expert execution mode (auto-model: auto without the guard).")
     ap.add_argument("--cprofile", action="store_true",
                     help="Also write profile_<name>_python.txt: cProfile of the decoding thread's Python over --tokens tokens.")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if (args.checkpoint_dir is None) == (not args.in_memory):
+        ap.error("give --checkpoint-dir DIR or --in-memory (one of them)")
     preset = ModelPreset.from_name(args.preset)
-    ensure(args.checkpoint_dir, preset)
+    if args.in_memory:
+        source = SyntheticCheckpoint(preset, mxfp4=True, seed=0)
+    else:
+        ensure(args.checkpoint_dir, preset)
+        source = args.checkpoint_dir
     args.out_dir.mkdir(parents=True, exist_ok=True)
     total = preset.num_hidden_layers * preset.num_local_experts
     slots = None if args.cache_fraction >= 1 else max(preset.num_experts_per_tok, round(args.cache_fraction * total))
-    with OffloadedModel.load(args.checkpoint_dir, device="cuda", dtype=args.dtype, expert_cache_experts=slots,
+    with OffloadedModel.load(source, device="cuda", dtype=args.dtype, expert_cache_experts=slots,
                              preload=slots is None, cpu_experts=args.cpu_experts.replace("-model", ""),
                              hybrid_guard=args.cpu_experts != "auto-model") as rt:
         wall = {"experts": 0.0}
@@ -152,6 +163,9 @@ def main() -> int:
             "expert_micro_ms": expert_microtime(rt),
         }
         OffloadedExperts.forward = orig
+    if args.in_memory:
+        source.close()
+    result["checkpoint"] = f"synthetic in memory: {args.preset}" if args.in_memory else str(args.checkpoint_dir)
     (args.out_dir / f"profile_{args.name}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result), file=sys.stderr)
     return 0

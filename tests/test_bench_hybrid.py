@@ -63,3 +63,12 @@ def test_bench_cpu_experts_layer_calls_after_idle_gaps(tmp_path):
     layer = json.loads(out.read_text())["runs"][0]["layer"]
     assert sorted((r["tokens"], r["gap_us"]) for r in layer) == [(1, 0.0), (1, 50.0), (4, 0.0), (4, 50.0)]
     assert all(r["median_ms"] > 0 and r["experts_per_call"] == 2 for r in layer)
+
+
+def test_profile_decode_needs_one_checkpoint_source(capsys, tmp_path):
+    mod = _load("profile_decode")
+    for extra in ([], ["--in-memory", "--checkpoint-dir", str(tmp_path / "ck")]):
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--out-dir", str(tmp_path / "p"), *extra])
+        assert e.value.code == 2
+        assert "give --checkpoint-dir DIR or --in-memory" in capsys.readouterr().err
