@@ -442,6 +442,18 @@ def test_runner_run_layer_matches_per_expert_loop(tmp_path):
         CpuRunner.run_layer(runner, 1, experts, positions, K, x, w_flat, slow)
         assert torch.equal(fast, slow)
         assert runner.experts == 2 * len(experts)
+        # every struct shifted from the first one built is the struct ExpertWeights builds for its row
+        ffi = runner.kernel.ffi
+        L, E = runner.host.num_layers, runner.host.num_experts
+        for layer, e in [(0, 0), (L - 1, E - 1), (0, E - 1), (L - 1, 0), (1, 2)]:
+            got, want = runner.struct(layer, e), runner.weights(layer, e).struct(ffi)
+            for f in ("format", "bias_format", "hidden", "inter", "alpha", "limit", "round_bf16", "gate_up", "gate_up_scales",
+                      "gate_up_bias", "down", "down_scales", "down_bias"):
+                a, b = getattr(got, f), getattr(want, f)
+                if isinstance(a, (int, float)):
+                    assert a == b, (layer, e, f)
+                else:
+                    assert int(ffi.cast("uintptr_t", a)) == int(ffi.cast("uintptr_t", b)), (layer, e, f)
     finally:
         rt.close()
 
