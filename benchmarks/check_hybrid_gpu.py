@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
-import pstats
 import time
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _checkout import import_pdflash  # noqa: E402
+from _profiling import write_cprofile  # noqa: E402
 
 import_pdflash()
 
@@ -60,7 +59,7 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
         res = generate(rt, prompt, max_new_tokens=args.tokens, eos_token_ids=[], cuda_graphs=graphs)
         if prof is not None:
             prof.disable()
-            _write_profile(prof, args.cprofile / f"{dtype}_{mode}.txt")
+            write_cprofile(prof, args.cprofile / f"{dtype}_{mode}.txt")
         breakdown = bd.close() if bd is not None else None
         st = rt.stats()
         vram = None
@@ -218,15 +217,6 @@ class _Breakdown:
                                                                                 "kernel_call", "result_copy"))
         out["layers"] = self.layers
         return out
-
-
-def _write_profile(prof: cProfile.Profile, path: Path) -> None:
-    """The profile's top functions by own time and by cumulative time, as text."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = io.StringIO()
-    for key in ("tottime", "cumulative"):
-        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
-    path.write_text(text.getvalue())
 
 
 def _guard_text(run: dict) -> str:

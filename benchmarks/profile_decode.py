@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (_profiling)
+
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.experts import OffloadedExperts
 from pdflash.offload.generate import decode_one_token, prefill
@@ -126,8 +128,8 @@ def main(argv=None) -> int:
         experts_share = wall["experts"] / args.tokens
         if args.cprofile:
             import cProfile
-            import io
-            import pstats
+
+            from _profiling import write_cprofile
 
             pr = cProfile.Profile()
             pr.enable()
@@ -135,11 +137,7 @@ def main(argv=None) -> int:
                 tok = int(step(tok).argmax(-1))
             torch.cuda.synchronize()
             pr.disable()
-            buf = io.StringIO()
-            st = pstats.Stats(pr, stream=buf)
-            st.sort_stats("tottime").print_stats(35)
-            st.sort_stats("cumulative").print_stats(35)
-            (args.out_dir / f"profile_{args.name}_python.txt").write_text(buf.getvalue())
+            write_cprofile(pr, args.out_dir / f"profile_{args.name}_python.txt", rows=35)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
