@@ -949,19 +949,25 @@ static void end_phase(pf_cpu *c, uint64_t st) {
     pthread_mutex_unlock(&c->mu);
 }
 
+/* Units in the next grab when `left` are unclaimed: guided, a share of what is left (large
+ * grabs first, so claims are few; small ones last, so threads finish together), 1..64 units. */
+static uint32_t grab_size(uint32_t left, uint32_t threads) {
+    uint32_t g = left / (2u * threads);
+    if (g < 1) g = 1;
+    if (g > 64) g = 64;
+    return g < left ? g : left;
+}
+
 /* Claim and run grabs of the phase `st` until none is left (or a newer phase has replaced
  * it: the claim word then carries another sequence number and no claim succeeds). Job data
  * is read only after a successful claim, which implies `st` is still the published phase. */
 static void work_phase(pf_cpu *c, int idx, uint64_t st) {
     const uint32_t seq = ST_SEQ(st), units = ST_UNITS(st);
     const int phase = ST_PHASE(st);
-    uint32_t grab = units / ((uint32_t)c->threads * 4u); /* about 4 grabs per thread */
-    if (grab < 1) grab = 1;
-    if (grab > 64) grab = 64;
     uint64_t cl = atomic_load_explicit(&c->claim, memory_order_relaxed);
     for (;;) {
         if ((uint32_t)(cl >> 32) != seq || (uint32_t)cl >= units) return;
-        const uint32_t a = (uint32_t)cl, n = units - a < grab ? units - a : grab;
+        const uint32_t a = (uint32_t)cl, n = grab_size(units - a, (uint32_t)c->threads);
         if (!atomic_compare_exchange_weak_explicit(&c->claim, &cl, cl + n, memory_order_acquire, memory_order_relaxed))
             continue;
         run_units(c, idx, phase, (int)a, (int)(a + n));
