@@ -99,9 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    bad = [m for m in args.modes.split(",") if m not in ("off", "auto", "auto-model", "auto-host", "auto-off", "all")]
+    bad = [m for m in args.modes.split(",") if m not in ("off", "auto", "auto-model", "auto-host", "auto-all", "auto-off", "all")]
     if bad:
-        ap.error(f"unknown mode(s) {', '.join(bad)}: use off, auto, auto-model, auto-host, auto-off, all")
+        ap.error(f"unknown mode(s) {', '.join(bad)}: use off, auto, auto-model, auto-host, auto-all, auto-off, all")
     if (args.ckpt is None) == (args.in_memory is None):
         ap.error("give a checkpoint directory or --in-memory PRESET (one of them)")
     source = args.ckpt

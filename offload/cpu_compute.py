@@ -261,7 +261,7 @@ class CpuExpertRunner(CpuRunner):
         self._slot_weights.clear()
 
 
-GUARD_ARMS = ("off", "model", "host")  # checked in this order; a guard that never completes a check stays "off"
+GUARD_ARMS = ("off", "all", "model", "host")  # checked in this order; a guard that never completes a check stays "off"
 
 
 class HybridGuard:
@@ -273,26 +273,30 @@ class HybridGuard:
     interpreter lock. So placements ("arms") are checked against measured step times:
 
     - "off": every miss is fetched (no host path);
+    - "all": every routed expert, hits too, is computed on the CPU (the layer takes the path of
+      ``--cpu-experts all``: no cache lookup, no fetch, the device only runs attention);
     - "model": the per-layer cost model splits each layer's misses between the link and the CPU;
     - "host": every miss not already on its way is computed on the CPU (hits stay on the device;
       nothing is brought into the cache, so no DMA competes with the kernel's DRAM reads; the
       cache keeps what the other arms' windows brought in until the next check).
 
     Decode steps (forwards of one token that follow a forward of one token) run in windows of
-    ``window`` steps, one arm per window in turn, ``rounds`` times each (the first step of a
-    window is not counted: it pays the switch). The arm with the lowest median step time is kept
-    ("off" unless another is faster by more than ``margin``) for ``hold`` decode steps, then
-    checked again the same way; a check that confirms the same arm doubles the hold, up to
-    ``max_hold``. ``on_forward(tokens)`` is a forward observer of the runtime."""
+    ``window`` steps, one arm per window in turn (the first step of a window is not counted: it
+    pays the switch). After each round of windows, arms whose median step time is more than
+    ``cut`` behind the best leave the check; the check ends after ``rounds`` rounds or when one
+    arm is left. The arm with the lowest median is kept ("off" unless another is faster by more
+    than ``margin``) for ``hold`` decode steps, then checked again the same way; a check that
+    confirms the same arm doubles the hold, up to ``max_hold``. ``on_forward(tokens)`` is a
+    forward observer of the runtime."""
 
     def __init__(self, window: int = 4, rounds: int = 2, hold: int = 64, max_hold: int = 1024, margin: float = 0.02,
-                 arms: tuple[str, ...] = GUARD_ARMS, clock: Callable[[], float] = time.perf_counter):
-        if window < 2 or rounds < 1 or hold < 1:
-            raise ValueError("window >= 2, rounds >= 1 and hold >= 1 are needed")
+                 cut: float = 0.05, arms: tuple[str, ...] = GUARD_ARMS, clock: Callable[[], float] = time.perf_counter):
+        if window < 2 or rounds < 1 or hold < 1 or cut < 0:
+            raise ValueError("window >= 2, rounds >= 1, hold >= 1 and cut >= 0 are needed")
         arms = tuple(arms)
         if "off" not in arms or len(arms) < 2 or len(set(arms)) != len(arms) or any(a not in GUARD_ARMS for a in arms):
             raise ValueError(f"arms: two or more distinct of {GUARD_ARMS}, 'off' among them")
-        self.window, self.rounds, self.margin, self.arms = window, rounds, margin, arms
+        self.window, self.rounds, self.margin, self.cut, self.arms = window, rounds, margin, cut, arms
         self.hold, self.max_hold = hold, max_hold
         self.clock = clock
         self.checks = 0  # completed comparisons
@@ -308,11 +312,13 @@ class HybridGuard:
         return self.arm != "off"
 
     def _start_check(self) -> None:
-        self._plan = list(self.arms) * self.rounds  # one window per arm, in turn
+        self._live = list(self.arms)  # arms still in the check
+        self._round = 0
+        self._turn = 0  # index into _live of the arm whose window runs
         self._window_steps = 0
         self._samples: dict[str, list[float]] = {a: [] for a in self.arms}
         self._holding = 0  # decode steps left in the hold (0: checking)
-        self.arm = self._plan[0]
+        self.arm = self._live[0]
 
     def pin(self, arm: str) -> None:
         """Keep ``arm`` from now on, checking nothing (benchmarks measure one arm's steady steps)."""
@@ -341,20 +347,33 @@ class HybridGuard:
         self._window_steps += 1
         if self._window_steps < self.window:
             return
-        self._plan.pop(0)
         self._window_steps = 0
-        if self._plan:
-            self.arm = self._plan[0]
+        self._turn += 1
+        if self._turn < len(self._live):
+            self.arm = self._live[self._turn]
             return
-        med = {a: _median(v) for a, v in self._samples.items()}
-        best = min((a for a in self.arms if a != "off"), key=med.__getitem__)
-        choice = best if med[best] < med["off"] * (1 - self.margin) else "off"
-        if self.checks and choice == self._choice:
+        self._round += 1  # a round ended: the arms far behind leave
+        med = {a: _median(self._samples[a]) for a in self._live}
+        best = min(med.values())
+        self._live = [a for a in self._live if med[a] <= best * (1 + self.cut)]
+        if self._round < self.rounds and len(self._live) > 1:
+            self._turn = 0
+            self.arm = self._live[0]
+            return
+        self._decide()
+
+    def _decide(self) -> None:
+        med = {a: _median(v) for a, v in self._samples.items() if v}
+        live = {a: med[a] for a in self._live}
+        best = min(live, key=live.__getitem__)
+        if best != "off" and "off" in live and live[best] >= live["off"] * (1 - self.margin):
+            best = "off"  # not enough faster to be worth the host path
+        if self.checks and best == self._choice:
             self.hold = min(self.max_hold, 2 * self.hold)
-        self._choice = choice
+        self._choice = best
         self.checks += 1
-        self.last = {f"{a}_ms": m * 1e3 for a, m in med.items()}
-        self.arm = choice
+        self.last = {f"{a}_ms": (med[a] * 1e3 if a in med else None) for a in self.arms}
+        self.arm = best
         self._holding = self.hold
 
     def stats(self) -> dict:
@@ -377,8 +396,9 @@ class CpuPlacement:
     in-flight experts and its resident ones. Experts computed on the CPU that are hot (used
     at least ``hot_uses`` times within the last ``hot_window`` forwards) are still brought
     into the cache in the background band, so the cache keeps the hot set. With a ``guard``
-    (:class:`HybridGuard`), its arm decides: the cost model's split, nothing on the CPU, or
-    every miss not in flight on the CPU (then without background fetches).
+    (:class:`HybridGuard`), its arm decides: the cost model's split, nothing on the CPU, every
+    miss not in flight on the CPU (then without background fetches), or every routed expert on
+    the CPU (``all_on_cpu()``: the experts module then takes the "all" path).
     """
 
     def __init__(self, cache, scheduler, runner: CpuExpertRunner, cost, hot_uses: int = 2, hot_window: int = 8,
@@ -398,6 +418,10 @@ class CpuPlacement:
         self.background = 0  # hot CPU experts queued into the cache
         cost.set_cpu_expert_rate(runner.seconds_for)
 
+    def all_on_cpu(self) -> bool:
+        """Whether this step's layers compute every routed expert on the CPU (the guard's arm "all")."""
+        return self.guard is not None and self.guard.arm == "all"
+
     def may_use_host(self) -> bool:
         """Whether this step's layers may compute experts on the CPU (the guard's arm is not "off")."""
         return self.guard is None or self.guard.enabled
@@ -416,14 +440,14 @@ class CpuPlacement:
         arm = self.guard.arm if self.guard is not None else "model"
         if arm == "off":
             return []
-        if arm == "host":  # every miss not already on its way
+        if arm in ("host", "all"):  # every miss not already on its way ("all" layers do not ask: experts.py)
             host = sorted(missing)
         else:
             miss_set = set(misses)
             resident = [len(p) for e, p in positions.items() if e not in miss_set]
             host = self.cost.place_layer(missing, in_flight=in_flight, resident_tokens=resident).host
         self.decisions += 1
-        if arm == "host":  # the CPU serves every miss: no link traffic competes with its DRAM reads
+        if arm != "model":  # the CPU serves every miss: no link traffic competes with its DRAM reads
             return host
         forward = self.cache.stats.forwards
         for e in host:

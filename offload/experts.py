@@ -27,7 +27,7 @@ CPU experts (``cpu``, a CpuExpertRunner over the host store): experts chosen by
 ``cpu_mode`` are computed by the native CPU kernel straight from host memory instead of
 being fetched: "all" computes every routed expert there (the cache is not used); "auto"
 asks ``placer`` (the cost model) which non-resident experts to compute on the CPU and which
-to fetch. On CUDA the routing, the routing weights and the hidden rows come to the host in
+to fetch, or, while its guard's arm is "all", takes the "all" path for the step. On CUDA the routing, the routing weights and the hidden rows come to the host in
 one copy (host_exchange.py); the misses are requested and the resident experts launched on the
 device first, then this thread runs the CPU experts (the kernel's pool, this thread its thread
 0) while the link and the device work, then computes the arrivals; the results join in the
@@ -115,7 +115,9 @@ class OffloadedExperts(nn.Module):
         w_flat = w.reshape(-1)
         out_dtype = torch.promote_types(self.kernel.dtype, w.dtype)
 
-        if self.cpu_mode == "all":  # every routed expert on the CPU, nothing fetched: every row is the CPU's
+        all_cpu = getattr(self.placer, "all_on_cpu", None)  # auto's guard may pick "all" for this step
+        if self.cpu_mode == "all" or (self.cpu_mode == "auto" and all_cpu is not None and all_cpu()):
+            # every routed expert on the CPU, nothing fetched: every row is the CPU's
             buf = self._cpu_compute(x_host, w_host, K, experts, positions, exchange)[1]
             contrib = (exchange.upload(buf) if exchange is not None else buf).to(out_dtype)
             out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)

@@ -151,7 +151,8 @@ class OffloadedModel:
         reason is in ``stats()["cpu_experts"]``); "all" is an error there.
         ``cpu_threads``: the kernel's threads (default: the cores this process may use).
         ``hybrid_guard`` (with "auto"): decode steps check placements against what they realize,
-        in turn fetch-only, the cost model's split and every miss on the CPU, and keep the fastest
+        in turn fetch-only, every routed expert on the CPU, the cost model's split and every miss
+        on the CPU, and keep the fastest
         (offload/cpu_compute.py, ``HybridGuard``); False trusts the per-layer cost model alone.
         """
         self = object.__new__(cls)
@@ -220,6 +221,9 @@ class OffloadedModel:
 
         n_slots = _slot_count(cache_mib, cache_experts, layout.expert_bytes, L * E)
         need = min_cache_experts(E, K, block_tokens)
+        if cpu_mode == "auto" and n_slots >= L * E:  # every expert fits: no miss to place
+            cpu_mode, self.cpu_mode = "off", "off"
+            self.cpu_reason = "every expert fits in the expert cache: no miss to place"
         if cpu_mode == "all":
             n_slots = need  # never used: every expert is computed from host memory
         if n_slots < need:

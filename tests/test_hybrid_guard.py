@@ -80,27 +80,64 @@ def test_a_pinned_arm_is_kept_and_nothing_is_checked():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         HybridGuard(window=1)
+    with pytest.raises(ValueError):
+        HybridGuard(cut=-0.1)
     for arms in (("model", "host"), ("off",), ("off", "off"), ("off", "gpu")):
         with pytest.raises(ValueError):
             HybridGuard(arms=arms)
 
 
-@pytest.mark.parametrize("ms,want", [({"model": 40, "off": 45, "host": 30}, "host"),
-                                     ({"model": 30, "off": 45, "host": 40}, "model"),
-                                     ({"model": 44.5, "off": 45, "host": 44.2}, "off"),  # within the margin
-                                     ({"model": 50, "off": 45, "host": 60}, "off")])
-def test_three_arms_keep_the_fastest(ms, want):
-    clock = Clock()
-    g = HybridGuard(window=2, rounds=2, hold=8, clock=clock)
+def steps_by_arm(g, clock, ms, n):
+    """n decode steps, each lasting ms[arm] milliseconds for the guard's arm; the arms in order."""
     arms = []
     g.on_forward(1)
-    for _ in range(3 * 2 * 2):  # three arms, two rounds, windows of two steps
+    for _ in range(n):
         arms.append(g.arm)
         clock.t += ms[g.arm] / 1e3
         g.on_forward(1)
-    assert arms == ["off"] * 2 + ["model"] * 2 + ["host"] * 2 + ["off"] * 2 + ["model"] * 2 + ["host"] * 2
+    return arms
+
+
+@pytest.mark.parametrize("ms,want", [({"model": 40, "off": 45, "host": 30, "all": 41}, "host"),
+                                     ({"model": 30, "off": 45, "host": 40, "all": 41}, "model"),
+                                     ({"model": 41, "off": 45, "host": 40, "all": 30}, "all"),
+                                     ({"model": 44.5, "off": 45, "host": 44.2, "all": 44.9}, "off"),  # within the margin
+                                     ({"model": 50, "off": 45, "host": 60, "all": 47}, "off")])
+def test_four_arms_keep_the_fastest(ms, want):
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=2, hold=8, cut=1.0, clock=clock)  # no arm is cut: two full rounds
+    arms = steps_by_arm(g, clock, ms, 4 * 2 * 2)  # four arms, two rounds, windows of two steps
+    assert arms == (["off"] * 2 + ["all"] * 2 + ["model"] * 2 + ["host"] * 2) * 2
     assert g.checks == 1 and g.arm == want and g.enabled is (want != "off")
     assert {a: g.stats()[f"{a}_ms"] for a in ms} == pytest.approx(ms)
+
+
+def test_arms_far_behind_leave_after_a_round():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=3, hold=8, cut=0.05, clock=clock)
+    ms = {"off": 45, "all": 30, "model": 31, "host": 40}  # after round one, only all and model are within 5 %
+    arms = steps_by_arm(g, clock, ms, 2 * 4 + 2 * 2 * 2)
+    assert arms == ["off"] * 2 + ["all"] * 2 + ["model"] * 2 + ["host"] * 2 + (["all"] * 2 + ["model"] * 2) * 2
+    assert g.checks == 1 and g.arm == "all"
+    # the arms that left keep their first-round medians in the report
+    assert g.stats()["off_ms"] == pytest.approx(45) and g.stats()["host_ms"] == pytest.approx(40)
+
+
+def test_a_check_ends_when_one_arm_is_left():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=4, hold=8, cut=0.05, clock=clock)
+    arms = steps_by_arm(g, clock, {"off": 45, "all": 20, "model": 31, "host": 40}, 2 * 4)
+    assert arms == ["off"] * 2 + ["all"] * 2 + ["model"] * 2 + ["host"] * 2
+    assert g.checks == 1 and g.arm == "all"  # one round was enough
+    # held: the opening forward ends one held step, seven more follow
+    assert steps_by_arm(g, clock, {"off": 45, "all": 20, "model": 31, "host": 40}, 7) == ["all"] * 7
+
+
+def test_off_is_kept_when_the_host_arms_are_cut():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=2, hold=8, cut=0.05, clock=clock)
+    steps_by_arm(g, clock, {"off": 30, "all": 45, "model": 40, "host": 50}, 2 * 4)
+    assert g.checks == 1 and g.arm == "off" and not g.enabled
 
 
 def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
@@ -124,8 +161,14 @@ def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
         rt.reset_cache()
         guard.pin("host")  # every miss on the CPU: nothing fetched, not even hot experts in the background
         background = rt.placer.background
-        generate(rt, [1, 2, 3, 1, 2, 3], max_new_tokens=8, eos_token_ids=[])
+        host_tokens = generate(rt, [1, 2, 3, 1, 2, 3], max_new_tokens=8, eos_token_ids=[]).token_ids
         assert rt.placer.background == background
         st = rt.stats()
         assert st["cpu_experts"]["computed"] > 0 and st["cpu_experts"]["guard"]["arm"] == "host"
         assert st["experts_per_token"]["fetched"] == 0, st["experts_per_token"]
+        rt.reset_cache()
+        guard.pin("all")  # every routed expert on the CPU: no lookups, so no hits either
+        assert generate(rt, [1, 2, 3, 1, 2, 3], max_new_tokens=8, eos_token_ids=[]).token_ids == host_tokens
+        st = rt.stats()
+        assert st["cpu_experts"]["guard"]["arm"] == "all" and st["cpu_experts"]["computed"] > 0
+        assert st["experts_per_token"]["fetched"] == 0 and st["experts_per_token"]["cache"] == 0, st["experts_per_token"]

@@ -222,7 +222,8 @@ def test_cuda_matches_transformers_on_cuda(ckpts):
 def test_cuda_hybrid_matches_fetch_only_in_float32(ckpts):
     """On CUDA the CPU experts run on the decoding thread while the device computes the hits and
     the link carries the fetches: float32 greedy tokens equal the fetch-only run's, with the cost
-    model's split (no guard) and with the guard held on its "host" arm (every miss on the CPU)."""
+    model's split (no guard), with the guard held on its "host" arm (every miss on the CPU) and on
+    its "all" arm (every routed expert on the CPU)."""
     path = ckpts["mxfp4-bf16"]
     with OffloadedModel.load(path, device="cuda", dtype=torch.float32, expert_cache_experts=K) as rt:
         want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
@@ -237,6 +238,11 @@ def test_cuda_hybrid_matches_fetch_only_in_float32(ckpts):
         assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == want
         st = rt.stats()
         assert st["cpu_experts"]["computed"] > 0 and st["experts_per_token"]["fetched"] == 0
+        rt.reset_cache()
+        rt.placer.guard.pin("all")  # every routed expert on the CPU, the device's hits too
+        assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == want
+        st = rt.stats()
+        assert st["experts_per_token"]["fetched"] == 0 and st["experts_per_token"]["cache"] == 0
 
 
 # -- Qwen3-MoE ---------------------------------------------------------------------------------
