@@ -94,15 +94,15 @@ def _load_options(
 ) -> dict[str, Any]:
     """Keyword arguments of OffloadedModel.load for these command-line options.
 
-    ``--cpu-experts auto`` on the CPU device computes every expert natively from host memory,
-    unless the run is an offload experiment (a cache size or a simulated link is given): then
-    the experts go through the cache as on a GPU. Unset, it is auto on the CPU device and off on
-    CUDA: on the H200 machine `all` was the fastest mode and auto's guard, which explores its
-    arms on decode steps, lost up to a third of a short run to that exploration
-    (docs/benchmarks.md), so auto stays opt-in there until its arms are measured to pay."""
+    ``--cpu-experts auto`` (the default) on the CPU device computes every expert natively from
+    host memory, unless the run is an offload experiment (a cache size or a simulated link is
+    given): then the experts go through the cache as on a GPU. On CUDA, auto's guard keeps the
+    fastest of fetch-only, every expert on the CPU and the split placements, measured on the
+    run's own decode steps (offload/cpu_compute.py, HybridGuard); where every expert fits in
+    the cache it is off."""
     dev = _resolve_device(device)
     if cpu_experts is None:
-        cpu_experts = "auto" if dev == "cpu" else "off"
+        cpu_experts = "auto"
     if cpu_experts == "auto" and dev == "cpu" and (
         link_gbps is not None or expert_cache_mib is not None or expert_cache_experts is not None
     ):
@@ -330,7 +330,7 @@ def generate(
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     prompt_lookup: Annotated[bool, typer.Option("--prompt-lookup/--no-prompt-lookup", help="With a draft, greedy: when the last 3 tokens occurred earlier, what followed them then leads the verify block where the draft proposes otherwise (output unchanged).")] = True,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
-    cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: decode steps try fetch-only, the cost model's per-layer split and every missing expert on the CPU, and keep the fastest; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all (every expert on the CPU: the fastest on a host whose DRAM outruns its link). Default: auto on the CPU device, off on CUDA.", show_default=False)] = None,
+    cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: decode steps try fetch-only, every routed expert on the CPU, the cost model's per-layer split and every missing expert on the CPU, and keep the fastest; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all (every expert on the CPU: the fastest on a host whose DRAM outruns its link). Default: auto.", show_default=False)] = None,
     cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use).")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length (default: on CUDA, off elsewhere).", show_default=False)] = None,
 ) -> None:
