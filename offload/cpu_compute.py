@@ -286,21 +286,29 @@ class HybridGuard:
     ``cut`` behind the best leave the check; the check ends after ``rounds`` rounds or when one
     arm is left. The arm with the lowest median is kept ("off" unless another is faster by more
     than ``margin``) for ``hold`` decode steps, then checked again the same way; a check that
-    confirms the same arm doubles the hold, up to ``max_hold``. ``on_forward(tokens)`` is a
+    confirms the same arm doubles the hold, up to ``max_hold``. A check after a hold (a
+    re-check) opens with the kept arm and tries only the arms whose last median was within
+    ``recheck`` of the best: arms measured far behind are not paid for again at every hold. If
+    the re-check's best is more than ``recheck`` slower than the last check's best (the host or
+    the link changed), a full check of every arm follows at once. ``on_forward(tokens)`` is a
     forward observer of the runtime."""
 
     def __init__(self, window: int = 4, rounds: int = 2, hold: int = 64, max_hold: int = 1024, margin: float = 0.02,
-                 cut: float = 0.05, arms: tuple[str, ...] = GUARD_ARMS, clock: Callable[[], float] = time.perf_counter):
-        if window < 2 or rounds < 1 or hold < 1 or cut < 0:
-            raise ValueError("window >= 2, rounds >= 1, hold >= 1 and cut >= 0 are needed")
+                 cut: float = 0.05, recheck: float = 0.25, arms: tuple[str, ...] = GUARD_ARMS,
+                 clock: Callable[[], float] = time.perf_counter):
+        if window < 2 or rounds < 1 or hold < 1 or cut < 0 or recheck < 0:
+            raise ValueError("window >= 2, rounds >= 1, hold >= 1, cut >= 0 and recheck >= 0 are needed")
         arms = tuple(arms)
         if "off" not in arms or len(arms) < 2 or len(set(arms)) != len(arms) or any(a not in GUARD_ARMS for a in arms):
             raise ValueError(f"arms: two or more distinct of {GUARD_ARMS}, 'off' among them")
-        self.window, self.rounds, self.margin, self.cut, self.arms = window, rounds, margin, cut, arms
-        self.hold, self.max_hold = hold, max_hold
+        self.window, self.rounds, self.margin, self.cut, self.recheck, self.arms = window, rounds, margin, cut, recheck, arms
+        self.hold, self.max_hold, self._first_hold = hold, max_hold, hold
         self.clock = clock
         self.checks = 0  # completed comparisons
-        self.last: dict[str, float | None] = {f"{a}_ms": None for a in arms}  # medians of the last comparison
+        self.last: dict[str, float | None] = {f"{a}_ms": None for a in arms}  # latest median of each arm
+        self.full_checks = 0  # completed checks that tried every arm
+        self._medians: dict[str, float] = {}  # latest median step (s) of each arm measured
+        self._best = 0.0  # the best median of the last completed check
         self._choice: str | None = None
         self._pinned = False  # pin(): one arm kept, nothing checked
         self._prev: tuple[float, int] | None = None  # (start, tokens) of the previous forward
@@ -311,8 +319,14 @@ class HybridGuard:
         """The host path is in use now (any arm but "off")."""
         return self.arm != "off"
 
-    def _start_check(self) -> None:
-        self._live = list(self.arms)  # arms still in the check
+    def _start_check(self, full: bool = True) -> None:
+        if full or self._choice is None:
+            self._live = list(self.arms)  # arms still in the check
+        else:  # a re-check: the kept arm first, then the arms last measured near the best
+            near = [a for a in self.arms if a != self._choice and a in self._medians
+                    and self._medians[a] <= self._best * (1 + self.recheck)]
+            self._live = [self._choice] + near
+        self._full = len(self._live) == len(self.arms)
         self._round = 0
         self._turn = 0  # index into _live of the arm whose window runs
         self._window_steps = 0
@@ -340,7 +354,7 @@ class HybridGuard:
         if self._holding:
             self._holding -= 1
             if not self._holding:
-                self._start_check()
+                self._start_check(full=False)
             return
         if self._window_steps:  # the window's first step pays the switch
             self._samples[self.arm].append(seconds)
@@ -368,16 +382,25 @@ class HybridGuard:
         best = min(live, key=live.__getitem__)
         if best != "off" and "off" in live and live[best] >= live["off"] * (1 - self.margin):
             best = "off"  # not enough faster to be worth the host path
-        if self.checks and best == self._choice:
+        drifted = not self._full and live[best] > self._best * (1 + self.recheck)
+        if self.checks and best == self._choice and not drifted:
             self.hold = min(self.max_hold, 2 * self.hold)
         self._choice = best
         self.checks += 1
-        self.last = {f"{a}_ms": (med[a] * 1e3 if a in med else None) for a in self.arms}
+        self.full_checks += self._full
+        self._medians.update(med)
+        self._best = live[best]
+        self.last = {f"{a}_ms": (self._medians[a] * 1e3 if a in self._medians else None) for a in self.arms}
+        if drifted:  # the steps got slower than the arms were measured: measure every arm again
+            self.hold = self._first_hold
+            self._start_check(full=True)
+            return
         self.arm = best
         self._holding = self.hold
 
     def stats(self) -> dict:
-        return {"arm": self.arm, "host_path": self.enabled, "checks": self.checks, **self.last, "hold_steps": self.hold}
+        return {"arm": self.arm, "host_path": self.enabled, "checks": self.checks, "full_checks": self.full_checks,
+                **self.last, "hold_steps": self.hold}
 
 
 def _median(xs: list[float]) -> float:

@@ -34,7 +34,7 @@ def test_keeps_the_faster_mode(on_s, off_s, want):
 
 def test_windows_alternate_and_the_hold_doubles_when_confirmed():
     clock = Clock()
-    g = HybridGuard(window=2, rounds=1, hold=4, max_hold=16, arms=("off", "model"), clock=clock)
+    g = HybridGuard(window=2, rounds=1, hold=4, max_hold=16, recheck=1.0, arms=("off", "model"), clock=clock)
     modes = run(g, clock, 1 + 4, 0.05, 0.04)
     assert modes == [False, False, True, True, False] and g.checks == 1 and not g.enabled
     held = run(g, clock, 4, 0.05, 0.04)
@@ -82,15 +82,19 @@ def test_bad_settings_are_refused():
         HybridGuard(window=1)
     with pytest.raises(ValueError):
         HybridGuard(cut=-0.1)
+    with pytest.raises(ValueError):
+        HybridGuard(recheck=-0.1)
     for arms in (("model", "host"), ("off",), ("off", "off"), ("off", "gpu")):
         with pytest.raises(ValueError):
             HybridGuard(arms=arms)
 
 
-def steps_by_arm(g, clock, ms, n):
-    """n decode steps, each lasting ms[arm] milliseconds for the guard's arm; the arms in order."""
+def steps_by_arm(g, clock, ms, n, opening=True):
+    """n decode steps, each lasting ms[arm] milliseconds for the guard's arm; the arms in order.
+    With ``opening``, one forward first (a step of no time when steps ran before)."""
     arms = []
-    g.on_forward(1)
+    if opening:
+        g.on_forward(1)
     for _ in range(n):
         arms.append(g.arm)
         clock.t += ms[g.arm] / 1e3
@@ -138,6 +142,34 @@ def test_off_is_kept_when_the_host_arms_are_cut():
     g = HybridGuard(window=2, rounds=2, hold=8, cut=0.05, clock=clock)
     steps_by_arm(g, clock, {"off": 30, "all": 45, "model": 40, "host": 50}, 2 * 4)
     assert g.checks == 1 and g.arm == "off" and not g.enabled
+
+
+def test_a_recheck_tries_only_the_arms_measured_near_the_best():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=2, hold=4, cut=0.05, recheck=0.25, clock=clock)
+    ms = {"off": 45, "all": 30, "model": 35, "host": 40}
+    steps_by_arm(g, clock, ms, 2 * 4)  # the first check: one round, only "all" within 5 %
+    assert g.checks == 1 and g.full_checks == 1 and g.arm == "all"
+    # held 4 steps (the opening forward ends the first), then the re-check: the kept arm first,
+    # then "model" (35 <= 30 * 1.25); off and host were far behind and are not tried again
+    arms = steps_by_arm(g, clock, ms, 3 + 2 * 2)
+    assert arms == ["all"] * 3 + ["all"] * 2 + ["model"] * 2
+    assert g.checks == 2 and g.full_checks == 1 and g.arm == "all" and g.hold == 8  # confirmed: the hold doubles
+    assert g.stats()["off_ms"] == pytest.approx(45) and g.stats()["model_ms"] == pytest.approx(35)
+
+
+def test_a_slower_recheck_measures_every_arm_again():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=2, hold=4, cut=0.05, recheck=0.25, clock=clock)
+    ms = {"off": 45, "all": 30, "model": 35, "host": 40}
+    steps_by_arm(g, clock, ms, 2 * 4 + 3)  # the first check ("all"), then its hold
+    slow = {"off": 45, "all": 60, "model": 70, "host": 40}  # the host became busy, say
+    arms = steps_by_arm(g, clock, slow, 2 * 2)  # the re-check: "all" and "model", both far slower (model cut)
+    assert arms == ["all"] * 2 + ["model"] * 2
+    assert g.checks == 2 and g.hold == 4  # not confirmed: the hold starts over
+    arms = steps_by_arm(g, clock, slow, 2 * 4, opening=False)  # a full check follows at once
+    assert arms == ["off"] * 2 + ["all"] * 2 + ["model"] * 2 + ["host"] * 2
+    assert g.checks == 3 and g.full_checks == 2 and g.arm == "host"
 
 
 def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
