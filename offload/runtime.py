@@ -302,6 +302,9 @@ class OffloadedModel:
         try:
             self.cpu = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
         except (CpuExpertError, NativeLibraryMissing) as exc:
+            if cpu_mode == "auto":  # the default: fetch every miss, and say why
+                self.cpu_mode, self.cpu_reason = "off", f"the CPU expert kernel cannot run here: {exc}"
+                return
             raise PdflashError(f"--cpu-experts {cpu_mode}: {exc}") from None
         if cpu_mode == "auto":
             from pdflash.offload.cpu_compute import CpuPlacement, HybridGuard

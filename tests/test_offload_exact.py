@@ -10,6 +10,7 @@ in flight when the forward needs them and get promoted).
 import pytest
 import torch
 
+from pdflash import PdflashError
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.generate import generate
 from pdflash.offload.runtime import OffloadedModel
@@ -160,6 +161,27 @@ def test_hybrid_placement_matches_transformers(ckpts, reference, name):
         assert st["cpu_experts"]["gbps"] is not None  # the kernel's rate, kept current
         per_layer_cpu = sum(lc["cpu"] for lc in st["per_layer"])
         assert per_layer_cpu == st["cpu_experts"]["computed"]
+
+
+def test_auto_falls_back_to_fetching_when_the_cpu_kernel_cannot_run(ckpts, reference, monkeypatch):
+    """auto is the default: a CPU kernel that cannot start (here: made to refuse) leaves every
+    miss to the link, says why, and the tokens stay transformers' own; asked for by name, "all"
+    is an error."""
+    from pdflash.native.cpu_experts import CpuExpertError
+    from pdflash.offload.gpt_oss import GptOssFamily
+
+    def refuse(self, *a, **k):
+        raise CpuExpertError("no kernel for this test")
+
+    monkeypatch.setattr(GptOssFamily, "cpu_runner", refuse)
+    path = ckpts["mxfp4-bf16"]
+    with OffloadedModel.load(path, cpu_experts="auto", expert_cache_experts=6, link_gbps=0.01) as rt:
+        assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == reference["mxfp4-bf16"]
+        st = rt.stats()["cpu_experts"]
+        assert st["mode"] == "off" and "no kernel for this test" in st["reason_off"] and st["computed"] == 0
+        assert rt.placer is None
+    with pytest.raises(PdflashError, match="--cpu-experts all: no kernel for this test"):
+        OffloadedModel.load(path, cpu_experts="all")
 
 
 @pytest.mark.parametrize("mode", ["all", "auto"])
