@@ -261,6 +261,8 @@ def _print_summary(report: dict) -> None:
             ("cpu experts", f"{ce['mode']}: {ce['computed']} computed in {_fmt(ce['seconds'], ' s', 3)} "
                             f"({ce.get('threads')} threads, {ce.get('level')})"),
         ]
+        if ce.get("guard"):
+            rows.append(("hybrid guard", _guard_text(ce["guard"])))
     elif ce.get("reason_off"):
         rows.append(("cpu experts", f"off: {ce['reason_off']}"))
     if "acceptance_length" in report:
@@ -268,6 +270,14 @@ def _print_summary(report: dict) -> None:
     for k, v in rows:
         t.add_row(k, v)
     out.print(t)
+
+
+def _guard_text(guard: dict) -> str:
+    """auto's guard: the arm it keeps and the last median decode step of each arm it measured."""
+    ms = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in guard.items() if k.endswith("_ms") and v is not None)
+    if not guard.get("checks"):
+        return f"{guard['arm']} (no check completed yet: it needs about 16 decode steps)"
+    return f"kept {guard['arm']} after {guard['checks']} check(s); ms per decode step: {ms}"
 
 
 def _planner_rows(planner: dict | None) -> list[tuple[str, str]]:

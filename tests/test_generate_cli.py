@@ -85,6 +85,28 @@ def test_cpu_device_computes_experts_natively_by_default(ck, run):
     assert "experts/token: cache, fetched, cpu" in out
 
 
+def test_table_reports_the_hybrid_guard(ck, run, capsys):
+    """On CUDA auto's guard decides; the summary table says which arm it keeps and what each
+    measured (the CPU device has no guard: its auto is all, or off for an offload experiment, so
+    the guard's stats are set on a real CPU report here)."""
+    from pdflash.cli.generate import _print_summary
+
+    code, out, err = run("generate", PROMPT, "--model", ck, "--max-new-tokens", 2, "--json", "--device", "cpu",
+                         "--cpu-threads", 1)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["cpu_experts"]["guard"] is None
+    report["cpu_experts"]["guard"] = {"arm": "all", "host_path": True, "checks": 2, "full_checks": 1, "off_ms": 43.55,
+                                      "all_ms": 31.36, "model_ms": 44.52, "host_ms": None, "hold_steps": 128}
+    _print_summary(report)
+    text = capsys.readouterr().out
+    assert "hybrid guard" in text and "kept all after 2 check(s)" in text
+    assert "off 43.5" in text and "all 31.4" in text and "host" not in text.split("hybrid guard")[1].split("\n")[0]
+    report["cpu_experts"]["guard"].update(checks=0, arm="off", off_ms=None, all_ms=None, model_ms=None)
+    _print_summary(report)
+    assert "no check completed yet" in capsys.readouterr().out
+
+
 def test_cpu_experts_bad_values(ck, run):
     line = _one_error_line(*run("generate", PROMPT, "--model", ck, "--cpu-experts", "some", "--device", "cpu")[::2])
     assert "--cpu-experts" in line and "auto" in line
