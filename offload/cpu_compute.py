@@ -425,7 +425,7 @@ class CpuPlacement:
     """
 
     def __init__(self, cache, scheduler, runner: CpuExpertRunner, cost, hot_uses: int = 2, hot_window: int = 8,
-                 background_band: int = 2, observe_every_s: float = 0.005, guard: HybridGuard | None = None):
+                 background_band: int = 2, observe_every_s: float = 0.05, guard: HybridGuard | None = None):
         self.cache = cache
         self.scheduler = scheduler
         self.runner = runner
