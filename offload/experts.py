@@ -28,10 +28,10 @@ CPU experts (``cpu``, a CpuExpertRunner over the host store): experts chosen by
 being fetched: "all" computes every routed expert there (the cache is not used); "auto"
 asks ``placer`` (the cost model) which non-resident experts to compute on the CPU and which
 to fetch, or, while its guard's arm is "all", takes the "all" path for the step. On CUDA the routing, the routing weights and the hidden rows come to the host in
-one copy (host_exchange.py); the misses are requested and the resident experts launched on the
-device first, then this thread runs the CPU experts (the kernel's pool, this thread its thread
-0) while the link and the device work, then computes the arrivals; the results join in the
-same reduction. CPU results are float32, scaled by the routing weight, written into a pinned
+one copy (host_exchange.py); the misses are requested first, then this thread runs the CPU
+experts (the kernel's pool, this thread its thread 0) while the link works, then launches the
+resident experts with the first arrivals (one launch) and the later arrivals as they land; the
+results join in the same reduction. CPU results are float32, scaled by the routing weight, written into a pinned
 buffer that is zero where the device computes, copied up in one copy and added to the device's
 rows (x + 0 = x: the same values as storing them row by row).
 
