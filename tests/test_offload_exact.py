@@ -366,6 +366,28 @@ def test_qwen3_cpu_placement_with_a_link_is_exact(qwen_ckpts, qwen_reference):
         assert st["cpu_experts"]["computed"] > 0
 
 
+@pytest.mark.parametrize("arm", ["all", "host", "model"])
+def test_qwen3_guard_arms_through_host_exchange_are_exact(qwen_ckpts, qwen_reference, arm):
+    """auto is the default on CUDA, for this family too (its CPU experts in PyTorch): each of
+    the guard's host arms, through the CUDA host path's exchange run on the CPU device, keeps
+    transformers' greedy tokens."""
+    from pdflash.offload.experts import OffloadedExperts
+    from pdflash.offload.host_exchange import HostExchange
+
+    with OffloadedModel.load(qwen_ckpts["qwen3-bf16"], cpu_experts="auto", expert_cache_experts=QK + 2,
+                             link_gbps=0.001) as rt:
+        ex = HostExchange(torch.device("cpu"))
+        for m in rt.model.modules():
+            if isinstance(m, OffloadedExperts):
+                m.exchange = ex
+        rt.placer.guard.pin(arm)
+        assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == qwen_reference["qwen3-bf16"]
+        st = rt.stats()
+        assert st["cpu_experts"]["computed"] > 0
+        if arm == "all":
+            assert st["experts_per_token"]["cache"] == 0 and st["experts_per_token"]["fetched"] == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3-bf16", "qwen3-fp8"])
 def test_qwen3_cuda_matches_transformers_on_cuda(qwen_ckpts, name):
