@@ -17,7 +17,6 @@ all-resident cache preloaded again), so the reported figures cover the speculati
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -63,18 +62,13 @@ def make_planner(rt, max_block: int, *, use_confidence: bool = True):
 
     fam = rt.family
 
-    # On a CPU device the planner times steps in process CPU seconds plus the seconds blocked on
-    # the (simulated) link: other processes on the same cores stretch wall time by whatever share
-    # they take, not the ratio between block lengths; waiting for a copy uses no CPU but is a cost.
-    clock = None
-    if rt.device.type == "cpu":
-        def clock() -> float:  # its CPU seconds, plus the time it sat waiting on the (simulated) link
-            return time.process_time() + rt.cache.stats.exposed_s
-
-        clock.__name__ = "process_time+link_wait"
+    # Steps are timed in wall seconds on every device, what tokens per second are made of. On a
+    # CPU device the planner once timed them in process CPU seconds plus the seconds blocked on
+    # the link, to be robust to other processes on the cores; that counts a parallel region once
+    # per thread, and on the embedded pair (`make demo` setting) wall time gave the higher median
+    # ratio to --no-draft in 4 of 4 alternating pairs of runs (docs/benchmarks.md).
     planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
-                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals, use_confidence=use_confidence,
-                           clock=clock)
+                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals, use_confidence=use_confidence)
     rt.add_routing_observer(planner.on_routed)
     return planner
 

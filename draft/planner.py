@@ -160,8 +160,8 @@ class BlockPlanner:
     ``moved_bytes`` returns the link's cumulative bytes and ``link_counters`` (bytes, busy seconds)
     feeds the cost model's link rate; both None without a scheduler. ``use_confidence`` False
     ignores the draft's confidence (oracle mode, whose proposals are not the draft's). ``clock``
-    (e.g. ``time.process_time`` on a CPU device, robust to other processes sharing the cores)
-    makes the planner time the steps itself.
+    (e.g. ``time.process_time``) makes the planner time the steps itself; without it (what
+    generate does) the caller's wall-clock step times are used.
     """
 
     def __init__(
