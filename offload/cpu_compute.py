@@ -291,21 +291,26 @@ class HybridGuard:
     ``recheck`` of the best: arms measured far behind are not paid for again at every hold. If
     the re-check's best is more than ``recheck`` slower than the last check's best (the host or
     the link changed), a full check of every arm follows at once. ``on_forward(tokens)`` is a
-    forward observer of the runtime."""
+    forward observer of the runtime.
+
+    The arm rules the forwards like the ones it is judged by: up to ``max_tokens`` tokens (decode
+    steps, verify blocks). A longer forward (a prefill, perhaps a later ``generate`` on the same
+    runtime) reads each expert's weights once per 16 tokens on the CPU and is priced by the cost
+    model's split instead (:meth:`arm_for`), whichever arm decode steps keep."""
 
     def __init__(self, window: int = 4, rounds: int = 2, hold: int = 64, max_hold: int = 1024, margin: float = 0.02,
                  cut: float = 0.05, recheck: float = 0.25, arms: tuple[str, ...] = GUARD_ARMS,
-                 clock: Callable[[], float] = time.perf_counter):
-        if window < 2 or rounds < 1 or hold < 1 or cut < 0 or recheck < 0:
-            raise ValueError("window >= 2, rounds >= 1, hold >= 1, cut >= 0 and recheck >= 0 are needed")
+                 clock: Callable[[], float] = time.perf_counter, max_tokens: int = 16):
+        if window < 2 or rounds < 1 or hold < 1 or cut < 0 or recheck < 0 or max_tokens < 1:
+            raise ValueError("window >= 2, rounds >= 1, hold >= 1, cut >= 0, recheck >= 0 and max_tokens >= 1 are needed")
         arms = tuple(arms)
         if "off" not in arms or len(arms) < 2 or len(set(arms)) != len(arms) or any(a not in GUARD_ARMS for a in arms):
             raise ValueError(f"arms: two or more distinct of {GUARD_ARMS}, 'off' among them")
         self.window, self.rounds, self.margin, self.cut, self.recheck, self.arms = window, rounds, margin, cut, recheck, arms
         self.hold, self.max_hold, self._first_hold = hold, max_hold, hold
         self.clock = clock
+        self.max_tokens = max_tokens
         self.checks = 0  # completed comparisons
-        self.last: dict[str, float | None] = {f"{a}_ms": None for a in arms}  # latest median of each arm
         self.full_checks = 0  # completed checks that tried every arm
         self._medians: dict[str, float] = {}  # latest median step (s) of each arm measured
         self._best = 0.0  # the best median of the last completed check
@@ -318,6 +323,11 @@ class HybridGuard:
     def enabled(self) -> bool:
         """The host path is in use now (any arm but "off")."""
         return self.arm != "off"
+
+    def arm_for(self, tokens: int) -> str:
+        """The placement of a forward of ``tokens`` tokens: the kept (or tried) arm where the
+        guard's measurements speak for it, the cost model's split ("model") for longer ones."""
+        return self.arm if tokens <= self.max_tokens else "model"
 
     def _start_check(self, full: bool = True) -> None:
         if full or self._choice is None:
@@ -390,7 +400,6 @@ class HybridGuard:
         self.full_checks += self._full
         self._medians.update(med)
         self._best = live[best]
-        self.last = {f"{a}_ms": (self._medians[a] * 1e3 if a in self._medians else None) for a in self.arms}
         if drifted:  # the steps got slower than the arms were measured: measure every arm again
             self.hold = self._first_hold
             self._start_check(full=True)
@@ -399,8 +408,9 @@ class HybridGuard:
         self._holding = self.hold
 
     def stats(self) -> dict:
+        medians = {f"{a}_ms": (self._medians[a] * 1e3 if a in self._medians else None) for a in self.arms}
         return {"arm": self.arm, "host_path": self.enabled, "checks": self.checks, "full_checks": self.full_checks,
-                **self.last, "hold_steps": self.hold}
+                **medians, "hold_steps": self.hold}
 
 
 def _median(xs: list[float]) -> float:
@@ -411,7 +421,7 @@ def _median(xs: list[float]) -> float:
 
 class CpuPlacement:
     """The per-layer decision of hybrid execution (``cpu_experts="auto"`` with a link):
-    ``placer(layer, misses, positions, K, device) -> experts to compute on the CPU``.
+    ``placer(layer, misses, positions, K, device, tokens) -> experts to compute on the CPU``.
 
     Reads the shared cost model (offload/cost.py): the link rate from the scheduler's own
     statistics (observed at most every ``observe_every_s``), the CPU kernel's rate (the
@@ -421,7 +431,8 @@ class CpuPlacement:
     into the cache in the background band, so the cache keeps the hot set. With a ``guard``
     (:class:`HybridGuard`), its arm decides: the cost model's split, nothing on the CPU, every
     miss not in flight on the CPU (then without background fetches), or every routed expert on
-    the CPU (``all_on_cpu()``: the experts module then takes the "all" path).
+    the CPU (``all_on_cpu(tokens)``: the experts module then takes the "all" path). A forward
+    longer than the guard judges takes the cost model's split (``HybridGuard.arm_for``).
     """
 
     def __init__(self, cache, scheduler, runner: CpuExpertRunner, cost, hot_uses: int = 2, hot_window: int = 8,
@@ -441,15 +452,20 @@ class CpuPlacement:
         self.background = 0  # hot CPU experts queued into the cache
         cost.set_cpu_expert_rate(runner.seconds_for)
 
-    def all_on_cpu(self) -> bool:
-        """Whether this step's layers compute every routed expert on the CPU (the guard's arm "all")."""
-        return self.guard is not None and self.guard.arm == "all"
+    def arm(self, tokens: int) -> str:
+        """The placement of a forward of ``tokens`` tokens ("model" without a guard)."""
+        return self.guard.arm_for(tokens) if self.guard is not None else "model"
+
+    def all_on_cpu(self, tokens: int) -> bool:
+        """Whether a forward of ``tokens`` tokens computes every routed expert on the CPU (arm "all")."""
+        return self.arm(tokens) == "all"
 
     def may_use_host(self) -> bool:
         """Whether this step's layers may compute experts on the CPU (the guard's arm is not "off")."""
         return self.guard is None or self.guard.enabled
 
-    def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int, device) -> list[int]:
+    def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int, device,
+                 tokens: int = 1) -> list[int]:
         now = time.perf_counter()
         if now - self._last_observe >= self.observe_every_s:
             self.cost.observe_scheduler(self.scheduler.stats())
@@ -460,10 +476,10 @@ class CpuPlacement:
                 in_flight += 1
             else:
                 missing[e] = len(positions[e])
-        arm = self.guard.arm if self.guard is not None else "model"
+        arm = self.arm(tokens)  # never "all" here: such forwards take the experts module's all path
         if arm == "off":
             return []
-        if arm in ("host", "all"):  # every miss not already on its way ("all" layers do not ask: experts.py)
+        if arm == "host":  # every miss not already on its way
             host = sorted(missing)
         else:
             miss_set = set(misses)

@@ -77,7 +77,7 @@ class OffloadedExperts(nn.Module):
         self.on_routed = on_routed
         self.cpu = cpu  # CpuExpertRunner or None
         self.cpu_mode = cpu_mode if cpu is not None else "off"
-        self.placer = placer  # callable(layer, misses, positions, K, device) -> experts to compute on the CPU
+        self.placer = placer  # CpuPlacement: (layer, misses, positions, K, device, tokens) -> experts for the CPU
         self.slot_cpu = slot_cpu  # CPU device: the native kernel over the cache's slot rows (CpuExpertRunner.run_slots)
         self.on_host_overhead = on_host_overhead  # the cost model's per-layer host overhead (hybrid)
         self.exchange = exchange  # HostExchange (CUDA with CPU experts): the routing down, the CPU's results up
@@ -115,8 +115,7 @@ class OffloadedExperts(nn.Module):
         w_flat = w.reshape(-1)
         out_dtype = torch.promote_types(self.kernel.dtype, w.dtype)
 
-        all_cpu = getattr(self.placer, "all_on_cpu", None)  # auto's guard may pick "all" for this step
-        if self.cpu_mode == "all" or (self.cpu_mode == "auto" and all_cpu is not None and all_cpu()):
+        if self.cpu_mode == "all" or (self.cpu_mode == "auto" and self.placer is not None and self.placer.all_on_cpu(T)):
             # every routed expert on the CPU, nothing fetched: every row is the CPU's
             buf = self._cpu_compute(x_host, w_host, K, experts, positions, exchange)[1]
             contrib = (exchange.upload(buf) if exchange is not None else buf).to(out_dtype)
@@ -157,7 +156,7 @@ class OffloadedExperts(nn.Module):
             (hits.append((e, s)) if s is not None else misses.append(e))
         cpu_result, cpu_list = None, []
         if self.cpu_mode == "auto" and misses and self.placer is not None:
-            on_cpu = set(self.placer(layer, misses, positions, K, dev))
+            on_cpu = set(self.placer(layer, misses, positions, K, dev, T))
             if on_cpu:
                 misses = [e for e in misses if e not in on_cpu]
                 cpu_list = sorted(on_cpu)

@@ -204,3 +204,44 @@ def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
         st = rt.stats()
         assert st["cpu_experts"]["guard"]["arm"] == "all" and st["cpu_experts"]["computed"] > 0
         assert st["experts_per_token"]["fetched"] == 0 and st["experts_per_token"]["cache"] == 0, st["experts_per_token"]
+
+
+def test_longer_forwards_than_it_judges_take_the_cost_models_split():
+    """The arm rules forwards up to max_tokens (decode steps, verify blocks); a prefill is priced
+    by the cost model, whichever arm decode steps keep."""
+    g = HybridGuard(max_tokens=8)
+    for arm in ("off", "all", "host", "model"):
+        g.pin(arm)
+        assert g.arm_for(1) == arm and g.arm_for(8) == arm
+        assert g.arm_for(9) == "model"
+    with pytest.raises(ValueError):
+        HybridGuard(max_tokens=0)
+
+
+def test_a_prefill_under_the_all_arm_is_split_by_the_cost_model(tmp_path):
+    """In the runtime: with the guard on "all", a forward the guard judges takes the all path (the
+    placer is not asked); a longer one (here a 6-token prefill with max_tokens 2) is placed by the
+    cost model, layer by layer; the tokens stay the same either way."""
+    import torch
+
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.generate import generate
+    from pdflash.offload.runtime import OffloadedModel
+    from pdflash.offload.synthetic import write_checkpoint
+
+    tiny = ModelPreset.from_name("tiny")
+    path = write_checkpoint(tmp_path / "m", tiny, mxfp4=True, seed=3, progress=False)
+    prompt = [1, 2, 3, 1, 2, 3]
+    with OffloadedModel.load(path, dtype=torch.float32, cpu_experts="auto", expert_cache_experts=tiny.num_experts_per_tok,
+                             link_gbps=0.01, cpu_threads=1) as rt:
+        guard = rt.placer.guard
+        guard.pin("all")
+        before = rt.placer.decisions
+        judged = generate(rt, prompt, max_new_tokens=4, eos_token_ids=[]).token_ids
+        assert rt.placer.decisions == before  # prefill and decode steps: all path
+        rt.reset_cache()
+        guard.max_tokens = 2
+        before = rt.placer.decisions
+        split = generate(rt, prompt, max_new_tokens=4, eos_token_ids=[]).token_ids
+        assert rt.placer.decisions - before == tiny.num_hidden_layers  # the prefill's layers asked the cost model
+        assert split == judged
