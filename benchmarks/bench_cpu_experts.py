@@ -92,23 +92,50 @@ def bench_dram(k: CpuExperts, buf: torch.Tensor, repeats: int) -> dict:
             "median_gbps": nbytes / statistics.median(times) / 1e9}
 
 
+def phase_split(timings: list[dict]) -> dict:
+    """Medians over calls of where a call's time went (pf_cpu_last_timing), in microseconds:
+    start (to the first published phase: the caller's own token-row preparation), join (the
+    last thread's first claim in gate_up, after its publication: how long waking the pool
+    takes), gate_up and down (publication to last grab done), handoff (gate_up done to down
+    published), back (down done to the caller's return), threads (that took part in gate_up)."""
+    parts: dict[str, list[float]] = {k: [] for k in ("start", "join", "gate_up", "handoff", "down", "back", "threads")}
+    for t in timings:
+        gu, dn = t["phases"].get("gate_up"), t["phases"].get("down")
+        if not gu or not dn:
+            continue
+        parts["start"].append(gu["published_us"])
+        parts["join"].append(gu["last_join_us"] - gu["published_us"])
+        parts["gate_up"].append(gu["completed_us"] - gu["published_us"])
+        parts["handoff"].append(dn["published_us"] - gu["completed_us"])
+        parts["down"].append(dn["completed_us"] - dn["published_us"])
+        parts["back"].append(t["end_us"] - dn["completed_us"])
+        parts["threads"].append(gu["threads"])
+    return {f"{k}_us" if k != "threads" else k: round(statistics.median(v), 2) for k, v in parts.items() if v}
+
+
+def _pool_text(pool: dict) -> str:
+    return ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in pool.items() if k.endswith("_us")) + (
+        f", {pool['threads']:.0f} threads in gate_up" if "threads" in pool else "")
+
+
 def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls: int, hidden: int) -> dict:
     x = torch.randn(tokens, hidden).to(dtype)
     out = torch.empty(tokens, hidden)
     n = len(weights)
     for i in range(min(n, 4)):  # warm-up (scratch buffers, page faults of out)
         k.forward(weights[i], x, out=out)
-    times = []
+    times, timings = [], []
     for i in range(calls):
         w = weights[i % n]
         t0 = time.perf_counter()
         k.forward(w, x, out=out)
         times.append(time.perf_counter() - t0)
+        timings.append(k.last_timing())
     med = statistics.median(times)
     nbytes = weights[0].nbytes
     return {"tokens": tokens, "x_dtype": str(dtype).replace("torch.", ""), "calls": calls,
             "weight_bytes": nbytes, "median_ms": med * 1e3, "best_ms": min(times) * 1e3,
-            "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9}
+            "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9, "pool": phase_split(timings)}
 
 
 def bench_layer(k: CpuExperts, weights, per_call: int, tokens: int, calls: int, hidden: int,
@@ -124,7 +151,7 @@ def bench_layer(k: CpuExperts, weights, per_call: int, tokens: int, calls: int, 
     out = torch.empty(per_call * tokens, hidden)
     n = len(weights)
     k.forward_many(weights[:per_call], [tokens] * per_call, rows, dest, x, out, scale)  # warm-up
-    times = []
+    times, timings = [], []
     for i in range(calls):
         ws = [weights[(i * per_call + j) % n] for j in range(per_call)]
         if gap_us > 0:
@@ -134,10 +161,12 @@ def bench_layer(k: CpuExperts, weights, per_call: int, tokens: int, calls: int, 
         t0 = time.perf_counter()
         k.forward_many(ws, [tokens] * per_call, rows, dest, x, out, scale)
         times.append(time.perf_counter() - t0)
+        timings.append(k.last_timing())
     med = statistics.median(times)
     nbytes = weights[0].nbytes * per_call
     return {"experts_per_call": per_call, "tokens": tokens, "calls": calls, "gap_us": gap_us, "weight_bytes": nbytes,
-            "median_ms": med * 1e3, "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9}
+            "median_ms": med * 1e3, "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9,
+            "pool": phase_split(timings)}
 
 
 def bench_torch(threads: int, tokens_list, n_experts: int, hidden: int, inter: int, calls: int, seed: int) -> list[dict]:
@@ -302,10 +331,12 @@ def main(argv=None) -> int:
             for r in run["kernel"]:
                 print(f"  kernel T={r['tokens']:2d} x {r['x_dtype']:8s}: {r['median_ms']:8.3f} ms/expert  "
                       f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
+                print(f"    pool: {_pool_text(r.get('pool') or {})}")
             for r in run.get("layer", []):
                 gap = f" after {r['gap_us']:.0f} us idle" if r["gap_us"] else ""
                 print(f"  layer {r['experts_per_call']:2d} experts x T={r['tokens']:2d}{gap}: {r['median_ms']:8.3f} ms/call  "
                       f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
+                print(f"    pool: {_pool_text(r.get('pool') or {})}")
             for r in run.get("torch_bf16", []):
                 print(f"  torch bf16 T={r['tokens']:2d}: {r['median_ms']:8.3f} ms/expert  {r['gbps']:6.1f} GB/s (bf16 bytes)")
     return 0

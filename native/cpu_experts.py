@@ -347,6 +347,26 @@ class CpuExperts:
             raise CpuExpertError(f"stream_read: {self._strerror(rc)}")
         return int(out[0])
 
+    def last_timing(self) -> dict:
+        """Where the last call's time went (``pf_cpu_last_timing``), microseconds from its start:
+        per phase that ran ("rows", "gate_up", "down", "read"): when it was published, the first
+        and the last thread's first claim, how many threads took part, when its last grab
+        finished; and "end", when the pool returned."""
+        ffi, lib = self._ffi, self._lib
+        t = ffi.new("pf_cpu_timing *")
+        c = self._enter()
+        try:
+            rc = lib.pf_cpu_last_timing(c, t)
+        finally:
+            self._leave()
+        if rc != 0:
+            raise CpuExpertError("no call has run on this CPU expert kernel yet")
+        us = lambda ns: ns / 1e3  # noqa: E731
+        phases = {name: {"published_us": us(t.published[p]), "first_join_us": us(t.first_join[p]),
+                         "last_join_us": us(t.last_join[p]), "threads": t.joined[p], "completed_us": us(t.completed[p])}
+                  for p, name in enumerate(("rows", "gate_up", "down", "read")) if t.joined[p]}
+        return {"phases": phases, "end_us": us(t.end)}
+
     def _enter(self):
         with self._lock:
             if self._closed:

@@ -688,9 +688,9 @@ struct pf_cpu {
      * grabs (an atomic counter), so a thread that wakes late finds less work, never delays
      * the phase. The state word packs the running phase (see ST_*); it and the claim word
      * are reset together, under mu, each time a phase is published. */
-    pthread_mutex_t mu;           /* guards seq, last_phase, the condition variables' waits and wakes */
-    pthread_cond_t work_cv;       /* workers: a phase was published, or stop */
+    pthread_mutex_t mu;           /* guards seq, last_phase and the caller's waits on done_cv */
     pthread_cond_t done_cv;       /* caller: a phase was published, or the job has ended */
+    struct sleeper *sleepers;     /* owned, [threads]: where worker i sleeps (entry 0 unused) */
     _Atomic uint64_t state;       /* the published phase: seq | last | phase | units (ST_*) */
     _Atomic uint64_t claim;       /* (seq << 32) | the next unit to claim of that phase */
     _Atomic uint32_t completed;   /* units of the published phase finished */
@@ -699,6 +699,12 @@ struct pf_cpu {
     uint32_t seq;                 /* the last phase published (under mu) */
     int last_phase;               /* the job ends after this phase (under mu) */
     job cur;                      /* written by the caller before the job's first phase is published */
+
+    /* the last job's timing (pf_cpu_last_timing), monotonic ns: the caller resets it before
+     * the first phase; publish / end_phase write under mu, each thread its own join slots */
+    uint64_t t_start, t_end, t_pub[4], t_done[4];
+    uint64_t t_join[4][PF_CPU_MAX_THREADS]; /* each thread's first claim in each phase (0: none) */
+    int timed;                    /* a job has run */
 
     pthread_t *tids;              /* owned; tids[i] runs as thread i + 1 */
     int started;
@@ -711,6 +717,19 @@ struct pf_cpu {
     float *h;    size_t h_cap;    /* T * I: SwiGLU output in the down weights' kernel order */
     float *y;    size_t y_cap;    /* T * H: the down projection before scaling into out */
     task *tasks; size_t tasks_cap;
+};
+
+/* A worker sleeps on its own condition variable, so that waking the pool is no convoy on one
+ * mutex (a broadcast wakes every sleeper at once, and each must then take the same mutex in
+ * turn). Wakes go down a binary tree: a phase's publisher wakes threads 1 and 2, and every
+ * worker that takes up a phase wakes its children 2i + 1 and 2i + 2 first, so the caller
+ * pays two wakes and the pool is awake after about log2(threads) of them. `sleeping` (under
+ * mu) spares a wake to a thread that is polling or working. Padded to a cache line. */
+struct sleeper {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int sleeping;
+    char pad[64];
 };
 
 struct worker_arg {
@@ -931,22 +950,41 @@ static void publish(pf_cpu *c, int phase) {
     if (c->seq == 0) c->seq = 1;
     atomic_store_explicit(&c->completed, 0, memory_order_relaxed);
     atomic_store_explicit(&c->claim, (uint64_t)c->seq << 32, memory_order_relaxed);
+    c->t_pub[phase] = now_ns();
     const uint64_t st = (uint64_t)c->seq << 35 | (uint64_t)(phase == c->last_phase) << 34 | (uint64_t)phase << 32 | units;
     atomic_store_explicit(&c->state, st, memory_order_release);
-    pthread_cond_broadcast(&c->work_cv);
     pthread_cond_signal(&c->done_cv);
+}
+
+/* Wake worker i if it sleeps. Called without c->mu, after the state it should see was
+ * stored: the sleeper checks the state under its own mutex, so the wake is not lost. */
+static void wake(pf_cpu *c, int i) {
+    if (i <= 0 || i >= c->threads) return;
+    struct sleeper *w = &c->sleepers[i];
+    pthread_mutex_lock(&w->mu);
+    if (w->sleeping) pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* Thread i has taken up a new phase (or i = 0: a phase was published): wake its children. */
+static void wake_children(pf_cpu *c, int i) {
+    wake(c, 2 * i + 1);
+    wake(c, 2 * i + 2);
 }
 
 /* The last unit of the phase `st` has been completed: publish the next phase or end the job. */
 static void end_phase(pf_cpu *c, uint64_t st) {
     pthread_mutex_lock(&c->mu);
-    if (ST_LAST(st)) {
+    c->t_done[ST_PHASE(st)] = now_ns();
+    const int last = ST_LAST(st);
+    if (last) {
         atomic_store_explicit(&c->done, 1, memory_order_release);
         pthread_cond_signal(&c->done_cv);
     } else {
         publish(c, ST_PHASE(st) + 1);
     }
     pthread_mutex_unlock(&c->mu);
+    if (!last) wake_children(c, 0);
 }
 
 /* Units in the next grab when `left` are unclaimed: guided, a share of what is left (large
@@ -970,6 +1008,7 @@ static void work_phase(pf_cpu *c, int idx, uint64_t st) {
         const uint32_t a = (uint32_t)cl, n = grab_size(units - a, (uint32_t)c->threads);
         if (!atomic_compare_exchange_weak_explicit(&c->claim, &cl, cl + n, memory_order_acquire, memory_order_relaxed))
             continue;
+        if (!c->t_join[phase][idx]) c->t_join[phase][idx] = now_ns();
         run_units(c, idx, phase, (int)a, (int)(a + n));
         if (atomic_fetch_add_explicit(&c->completed, n, memory_order_acq_rel) + n == units) {
             end_phase(c, st);
@@ -997,12 +1036,15 @@ static int poll_ready(pf_cpu *c, uint32_t seen, int caller, uint64_t ns) {
     }
 }
 
-/* A worker: wait for a phase newer than `seen` (or stop); poll first if `poll`. */
-static uint64_t wait_phase(pf_cpu *c, uint32_t seen, int poll) {
+/* Worker idx: wait for a phase newer than `seen` (or stop); poll first if `poll`. */
+static uint64_t wait_phase(pf_cpu *c, int idx, uint32_t seen, int poll) {
     if (!poll || !poll_ready(c, seen, 0, PF_CPU_POLL_NS)) {
-        pthread_mutex_lock(&c->mu);
-        while (!ready(c, seen, 0)) pthread_cond_wait(&c->work_cv, &c->mu);
-        pthread_mutex_unlock(&c->mu);
+        struct sleeper *w = &c->sleepers[idx];
+        pthread_mutex_lock(&w->mu);
+        w->sleeping = 1;
+        while (!ready(c, seen, 0)) pthread_cond_wait(&w->cv, &w->mu);
+        w->sleeping = 0;
+        pthread_mutex_unlock(&w->mu);
     }
     return atomic_load_explicit(&c->state, memory_order_acquire);
 }
@@ -1014,8 +1056,9 @@ static void *worker_main(void *p) {
     uint32_t seen = 0;
     int poll = 0; /* only between phases of a job: an idle pool sleeps */
     for (;;) {
-        uint64_t st = wait_phase(c, seen, poll);
+        uint64_t st = wait_phase(c, a.idx, seen, poll);
         if (atomic_load_explicit(&c->stop, memory_order_relaxed)) break;
+        wake_children(c, a.idx);
         seen = ST_SEQ(st);
         work_phase(c, a.idx, st);
         poll = !ST_LAST(st);
@@ -1026,11 +1069,17 @@ static void *worker_main(void *p) {
 /* Run phases first..last of c->cur on every thread (the caller is thread 0); return when the
  * last phase has been completed. */
 static void run_job(pf_cpu *c, int first, int last) {
+    memset(c->t_pub, 0, sizeof c->t_pub);
+    memset(c->t_done, 0, sizeof c->t_done);
+    for (int p = 0; p < 4; p++) memset(c->t_join[p], 0, (size_t)c->threads * sizeof c->t_join[p][0]);
+    c->t_start = now_ns();
+    c->timed = 1;
     pthread_mutex_lock(&c->mu);
     atomic_store_explicit(&c->done, 0, memory_order_relaxed);
     c->last_phase = last;
     publish(c, first);
     pthread_mutex_unlock(&c->mu);
+    wake_children(c, 0);
     uint32_t seen = 0;
     for (;;) {
         uint64_t st = atomic_load_explicit(&c->state, memory_order_acquire);
@@ -1046,13 +1095,14 @@ static void run_job(pf_cpu *c, int first, int last) {
         while (!ready(c, seen, 1)) pthread_cond_wait(&c->done_cv, &c->mu);
         pthread_mutex_unlock(&c->mu);
     }
+    c->t_end = now_ns();
 }
 
 static void stop_workers(pf_cpu *c) {
     pthread_mutex_lock(&c->mu);
     atomic_store_explicit(&c->stop, 1, memory_order_relaxed);
-    pthread_cond_broadcast(&c->work_cv);
     pthread_mutex_unlock(&c->mu);
+    for (int i = 1; i < c->threads; i++) wake(c, i);
     for (int i = 0; i < c->started; i++) pthread_join(c->tids[i], NULL);
     c->started = 0;
 }
@@ -1090,14 +1140,20 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
 #endif
     if (threads > 1) {
         c->tids = calloc((size_t)threads - 1, sizeof *c->tids);
-        if (!c->tids) {
+        c->sleepers = calloc((size_t)threads, sizeof *c->sleepers);
+        if (!c->tids || !c->sleepers) {
+            free(c->tids);
+            free(c->sleepers);
             free(c);
             return PF_CPU_ENOMEM;
         }
     }
     pthread_mutex_init(&c->call_mu, NULL);
     pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->work_cv, NULL);
+    for (int i = 1; i < threads; i++) {
+        pthread_mutex_init(&c->sleepers[i].mu, NULL);
+        pthread_cond_init(&c->sleepers[i].cv, NULL);
+    }
     pthread_cond_init(&c->done_cv, NULL);
     atomic_init(&c->state, 0);
     atomic_init(&c->claim, 0);
@@ -1127,7 +1183,11 @@ void pf_cpu_destroy(pf_cpu *c) {
     if (!c) return;
     stop_workers(c);
     pthread_cond_destroy(&c->done_cv);
-    pthread_cond_destroy(&c->work_cv);
+    for (int i = 1; i < c->threads; i++) {
+        pthread_cond_destroy(&c->sleepers[i].cv);
+        pthread_mutex_destroy(&c->sleepers[i].mu);
+    }
+    free(c->sleepers);
     pthread_mutex_destroy(&c->mu);
     pthread_mutex_destroy(&c->call_mu);
     free(c->tids);
@@ -1139,6 +1199,31 @@ void pf_cpu_destroy(pf_cpu *c) {
     free(c->y);
     free(c->tasks);
     free(c);
+}
+
+int pf_cpu_last_timing(pf_cpu *c, pf_cpu_timing *out) {
+    if (!c || !out) return PF_CPU_EINVAL;
+    pthread_mutex_lock(&c->call_mu);
+    int rc = c->timed ? PF_CPU_OK : PF_CPU_EINVAL;
+    if (c->timed) {
+        memset(out, 0, sizeof *out);
+        const uint64_t t0 = c->t_start;
+        for (int p = 0; p < 4; p++) {
+            if (!c->t_pub[p]) continue;
+            out->published[p] = c->t_pub[p] - t0;
+            out->completed[p] = c->t_done[p] ? c->t_done[p] - t0 : 0;
+            for (int i = 0; i < c->threads; i++) {
+                uint64_t j = c->t_join[p][i];
+                if (!j) continue;
+                j -= t0;
+                if (!out->joined[p]++ || j < out->first_join[p]) out->first_join[p] = j;
+                if (j > out->last_join[p]) out->last_join[p] = j;
+            }
+        }
+        out->end = c->t_end - t0;
+    }
+    pthread_mutex_unlock(&c->call_mu);
+    return rc;
 }
 
 int pf_cpu_level(const pf_cpu *c) { return c ? c->level : PF_CPU_EINVAL; }

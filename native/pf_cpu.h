@@ -23,8 +23,9 @@
  *
  * Threads: a pf_cpu owns a pool of (threads - 1) worker threads; the calling thread is
  * the pool's thread 0. Between the phases of a call a thread that has run out of grabs
- * polls for the next phase for at most PF_CPU_POLL_NS (100 us), then sleeps on a condition
- * variable; between calls the workers sleep (an idle pool never spins).
+ * polls for the next phase for at most PF_CPU_POLL_NS (100 us), then sleeps on its own
+ * condition variable; between calls the workers sleep (an idle pool never spins). A new
+ * phase wakes the sleepers down a binary tree (the caller wakes two, each of them two more).
  * pf_cpu_expert calls on the same pf_cpu are serialized by a mutex; use one pf_cpu per
  * concurrent caller to run experts in parallel.
  *
@@ -136,6 +137,20 @@ int pf_cpu_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const int *
  * streaming read bandwidth of the same threads, for comparing the kernel against. Serialized
  * with pf_cpu_expert. */
 int pf_cpu_stream_read(pf_cpu *c, const void *buf, size_t nbytes, uint64_t *sum);
+
+/* Where the time of the context's last call went (pf_cpu_expert, pf_cpu_experts or
+ * pf_cpu_stream_read), in nanoseconds from the call's start, for phases 0 (token rows),
+ * 1 (gate_up) and 2 (down); phase 3 is the stream read. A phase that did not run has
+ * joined 0 and zero times. published: when its grabs became claimable; first_join / last_join:
+ * the first and the last claim of a thread that took part (joined: how many threads did);
+ * completed: its last grab finished. end: the pool handed the call back to its caller.
+ * Serialized with the calls; PF_CPU_EINVAL before the first call. */
+typedef struct pf_cpu_timing {
+    uint64_t published[4], first_join[4], last_join[4], completed[4];
+    int joined[4];
+    uint64_t end;
+} pf_cpu_timing;
+int pf_cpu_last_timing(pf_cpu *c, pf_cpu_timing *out);
 
 const char *pf_cpu_strerror(int code);
 const char *pf_cpu_level_name(int level);

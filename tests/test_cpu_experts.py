@@ -494,3 +494,26 @@ def test_result_buffer_is_zeroed_when_asked_and_upload_copies_it():
     again[1] = 2.5
     up = ex.upload(again)
     assert up.shape == (4, 16) and torch.equal(up, again) and up.data_ptr() != again.data_ptr()
+
+
+def test_last_timing_accounts_the_phases_of_the_last_call():
+    """pf_cpu_last_timing: per phase that ran, published <= first join <= last join <= completed,
+    phases in order, no more threads than the pool has; the stream read is phase "read"."""
+    w, _ = mxfp4_expert(64, 96, seed=5)
+    with CpuExperts(threads=3) as k:
+        with pytest.raises(CpuExpertError):
+            k.last_timing()
+        for tokens in (1, 20):  # 20 rows: two calls of 16 and 4
+            k.forward(w, torch.randn(tokens, 64))
+            t = k.last_timing()
+            assert set(t["phases"]) == {"gate_up", "down"}  # at most 16 rows are prepared on the caller
+            prev = 0.0
+            for name in ("gate_up", "down"):
+                p = t["phases"][name]
+                assert 1 <= p["threads"] <= 3
+                assert prev <= p["published_us"] <= p["first_join_us"] <= p["last_join_us"] <= p["completed_us"]
+                prev = p["completed_us"]
+            assert prev <= t["end_us"]
+        k.stream_read(torch.zeros(1 << 20, dtype=torch.uint8))
+        t = k.last_timing()
+        assert set(t["phases"]) == {"read"} and t["phases"]["read"]["threads"] >= 1
