@@ -688,9 +688,9 @@ struct pf_cpu {
      * grabs (an atomic counter), so a thread that wakes late finds less work, never delays
      * the phase. The state word packs the running phase (see ST_*); it and the claim word
      * are reset together, under mu, each time a phase is published. */
-    pthread_mutex_t mu;           /* guards seq, last_phase and the caller's waits on done_cv */
+    pthread_mutex_t mu;           /* guards seq, last_phase, the condition variables' waits and wakes */
+    pthread_cond_t work_cv;       /* workers: a phase was published, or stop */
     pthread_cond_t done_cv;       /* caller: a phase was published, or the job has ended */
-    struct sleeper *sleepers;     /* owned, [threads]: where worker i sleeps (entry 0 unused) */
     _Atomic uint64_t state;       /* the published phase: seq | last | phase | units (ST_*) */
     _Atomic uint64_t claim;       /* (seq << 32) | the next unit to claim of that phase */
     _Atomic uint32_t completed;   /* units of the published phase finished */
@@ -717,19 +717,6 @@ struct pf_cpu {
     float *h;    size_t h_cap;    /* T * I: SwiGLU output in the down weights' kernel order */
     float *y;    size_t y_cap;    /* T * H: the down projection before scaling into out */
     task *tasks; size_t tasks_cap;
-};
-
-/* A worker sleeps on its own condition variable, so that waking the pool is no convoy on one
- * mutex (a broadcast wakes every sleeper at once, and each must then take the same mutex in
- * turn). Wakes go down a binary tree: a phase's publisher wakes threads 1 and 2, and every
- * worker that takes up a phase wakes its children 2i + 1 and 2i + 2 first, so the caller
- * pays two wakes and the pool is awake after about log2(threads) of them. `sleeping` (under
- * mu) spares a wake to a thread that is polling or working. Padded to a cache line. */
-struct sleeper {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int sleeping;
-    char pad[64];
 };
 
 struct worker_arg {
@@ -953,38 +940,21 @@ static void publish(pf_cpu *c, int phase) {
     c->t_pub[phase] = now_ns();
     const uint64_t st = (uint64_t)c->seq << 35 | (uint64_t)(phase == c->last_phase) << 34 | (uint64_t)phase << 32 | units;
     atomic_store_explicit(&c->state, st, memory_order_release);
+    pthread_cond_broadcast(&c->work_cv);
     pthread_cond_signal(&c->done_cv);
-}
-
-/* Wake worker i if it sleeps. Called without c->mu, after the state it should see was
- * stored: the sleeper checks the state under its own mutex, so the wake is not lost. */
-static void wake(pf_cpu *c, int i) {
-    if (i <= 0 || i >= c->threads) return;
-    struct sleeper *w = &c->sleepers[i];
-    pthread_mutex_lock(&w->mu);
-    if (w->sleeping) pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->mu);
-}
-
-/* Thread i has taken up a new phase (or i = 0: a phase was published): wake its children. */
-static void wake_children(pf_cpu *c, int i) {
-    wake(c, 2 * i + 1);
-    wake(c, 2 * i + 2);
 }
 
 /* The last unit of the phase `st` has been completed: publish the next phase or end the job. */
 static void end_phase(pf_cpu *c, uint64_t st) {
     pthread_mutex_lock(&c->mu);
     c->t_done[ST_PHASE(st)] = now_ns();
-    const int last = ST_LAST(st);
-    if (last) {
+    if (ST_LAST(st)) {
         atomic_store_explicit(&c->done, 1, memory_order_release);
         pthread_cond_signal(&c->done_cv);
     } else {
         publish(c, ST_PHASE(st) + 1);
     }
     pthread_mutex_unlock(&c->mu);
-    if (!last) wake_children(c, 0);
 }
 
 /* Units in the next grab when `left` are unclaimed: guided, a share of what is left (large
@@ -1036,15 +1006,12 @@ static int poll_ready(pf_cpu *c, uint32_t seen, int caller, uint64_t ns) {
     }
 }
 
-/* Worker idx: wait for a phase newer than `seen` (or stop); poll first if `poll`. */
-static uint64_t wait_phase(pf_cpu *c, int idx, uint32_t seen, int poll) {
+/* A worker: wait for a phase newer than `seen` (or stop); poll first if `poll`. */
+static uint64_t wait_phase(pf_cpu *c, uint32_t seen, int poll) {
     if (!poll || !poll_ready(c, seen, 0, PF_CPU_POLL_NS)) {
-        struct sleeper *w = &c->sleepers[idx];
-        pthread_mutex_lock(&w->mu);
-        w->sleeping = 1;
-        while (!ready(c, seen, 0)) pthread_cond_wait(&w->cv, &w->mu);
-        w->sleeping = 0;
-        pthread_mutex_unlock(&w->mu);
+        pthread_mutex_lock(&c->mu);
+        while (!ready(c, seen, 0)) pthread_cond_wait(&c->work_cv, &c->mu);
+        pthread_mutex_unlock(&c->mu);
     }
     return atomic_load_explicit(&c->state, memory_order_acquire);
 }
@@ -1056,9 +1023,8 @@ static void *worker_main(void *p) {
     uint32_t seen = 0;
     int poll = 0; /* only between phases of a job: an idle pool sleeps */
     for (;;) {
-        uint64_t st = wait_phase(c, a.idx, seen, poll);
+        uint64_t st = wait_phase(c, seen, poll);
         if (atomic_load_explicit(&c->stop, memory_order_relaxed)) break;
-        wake_children(c, a.idx);
         seen = ST_SEQ(st);
         work_phase(c, a.idx, st);
         poll = !ST_LAST(st);
@@ -1079,7 +1045,6 @@ static void run_job(pf_cpu *c, int first, int last) {
     c->last_phase = last;
     publish(c, first);
     pthread_mutex_unlock(&c->mu);
-    wake_children(c, 0);
     uint32_t seen = 0;
     for (;;) {
         uint64_t st = atomic_load_explicit(&c->state, memory_order_acquire);
@@ -1101,8 +1066,8 @@ static void run_job(pf_cpu *c, int first, int last) {
 static void stop_workers(pf_cpu *c) {
     pthread_mutex_lock(&c->mu);
     atomic_store_explicit(&c->stop, 1, memory_order_relaxed);
+    pthread_cond_broadcast(&c->work_cv);
     pthread_mutex_unlock(&c->mu);
-    for (int i = 1; i < c->threads; i++) wake(c, i);
     for (int i = 0; i < c->started; i++) pthread_join(c->tids[i], NULL);
     c->started = 0;
 }
@@ -1140,20 +1105,14 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
 #endif
     if (threads > 1) {
         c->tids = calloc((size_t)threads - 1, sizeof *c->tids);
-        c->sleepers = calloc((size_t)threads, sizeof *c->sleepers);
-        if (!c->tids || !c->sleepers) {
-            free(c->tids);
-            free(c->sleepers);
+        if (!c->tids) {
             free(c);
             return PF_CPU_ENOMEM;
         }
     }
     pthread_mutex_init(&c->call_mu, NULL);
     pthread_mutex_init(&c->mu, NULL);
-    for (int i = 1; i < threads; i++) {
-        pthread_mutex_init(&c->sleepers[i].mu, NULL);
-        pthread_cond_init(&c->sleepers[i].cv, NULL);
-    }
+    pthread_cond_init(&c->work_cv, NULL);
     pthread_cond_init(&c->done_cv, NULL);
     atomic_init(&c->state, 0);
     atomic_init(&c->claim, 0);
@@ -1183,11 +1142,7 @@ void pf_cpu_destroy(pf_cpu *c) {
     if (!c) return;
     stop_workers(c);
     pthread_cond_destroy(&c->done_cv);
-    for (int i = 1; i < c->threads; i++) {
-        pthread_cond_destroy(&c->sleepers[i].cv);
-        pthread_mutex_destroy(&c->sleepers[i].mu);
-    }
-    free(c->sleepers);
+    pthread_cond_destroy(&c->work_cv);
     pthread_mutex_destroy(&c->mu);
     pthread_mutex_destroy(&c->call_mu);
     free(c->tids);

@@ -23,9 +23,8 @@
  *
  * Threads: a pf_cpu owns a pool of (threads - 1) worker threads; the calling thread is
  * the pool's thread 0. Between the phases of a call a thread that has run out of grabs
- * polls for the next phase for at most PF_CPU_POLL_NS (100 us), then sleeps on its own
- * condition variable; between calls the workers sleep (an idle pool never spins). A new
- * phase wakes the sleepers down a binary tree (the caller wakes two, each of them two more).
+ * polls for the next phase for at most PF_CPU_POLL_NS (100 us), then sleeps on a condition
+ * variable; between calls the workers sleep (an idle pool never spins).
  * pf_cpu_expert calls on the same pf_cpu are serialized by a mutex; use one pf_cpu per
  * concurrent caller to run experts in parallel.
  *
