@@ -326,9 +326,12 @@ T_AVX2 static uint64_t read_avx2(const uint8_t *p, size_t n) {
 /* A kernel reads R rows side by side, each a short stream (1440 bytes for gpt-oss) that
  * ends before the hardware prefetchers have followed it, so the kernels ask for the rows
  * they read next themselves: `ahead` bytes past p (the same chunk PREFETCH_ROWS rows on; rows
- * are contiguous in the store). A prefetch never faults, also past the end of the weights. */
+ * are contiguous in the store). A prefetch never faults, also past the end of the weights.
+ * Into L2, not L1 (locality 2: prefetcht1): on the H200 host's Xeon, in two passes, a 4-expert
+ * 1-token call read 66 % of the DRAM rate against 58-59 % with prefetcht0, and one thread 7.2-8.4
+ * GB/s against 6.0-6.8; t2 was in between, nta 2-4x slower (benchmarks/bench_cpu_experts.py). */
 static inline void prefetch_ahead(const uint8_t *p, size_t ahead) {
-    __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 3);
+    __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 2);
 }
 
 /* ---- AVX-512 ------------------------------------------------------------------------- */
