@@ -460,10 +460,6 @@ class CpuPlacement:
         """Whether a forward of ``tokens`` tokens computes every routed expert on the CPU (arm "all")."""
         return self.arm(tokens) == "all"
 
-    def may_use_host(self) -> bool:
-        """Whether this step's layers may compute experts on the CPU (the guard's arm is not "off")."""
-        return self.guard is None or self.guard.enabled
-
     def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int, device,
                  tokens: int = 1) -> list[int]:
         now = time.perf_counter()
