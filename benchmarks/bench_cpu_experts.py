@@ -138,12 +138,20 @@ def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls:
             "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9, "pool": phase_split(timings)}
 
 
+def _busy(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
 def bench_layer(k: CpuExperts, weights, per_call: int, tokens: int, calls: int, hidden: int,
-                gap_us: float = 0.0) -> dict:
+                gap_us: float = 0.0, prewake_us: int = 0, lead_us: float = 200.0) -> dict:
     """One batched call (pf_cpu_experts) over ``per_call`` experts, ``tokens`` token rows each,
     as a layer hands its CPU share to the kernel: effective bandwidth = their weight bytes / time.
     ``gap_us``: the caller busy for that long before each call (as decoding is between two
-    layers' calls, while the device runs attention), the pool's threads left idle meanwhile."""
+    layers' calls, while the device runs attention), the pool's threads left idle meanwhile.
+    ``prewake_us``: ``lead_us`` before each call (as the routing copy starts before a layer's
+    call), the pool is woken to poll for up to that long (``CpuExperts.prewake``)."""
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     rows = torch.arange(tokens, dtype=torch.int32).repeat(per_call)
     dest = torch.arange(per_call * tokens, dtype=torch.int32)
@@ -155,16 +163,20 @@ def bench_layer(k: CpuExperts, weights, per_call: int, tokens: int, calls: int, 
     for i in range(calls):
         ws = [weights[(i * per_call + j) % n] for j in range(per_call)]
         if gap_us > 0:
-            end = time.perf_counter() + gap_us * 1e-6
-            while time.perf_counter() < end:
-                pass
+            lead = min(lead_us, gap_us) if prewake_us else 0.0
+            _busy(gap_us - lead)
+            if prewake_us:
+                k.prewake(prewake_us)
+                _busy(lead)
         t0 = time.perf_counter()
         k.forward_many(ws, [tokens] * per_call, rows, dest, x, out, scale)
         times.append(time.perf_counter() - t0)
         timings.append(k.last_timing())
     med = statistics.median(times)
     nbytes = weights[0].nbytes * per_call
-    return {"experts_per_call": per_call, "tokens": tokens, "calls": calls, "gap_us": gap_us, "weight_bytes": nbytes,
+    return {"experts_per_call": per_call, "tokens": tokens, "calls": calls, "gap_us": gap_us,
+            "prewake_us": prewake_us if gap_us > 0 else 0, "lead_us": lead_us if prewake_us and gap_us > 0 else 0,
+            "weight_bytes": nbytes,
             "median_ms": med * 1e3, "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9,
             "pool": phase_split(timings)}
 
@@ -261,6 +273,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=200, help="timed kernel calls per configuration")
     ap.add_argument("--layer", default="4,8", help="experts per batched call (a layer's CPU share; 0: skip)")
     ap.add_argument("--gaps", default="0", help="comma-separated idle gaps (us) before each layer call")
+    ap.add_argument("--prewake", default="0", help="comma-separated prewake polls (us; 0: none) tried with each gap > 0")
+    ap.add_argument("--lead", type=float, default=200.0, help="with --prewake: us between the prewake and the call")
     ap.add_argument("--repeats", type=int, default=5, help="timed streaming reads per thread count")
     ap.add_argument("--level", default=None, help="kernel level (default: the best this CPU runs)")
     ap.add_argument("--torch-experts", type=int, default=8, help="distinct bf16 experts for the PyTorch comparison (0: skip)")
@@ -312,9 +326,11 @@ def main(argv=None) -> int:
             for m in [int(v) for v in args.layer.split(",") if v and int(v) > 0]:
                 for t in (1, 4):
                     for gap in [float(v) for v in args.gaps.split(",") if v]:
-                        r = bench_layer(k, weights, min(m, len(weights)), t, max(10, args.calls // m), hidden, gap)
-                        r["of_dram"] = r["gbps"] / dram["gbps"]
-                        run["layer"].append(r)
+                        for pw in ([int(v) for v in args.prewake.split(",") if v] if gap > 0 else [0]):
+                            r = bench_layer(k, weights, min(m, len(weights)), t, max(10, args.calls // m), hidden, gap,
+                                            pw, args.lead)
+                            r["of_dram"] = r["gbps"] / dram["gbps"]
+                            run["layer"].append(r)
         if args.torch_experts > 0:
             run["torch_bf16"] = bench_torch(n, tokens, args.torch_experts, hidden, inter, args.torch_calls, args.seed)
         result["runs"].append(run)
@@ -334,6 +350,8 @@ def main(argv=None) -> int:
                 print(f"    pool: {_pool_text(r.get('pool') or {})}")
             for r in run.get("layer", []):
                 gap = f" after {r['gap_us']:.0f} us idle" if r["gap_us"] else ""
+                if r.get("prewake_us"):
+                    gap += f" (prewake {r['prewake_us']} us, {r['lead_us']:.0f} us ahead)"
                 print(f"  layer {r['experts_per_call']:2d} experts x T={r['tokens']:2d}{gap}: {r['median_ms']:8.3f} ms/call  "
                       f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
                 print(f"    pool: {_pool_text(r.get('pool') or {})}")

@@ -16,6 +16,9 @@ identical), tokens per second, and per token the experts served from the cache, 
 computed on the CPU, with the CPU and link time. One JSON object (stdout with --json, or --out).
 ``--cuda-graphs`` decodes through the graphed decoder (what ``generate`` does on CUDA);
 ``--link-gbps 25 --cpu-threads 8`` on CUDA emulates a desktop (PCIe 4.0 x16, an 8-core CPU).
+``--prewake-us 0,500`` runs every mode that computes on the CPU once per value: how long the
+kernel's pool, woken when a layer's routing copy starts, polls for the layer's call (0: it
+sleeps until the call; the runtime's default is CpuExpertRunner.prewake_us).
 ``--in-memory PRESET`` runs a seeded synthetic MXFP4 checkpoint of that preset generated in host
 memory (offload/synthetic.py; gpt-oss-120b's 65 GB do not fit the GPU machine's disk) instead of CKPT.
 """
@@ -41,7 +44,21 @@ from pdflash.offload.runtime import OffloadedModel  # noqa: E402
 PROMPT = [200, 1000, 31, 9, 77, 4000, 250, 17, 3, 44, 81, 90, 123, 7, 66, 19]
 
 
-def run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
+def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | None = None) -> dict:
+    from pdflash.offload.cpu_compute import CpuExpertRunner
+
+    default_prewake = CpuExpertRunner.prewake_us
+    if prewake_us is not None:
+        CpuExpertRunner.prewake_us = prewake_us
+    try:
+        return _run_one(ckpt, device, dtype, mode, args)
+    finally:
+        CpuExpertRunner.prewake_us = default_prewake
+
+
+def _run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
+    from pdflash.offload.cpu_compute import CpuExpertRunner
+
     with OffloadedModel.load(ckpt, device=device, dtype=dtype, cpu_experts="auto" if mode.startswith("auto") else mode,
                              cpu_threads=args.cpu_threads, link_gbps=args.link_gbps, hybrid_guard=mode != "auto-model",
                              expert_cache_experts=None if mode == "all" else args._slots) as rt:
@@ -68,7 +85,8 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
 
             free, total = torch.cuda.mem_get_info(rt.device)
             vram = total - free  # everything this process holds on the GPU (cache, weights, context)
-        return {"dtype": dtype, "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": mode, "cuda_graphs": graphs,
+        return {"dtype": dtype, "prewake_us": CpuExpertRunner.prewake_us if mode != "off" else None,
+                "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": mode, "cuda_graphs": graphs,
                 "link_gbps": args.link_gbps, "link_emulated": st.get("link_emulated", False),
                 "cpu_threads": st["cpu_experts"].get("threads"), "token_ids": res.token_ids,
                 "tokens_per_second": res.tokens_per_second, "tpot_ms": res.tpot_ms,
@@ -96,9 +114,17 @@ def main(argv=None) -> int:
                     help="profile each timed generation (cProfile; slows it) and write DIR/<dtype>_<mode>.txt")
     ap.add_argument("--breakdown", action="store_true",
                     help="time each decode step's expert layers by part (routing copy, kernel, result copy, between layers)")
+    ap.add_argument("--prewake-us", default=None, metavar="US[,US...]",
+                    help="run each mode that computes on the CPU once per value: the pool's poll after a layer's prewake (0: none)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    try:
+        prewakes = [int(v) for v in args.prewake_us.split(",")] if args.prewake_us else [None]
+    except ValueError:
+        ap.error(f"--prewake-us: comma-separated integers, got {args.prewake_us!r}")
+    if any(v is not None and not 0 <= v <= 100_000 for v in prewakes):
+        ap.error("--prewake-us: values in 0 .. 100000")
     bad = [m for m in args.modes.split(",") if m not in ("off", "auto", "auto-model", "auto-host", "auto-all", "auto-off", "all")]
     if bad:
         ap.error(f"unknown mode(s) {', '.join(bad)}: use off, auto, auto-model, auto-host, auto-all, auto-off, all")
@@ -119,15 +145,16 @@ def main(argv=None) -> int:
     runs = []
     for dtype in args.dtypes.split(","):
         ref = None
-        for mode in args.modes.split(","):
-            r = run_one(source, args.device, dtype, mode, args)
+        for mode, pw in [(m, p) for m in args.modes.split(",") for p in (prewakes if m != "off" else [None])]:
+            r = run_one(source, args.device, dtype, mode, args, pw)
             if ref is None:
                 ref = r["token_ids"]
             r["identical_to_first_mode"] = r["token_ids"] == ref
             r["first_difference"] = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b), None)
             runs.append(r)
             ept = r["experts_per_token"]
-            print(f"{dtype:9s} {mode:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
+            label = mode if pw is None else f"{mode}/prewake {pw}"
+            print(f"{dtype:9s} {label:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
                   f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
                   f"identical {r['identical_to_first_mode']}{_guard_text(r)}", file=sys.stderr)
             if r["layer_breakdown_us"]:

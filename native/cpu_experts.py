@@ -347,6 +347,20 @@ class CpuExperts:
             raise CpuExpertError(f"stream_read: {self._strerror(rc)}")
         return int(out[0])
 
+    def prewake(self, us: int) -> None:
+        """Wake the pool's sleeping threads now; they poll for the next call for up to ``us``
+        microseconds (0 .. 100000) before they sleep again (``pf_cpu_prewake``). For a caller that
+        knows a call is coming shortly: a sleeping thread takes 30-300 us to wake."""
+        if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= 100_000:
+            raise CpuExpertError(f"prewake: us must be an integer in 0 .. 100000, got {us!r}")
+        c = self._enter()
+        try:
+            rc = self._lib.pf_cpu_prewake(c, us)
+        finally:
+            self._leave()
+        if rc != 0:
+            raise CpuExpertError(f"prewake: {self._strerror(rc)}")
+
     def last_timing(self) -> dict:
         """Where the last call's time went (``pf_cpu_last_timing``), microseconds from its start:
         per phase that ran ("rows", "gate_up", "down", "read"): when it was published, the first

@@ -699,6 +699,7 @@ struct pf_cpu {
     _Atomic uint32_t completed;   /* units of the published phase finished */
     _Atomic int done;             /* the job's last phase has been completed */
     _Atomic int stop;
+    _Atomic uint64_t linger_until; /* pf_cpu_prewake: idle workers poll until then (monotonic ns; written under mu) */
     uint32_t seq;                 /* the last phase published (under mu) */
     int last_phase;               /* the job ends after this phase (under mu) */
     job cur;                      /* written by the caller before the job's first phase is published */
@@ -1009,12 +1010,21 @@ static int poll_ready(pf_cpu *c, uint32_t seen, int caller, uint64_t ns) {
     }
 }
 
-/* A worker: wait for a phase newer than `seen` (or stop); poll first if `poll`. */
+/* A worker: wait for a phase newer than `seen` (or stop); poll first for PF_CPU_POLL_NS if
+ * `poll`, and for as long as a prewake deadline lasts (pf_cpu_prewake wakes sleepers to poll). */
 static uint64_t wait_phase(pf_cpu *c, uint32_t seen, int poll) {
-    if (!poll || !poll_ready(c, seen, 0, PF_CPU_POLL_NS)) {
+    uint64_t ns = poll ? PF_CPU_POLL_NS : 0;
+    for (;;) {
+        const uint64_t now = now_ns(), until = atomic_load_explicit(&c->linger_until, memory_order_relaxed);
+        if (until > now && until - now > ns) ns = until - now;
+        if (ns && poll_ready(c, seen, 0, ns)) break;
         pthread_mutex_lock(&c->mu);
-        while (!ready(c, seen, 0)) pthread_cond_wait(&c->work_cv, &c->mu);
+        while (!ready(c, seen, 0) && atomic_load_explicit(&c->linger_until, memory_order_relaxed) <= now_ns())
+            pthread_cond_wait(&c->work_cv, &c->mu);
+        const int r = ready(c, seen, 0);
         pthread_mutex_unlock(&c->mu);
+        if (r) break;
+        ns = 0; /* woken by a prewake: poll until its deadline */
     }
     return atomic_load_explicit(&c->state, memory_order_acquire);
 }
@@ -1122,6 +1132,7 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     atomic_init(&c->completed, 0);
     atomic_init(&c->done, 0);
     atomic_init(&c->stop, 0);
+    atomic_init(&c->linger_until, 0);
     for (int i = 1; i < threads; i++) {
         struct worker_arg *a = malloc(sizeof *a); /* owned by the worker once it has started */
         int rc = ENOMEM;
@@ -1157,6 +1168,19 @@ void pf_cpu_destroy(pf_cpu *c) {
     free(c->y);
     free(c->tasks);
     free(c);
+}
+
+int pf_cpu_prewake(pf_cpu *c, unsigned us) {
+    if (!c || us > 100000u) return PF_CPU_EINVAL;
+    if (us == 0 || c->threads < 2) return PF_CPU_OK;
+    const uint64_t until = now_ns() + (uint64_t)us * 1000u;
+    pthread_mutex_lock(&c->mu);
+    if (until > atomic_load_explicit(&c->linger_until, memory_order_relaxed)) {
+        atomic_store_explicit(&c->linger_until, until, memory_order_relaxed);
+        pthread_cond_broadcast(&c->work_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return PF_CPU_OK;
 }
 
 int pf_cpu_last_timing(pf_cpu *c, pf_cpu_timing *out) {

@@ -137,6 +137,13 @@ int pf_cpu_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const int *
  * with pf_cpu_expert. */
 int pf_cpu_stream_read(pf_cpu *c, const void *buf, size_t nbytes, uint64_t *sum);
 
+/* Wake the pool's sleeping workers now and let them poll for the next call for up to `us`
+ * microseconds (at most 100000) before they sleep again, so that a call the caller knows is
+ * coming (a layer whose routing is on its way) finds every thread awake: a sleeping thread
+ * takes 30-300 us to wake. Returns at once. A deadline already set is only ever extended;
+ * us == 0 is a no-op. Callable from any thread, also while a call runs. */
+int pf_cpu_prewake(pf_cpu *c, unsigned us);
+
 /* Where the time of the context's last call went (pf_cpu_expert, pf_cpu_experts or
  * pf_cpu_stream_read), in nanoseconds from the call's start, for phases 0 (token rows),
  * 1 (gate_up) and 2 (down); phase 3 is the stream read. A phase that did not run has

@@ -92,6 +92,10 @@ class CpuRunner:
             y = self.run(layer, e, x.index_select(0, pos // K))
             out.index_copy_(0, pos, y.mul_(w_flat[pos].unsqueeze(-1)))
 
+    def prewake(self) -> None:
+        """A layer call is coming (its routing is on its way); a runner with a thread pool that
+        sleeps wakes it now (CpuExpertRunner). Nothing to do here."""
+
     def seconds_for(self, tokens: int) -> float | None:
         """Predicted seconds to compute one expert for ``tokens`` tokens (None before any measurement)."""
         if not self.rate_bps:
@@ -140,6 +144,9 @@ class CpuExpertRunner(CpuRunner):
 
     tokens_per_read = 16  # the kernel reads the weights once per 16 tokens
     calibration_dtype = torch.float32
+    # Threads woken when a layer's routing is on its way poll this long for the layer's call
+    # (prewake); 0: they sleep until the call. Measured on the H200 host: see docs/benchmarks.md.
+    prewake_us = 500
 
     def __init__(self, host: HostStore, alpha: float, limit: float, threads: int | None = None, level: str | None = None,
                  dtype: torch.dtype = torch.float32):
@@ -218,6 +225,11 @@ class CpuExpertRunner(CpuRunner):
 
     def _compute(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.forward(self.weights(layer, expert), x)
+
+    def prewake(self) -> None:
+        """A layer call is coming (its routing is on its way): wake the pool to wait for it."""
+        if self.prewake_us:
+            self.kernel.prewake(self.prewake_us)
 
     def run_layer(self, layer: int, experts: list[int], positions: dict[int, list[int]], K: int, x: torch.Tensor,
                   w_flat: torch.Tensor, out: torch.Tensor) -> None:

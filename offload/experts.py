@@ -99,6 +99,8 @@ class OffloadedExperts(nn.Module):
         cache, layer = self.cache, self.layer
 
         exchange = self.exchange if self.cpu is not None else None
+        if exchange is not None and self._may_use_cpu(T):
+            self.cpu.prewake()  # the pool wakes while the routing copy waits for the device
         if exchange is not None:  # one copy for the routing and the CPU's rows
             idx_cpu, w_host, x_host = exchange.routing(idx, w, x)
         else:
@@ -213,6 +215,13 @@ class OffloadedExperts(nn.Module):
         cache.end_layer()
         out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
         return out.reshape(shape)
+
+    def _may_use_cpu(self, T: int) -> bool:
+        """Whether this forward may compute experts on the CPU (mode "all", or "auto" with an arm
+        other than "off")."""
+        if self.cpu_mode == "all":
+            return True
+        return self.cpu_mode == "auto" and self.placer is not None and self.placer.arm(T) != "off"
 
     def _cpu_compute(self, x: torch.Tensor, w_flat: torch.Tensor, K: int, experts: list[int],
                      positions: dict[int, list[int]], exchange) -> tuple[list[int], torch.Tensor, float, float]:

@@ -1,5 +1,5 @@
 """The hybrid benchmarks' own options, run small on the CPU: check_hybrid_gpu.py (--breakdown,
---cprofile, mode checks) and bench_cpu_experts.py (--gaps)."""
+--cprofile, --prewake-us, mode checks) and bench_cpu_experts.py (--gaps, --prewake)."""
 
 import importlib.util
 import json
@@ -63,6 +63,41 @@ def test_bench_cpu_experts_layer_calls_after_idle_gaps(tmp_path):
     layer = json.loads(out.read_text())["runs"][0]["layer"]
     assert sorted((r["tokens"], r["gap_us"]) for r in layer) == [(1, 0.0), (1, 50.0), (4, 0.0), (4, 50.0)]
     assert all(r["median_ms"] > 0 and r["experts_per_call"] == 2 for r in layer)
+
+
+def test_bench_cpu_experts_prewake_runs_each_gap_with_and_without(tmp_path):
+    mod = _load("bench_cpu_experts")
+    out = tmp_path / "k.json"
+    rc = mod.main(["--small", "--threads", "2", "--tokens", "1", "--layer", "2", "--gaps", "0,300", "--prewake", "0,400",
+                   "--lead", "100", "--torch-experts", "0", "--calls", "4", "--experts", "4", "--repeats", "1",
+                   "--out", str(out)])
+    assert rc == 0
+    layer = json.loads(out.read_text())["runs"][0]["layer"]
+    got = sorted((r["tokens"], r["gap_us"], r["prewake_us"], r["lead_us"]) for r in layer)
+    assert got == [(t, g, p, 100.0 if p else 0) for t in (1, 4) for g, p in ((0.0, 0), (300.0, 0), (300.0, 400))]
+
+
+def test_check_hybrid_prewake_values_run_each_cpu_mode_and_restore_the_default(tmp_path):
+    from pdflash.offload.cpu_compute import CpuExpertRunner
+
+    default = CpuExpertRunner.prewake_us
+    mod = _load("check_hybrid_gpu")
+    out = tmp_path / "h.json"
+    rc = mod.main(["--in-memory", "tiny", "--device", "cpu", "--dtypes", "float32", "--modes", "off,all", "--tokens", "3",
+                   "--link-gbps", "0.05", "--prewake-us", "0,300", "--out", str(out)])
+    assert rc == 0 and CpuExpertRunner.prewake_us == default
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["asked"], r["prewake_us"]) for r in runs] == [("off", None), ("all", 0), ("all", 300)]
+    assert all(r["identical_to_first_mode"] for r in runs)
+
+
+@pytest.mark.parametrize("value", ["-1", "fast", "100001"])
+def test_check_hybrid_refuses_bad_prewake(capsys, value):
+    mod = _load("check_hybrid_gpu")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--in-memory", "tiny", "--device", "cpu", "--prewake-us", value])
+    assert e.value.code == 2
+    assert "--prewake-us" in capsys.readouterr().err
 
 
 def test_profile_decode_needs_one_checkpoint_source(capsys, tmp_path):

@@ -517,3 +517,23 @@ def test_last_timing_accounts_the_phases_of_the_last_call():
         k.stream_read(torch.zeros(1 << 20, dtype=torch.uint8))
         t = k.last_timing()
         assert set(t["phases"]) == {"read"} and t["phases"]["read"]["threads"] >= 1
+
+
+def test_prewake_checks_its_argument_and_calls_after_it_compute_the_same():
+    """CpuExperts.prewake wakes the pool to poll for the next call: calls made while the threads
+    poll (and after the poll ran out) give the results of a pool that was never woken early."""
+    w, _ = mxfp4_expert(64, 96, seed=7)
+    x = torch.randn(5, 64)
+    with CpuExperts(threads=1) as ref:
+        want = ref.forward(w, x)
+    with CpuExperts(threads=3) as k:
+        for bad in (-1, 100_001, 1.5, True, None):
+            with pytest.raises(CpuExpertError, match="prewake"):
+                k.prewake(bad)
+        k.prewake(0)  # nothing to do
+        for us in (100_000, 50, 2000):
+            k.prewake(us)
+            assert torch.equal(k.forward(w, x), want)
+        assert k.last_timing()["phases"]["gate_up"]["threads"] >= 1
+    with pytest.raises(CpuExpertError, match="closed"):
+        k.prewake(10)

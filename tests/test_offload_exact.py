@@ -258,9 +258,21 @@ def test_cuda_hybrid_matches_fetch_only_in_float32(ckpts):
                              cpu_threads=2) as rt:
         rt.placer.guard.pin("host")
         rt.placer.guard.max_tokens = 1 << 20  # the prefill under the arm too (else: the cost model's split)
+        prewakes = []
+        wake = rt.cpu.prewake
+        rt.cpu.prewake = lambda: (prewakes.append(1), wake())[1]  # each layer wakes the pool before its routing copy
         assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == want
         st = rt.stats()
         assert st["cpu_experts"]["computed"] > 0 and st["experts_per_token"]["fetched"] == 0
+        from pdflash.offload.experts import OffloadedExperts
+
+        calls = sum(m.calls for m in rt.model.modules() if isinstance(m, OffloadedExperts))
+        assert len(prewakes) == calls > 0  # every layer forward, prefill and decode steps
+        rt.placer.guard.pin("off")
+        prewakes.clear()
+        generate(rt, PROMPT, max_new_tokens=2, eos_token_ids=[])
+        assert not prewakes  # an arm that computes nothing on the CPU never wakes the pool
+        rt.placer.guard.pin("host")
         rt.reset_cache()
         rt.placer.guard.pin("all")  # every routed expert on the CPU, the device's hits too
         assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == want

@@ -377,9 +377,12 @@ static void phase_api(void) {
             uint64_t rng = 77 + n;
             CHECK(random_call(c, &rng, 1));
         }
+        if (n >= 3) /* destroyed while its workers poll after a prewake: they must see stop */
+            CHECK(pf_cpu_prewake(c, 100000) == PF_CPU_OK);
         pf_cpu_destroy(c);
     }
     pf_cpu_destroy(NULL);
+    CHECK(pf_cpu_prewake(NULL, 10) == PF_CPU_EINVAL);
 
     CHECK(pf_cpu_create(2, PF_CPU_LEVEL_SCALAR, &c) == PF_CPU_OK);
     uint64_t rng = 5;
@@ -387,6 +390,7 @@ static void phase_api(void) {
     expert_make(&e, &rng, PF_CPU_MXFP4, 64, 32, PF_CPU_BF16, 1);
     float x[64 * 2] = {0}, out[64 * 2];
     for (int i = 0; i < 128; i++) out[i] = 3.0f;
+    CHECK(pf_cpu_prewake(c, 100001) == PF_CPU_EINVAL && pf_cpu_prewake(c, 0) == PF_CPU_OK);
     CHECK(pf_cpu_expert(NULL, &e.w, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
     CHECK(pf_cpu_expert(c, NULL, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
     CHECK(pf_cpu_expert(c, &e.w, x, PF_CPU_F32, 0, 64, out) == PF_CPU_EINVAL);
@@ -451,6 +455,8 @@ static void *shared_worker(void *p) {
     struct shared_arg *a = p;
     uint64_t rng = a->seed;
     for (int i = 0; i < a->calls; i++) {
+        if (i % 2) /* from another thread while calls run */
+            pf_cpu_prewake(a->shared, (unsigned)(rng_next(&rng) % 200));
         a->good += random_call(a->shared, &rng, 1);
         a->total++;
         if (i % 3 == 0) { /* an own context, created and destroyed while the others run */
@@ -505,6 +511,8 @@ static void phase_pool(int quick, uint64_t seed) {
     for (size_t i = 0; i < cap; i++) buf[i] = (uint8_t)rng_next(&rng);
     int good = 0, total = quick ? 40 : 160;
     for (int i = 0; i < total; i++) {
+        if (i % 3 == 0) /* workers polling after a prewake must take the next job as sleepers do */
+            CHECK(pf_cpu_prewake(c, (unsigned)(rng_next(&rng) % 400)) == PF_CPU_OK);
         if (i % 2) {
             good += random_batch(c, &rng);
             continue;
