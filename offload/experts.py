@@ -27,8 +27,10 @@ CPU experts (``cpu``, a CpuExpertRunner over the host store): experts chosen by
 ``cpu_mode`` are computed by the native CPU kernel straight from host memory instead of
 being fetched: "all" computes every routed expert there (the cache is not used); "auto"
 asks ``placer`` (the cost model) which non-resident experts to compute on the CPU and which
-to fetch, or, while its guard's arm is "all", takes the "all" path for the step. On CUDA the routing, the routing weights and the hidden rows come to the host in
-one copy (host_exchange.py); the misses are requested first, then this thread runs the CPU
+to fetch, or, while its guard's arm is "all", takes the "all" path for the step. On CUDA a layer that may
+compute on the CPU first wakes the kernel's thread pool (``cpu.prewake``), so its threads poll for the call
+while the routing copy waits for the device; the routing, the routing weights and the hidden rows come to the
+host in one copy (host_exchange.py); the misses are requested first, then this thread runs the CPU
 experts (the kernel's pool, this thread its thread 0) while the link works, then launches the
 resident experts with the first arrivals (one launch) and the later arrivals as they land; the
 results join in the same reduction. CPU results are float32, scaled by the routing weight, written into a pinned
