@@ -285,6 +285,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = ap.parse_args(argv)
+    for name in ("threads", "tokens", "layer", "gaps", "prewake"):
+        try:
+            values = [float(v) for v in getattr(args, name).split(",") if v]
+        except ValueError:
+            ap.error(f"--{name}: comma-separated numbers, got {getattr(args, name)!r}")
+        if any(v < 0 or (name != "gaps" and v != int(v)) for v in values):
+            ap.error(f"--{name}: non-negative {'numbers' if name == 'gaps' else 'integers'}, got {getattr(args, name)!r}")
+    if any(int(v) < 1 for v in args.threads.split(",") if v):
+        ap.error(f"--threads: at least 1, got {args.threads!r}")
+    if any(not 1 <= int(v) <= 16 for v in args.tokens.split(",") if v):
+        ap.error(f"--tokens: 1 .. 16, got {args.tokens!r}")
+    if any(int(v) > 100_000 for v in args.prewake.split(",") if v):
+        ap.error(f"--prewake: at most 100000 us, got {args.prewake!r}")
+    if args.lead < 0:
+        ap.error(f"--lead: a non-negative number of us, got {args.lead}")
 
     if args.model:
         threads = int(args.threads.split(",")[0]) if args.threads != "8,16" else None

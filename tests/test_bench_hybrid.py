@@ -91,6 +91,18 @@ def test_check_hybrid_prewake_values_run_each_cpu_mode_and_restore_the_default(t
     assert all(r["identical_to_first_mode"] for r in runs)
 
 
+@pytest.mark.parametrize("args, message", [(["--prewake", "0,fast"], "--prewake"), (["--prewake", "100001"], "--prewake"),
+                                           (["--prewake", "1.5"], "--prewake"), (["--gaps", "-5"], "--gaps"),
+                                           (["--lead", "-1"], "--lead"), (["--threads", "x"], "--threads"),
+                                           (["--threads", "0"], "--threads"), (["--tokens", "17"], "--tokens")])
+def test_bench_cpu_experts_refuses_bad_numbers(capsys, args, message):
+    mod = _load("bench_cpu_experts")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--small", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["-1", "fast", "100001"])
 def test_check_hybrid_refuses_bad_prewake(capsys, value):
     mod = _load("check_hybrid_gpu")
