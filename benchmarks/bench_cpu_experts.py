@@ -262,6 +262,17 @@ def bench_model(model: str, tokens: int, repeats: int, threads: int | None) -> d
             "same_tokens": tokens_of["off"] == tokens_of["all"]}
 
 
+def _numbers(ap, name: str, text: str, kind, lo, hi=None) -> list:
+    """A comma-separated option as a list of ``kind`` in lo .. hi, or one clear line and exit 2."""
+    try:
+        values = [kind(v) for v in text.split(",") if v]
+    except ValueError:
+        ap.error(f"--{name}: comma-separated {'integers' if kind is int else 'numbers'}, got {text!r}")
+    if any(v < lo or (hi is not None and v > hi) for v in values):
+        ap.error(f"--{name}: values in {lo} .. {hi if hi is not None else 'any'}, got {text!r}")
+    return values
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="hidden = intermediate = 512 (a quick CPU run)")
@@ -285,24 +296,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = ap.parse_args(argv)
-    for name in ("threads", "tokens", "layer", "gaps", "prewake"):
-        try:
-            values = [float(v) for v in getattr(args, name).split(",") if v]
-        except ValueError:
-            ap.error(f"--{name}: comma-separated numbers, got {getattr(args, name)!r}")
-        if any(v < 0 or (name != "gaps" and v != int(v)) for v in values):
-            ap.error(f"--{name}: non-negative {'numbers' if name == 'gaps' else 'integers'}, got {getattr(args, name)!r}")
-    if any(int(v) < 1 for v in args.threads.split(",") if v):
-        ap.error(f"--threads: at least 1, got {args.threads!r}")
-    if any(not 1 <= int(v) <= 16 for v in args.tokens.split(",") if v):
-        ap.error(f"--tokens: 1 .. 16, got {args.tokens!r}")
-    if any(int(v) > 100_000 for v in args.prewake.split(",") if v):
-        ap.error(f"--prewake: at most 100000 us, got {args.prewake!r}")
+    threads = _numbers(ap, "threads", args.threads, int, 1)
+    tokens = _numbers(ap, "tokens", args.tokens, int, 1, 16)
+    layers = _numbers(ap, "layer", args.layer, int, 0)
+    gaps = _numbers(ap, "gaps", args.gaps, float, 0)
+    prewakes = _numbers(ap, "prewake", args.prewake, int, 0, 100_000)
     if args.lead < 0:
         ap.error(f"--lead: a non-negative number of us, got {args.lead}")
 
     if args.model:
-        threads = int(args.threads.split(",")[0]) if args.threads != "8,16" else None
+        threads = threads[0] if args.threads != "8,16" else None
         res = bench_model(args.model, args.gen_tokens, args.repeats, threads)
         text = json.dumps(res, indent=1)
         if args.out:
@@ -318,8 +321,6 @@ def main(argv=None) -> int:
 
     hidden = args.hidden or (512 if args.small else 2880)
     inter = args.inter or (512 if args.small else 2880)
-    threads = [int(t) for t in args.threads.split(",") if t]
-    tokens = [int(t) for t in args.tokens.split(",") if t]
     layout, buf, weights = make_experts(args.experts, hidden, inter, args.seed)
 
     result = {
@@ -338,10 +339,10 @@ def main(argv=None) -> int:
                     r["of_dram"] = r["gbps"] / dram["gbps"]
                     run["kernel"].append(r)
             run["layer"] = []
-            for m in [int(v) for v in args.layer.split(",") if v and int(v) > 0]:
+            for m in [v for v in layers if v > 0]:
                 for t in (1, 4):
-                    for gap in [float(v) for v in args.gaps.split(",") if v]:
-                        for pw in ([int(v) for v in args.prewake.split(",") if v] if gap > 0 else [0]):
+                    for gap in gaps:
+                        for pw in (prewakes if gap > 0 else [0]):
                             r = bench_layer(k, weights, min(m, len(weights)), t, max(10, args.calls // m), hidden, gap,
                                             pw, args.lead)
                             r["of_dram"] = r["gbps"] / dram["gbps"]

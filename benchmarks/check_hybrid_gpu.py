@@ -45,23 +45,13 @@ PROMPT = [200, 1000, 31, 9, 77, 4000, 250, 17, 3, 44, 81, 90, 123, 7, 66, 19]
 
 
 def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | None = None) -> dict:
-    from pdflash.offload.cpu_compute import CpuExpertRunner
-
-    default_prewake = CpuExpertRunner.prewake_us
-    if prewake_us is not None:
-        CpuExpertRunner.prewake_us = prewake_us
-    try:
-        return _run_one(ckpt, device, dtype, mode, args)
-    finally:
-        CpuExpertRunner.prewake_us = default_prewake
-
-
-def _run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
-    from pdflash.offload.cpu_compute import CpuExpertRunner
-
+    """One generation in ``mode``; ``prewake_us`` (None: the runtime's default) is this runtime's
+    CPU runner's prewake poll."""
     with OffloadedModel.load(ckpt, device=device, dtype=dtype, cpu_experts="auto" if mode.startswith("auto") else mode,
                              cpu_threads=args.cpu_threads, link_gbps=args.link_gbps, hybrid_guard=mode != "auto-model",
                              expert_cache_experts=None if mode == "all" else args._slots) as rt:
+        if prewake_us is not None and rt.cpu is not None:
+            rt.cpu.prewake_us = prewake_us  # this runner only
         if mode.startswith("auto-") and mode != "auto-model" and rt.placer is not None:
             rt.placer.guard.pin(mode[len("auto-"):])  # that arm's steady steps, no trials
         vocab = int(rt.config.vocab_size)
@@ -85,7 +75,7 @@ def _run_one(ckpt, device: str, dtype: str, mode: str, args) -> dict:
 
             free, total = torch.cuda.mem_get_info(rt.device)
             vram = total - free  # everything this process holds on the GPU (cache, weights, context)
-        return {"dtype": dtype, "prewake_us": CpuExpertRunner.prewake_us if mode != "off" else None,
+        return {"dtype": dtype, "prewake_us": getattr(rt.cpu, "prewake_us", None) if mode != "off" else None,
                 "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": mode, "cuda_graphs": graphs,
                 "link_gbps": args.link_gbps, "link_emulated": st.get("link_emulated", False),
                 "cpu_threads": st["cpu_experts"].get("threads"), "token_ids": res.token_ids,
