@@ -433,7 +433,8 @@ def _median(xs: list[float]) -> float:
 
 class CpuPlacement:
     """The per-layer decision of hybrid execution (``cpu_experts="auto"`` with a link):
-    ``placer(layer, misses, positions, K, device, tokens) -> experts to compute on the CPU``.
+    ``placer(layer, misses, positions, K, arm) -> experts to compute on the CPU``, where ``arm``
+    is ``arm(tokens)`` of the forward, worked out once by the experts module.
 
     Reads the shared cost model (offload/cost.py): the link rate from the scheduler's own
     statistics (observed at most every ``observe_every_s``), the CPU kernel's rate (the
@@ -443,7 +444,7 @@ class CpuPlacement:
     into the cache in the background band, so the cache keeps the hot set. With a ``guard``
     (:class:`HybridGuard`), its arm decides: the cost model's split, nothing on the CPU, every
     miss not in flight on the CPU (then without background fetches), or every routed expert on
-    the CPU (``all_on_cpu(tokens)``: the experts module then takes the "all" path). A forward
+    the CPU (arm "all": the experts module then takes its "all" path and does not ask). A forward
     longer than the guard judges takes the cost model's split (``HybridGuard.arm_for``).
     """
 
@@ -468,12 +469,8 @@ class CpuPlacement:
         """The placement of a forward of ``tokens`` tokens ("model" without a guard)."""
         return self.guard.arm_for(tokens) if self.guard is not None else "model"
 
-    def all_on_cpu(self, tokens: int) -> bool:
-        """Whether a forward of ``tokens`` tokens computes every routed expert on the CPU (arm "all")."""
-        return self.arm(tokens) == "all"
-
-    def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int, device,
-                 tokens: int = 1) -> list[int]:
+    def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int,
+                 arm: str) -> list[int]:
         now = time.perf_counter()
         if now - self._last_observe >= self.observe_every_s:
             self.cost.observe_scheduler(self.scheduler.stats())
@@ -484,8 +481,7 @@ class CpuPlacement:
                 in_flight += 1
             else:
                 missing[e] = len(positions[e])
-        arm = self.arm(tokens)  # never "all" here: such forwards take the experts module's all path
-        if arm == "off":
+        if arm == "off":  # never "all" here: such forwards take the experts module's all path
             return []
         if arm == "host":  # every miss not already on its way
             host = sorted(missing)

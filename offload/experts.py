@@ -79,7 +79,7 @@ class OffloadedExperts(nn.Module):
         self.on_routed = on_routed
         self.cpu = cpu  # CpuExpertRunner or None
         self.cpu_mode = cpu_mode if cpu is not None else "off"
-        self.placer = placer  # CpuPlacement: (layer, misses, positions, K, device, tokens) -> experts for the CPU
+        self.placer = placer  # CpuPlacement: (layer, misses, positions, K, arm) -> experts for the CPU
         self.slot_cpu = slot_cpu  # CPU device: the native kernel over the cache's slot rows (CpuExpertRunner.run_slots)
         self.on_host_overhead = on_host_overhead  # the cost model's per-layer host overhead (hybrid)
         self.exchange = exchange  # HostExchange (CUDA with CPU experts): the routing down, the CPU's results up
@@ -101,7 +101,8 @@ class OffloadedExperts(nn.Module):
         cache, layer = self.cache, self.layer
 
         exchange = self.exchange if self.cpu is not None else None
-        if exchange is not None and self._may_use_cpu(T):
+        arm = self._arm(T)
+        if exchange is not None and arm != "off":
             self.cpu.prewake()  # the pool wakes while the routing copy waits for the device
         if exchange is not None:  # one copy for the routing and the CPU's rows
             idx_cpu, w_host, x_host = exchange.routing(idx, w, x)
@@ -119,7 +120,7 @@ class OffloadedExperts(nn.Module):
         w_flat = w.reshape(-1)
         out_dtype = torch.promote_types(self.kernel.dtype, w.dtype)
 
-        if self.cpu_mode == "all" or (self.cpu_mode == "auto" and self.placer is not None and self.placer.all_on_cpu(T)):
+        if arm == "all":
             # every routed expert on the CPU, nothing fetched: every row is the CPU's
             buf = self._cpu_compute(x_host, w_host, K, experts, positions, exchange)[1]
             contrib = (exchange.upload(buf) if exchange is not None else buf).to(out_dtype)
@@ -159,8 +160,8 @@ class OffloadedExperts(nn.Module):
             s = cache.lookup(layer, e)
             (hits.append((e, s)) if s is not None else misses.append(e))
         cpu_result, cpu_list = None, []
-        if self.cpu_mode == "auto" and misses and self.placer is not None:
-            on_cpu = set(self.placer(layer, misses, positions, K, dev, T))
+        if self.cpu_mode == "auto" and misses and self.placer is not None:  # asked under "off" too: it observes the link
+            on_cpu = set(self.placer(layer, misses, positions, K, arm))
             if on_cpu:
                 misses = [e for e in misses if e not in on_cpu]
                 cpu_list = sorted(on_cpu)
@@ -218,12 +219,15 @@ class OffloadedExperts(nn.Module):
         out = contrib.view(T, K, H).sum(dim=1).to(hidden_states.dtype)  # [T, H]
         return out.reshape(shape)
 
-    def _may_use_cpu(self, T: int) -> bool:
-        """Whether this forward may compute experts on the CPU (mode "all", or "auto" with an arm
-        other than "off")."""
+    def _arm(self, T: int) -> str:
+        """This forward's placement of the experts it misses: "off" (fetch them all), "all"
+        (every routed expert on the CPU, resident ones too), or the placer's arm for ``T``
+        tokens ("model", "host"; see CpuPlacement)."""
         if self.cpu_mode == "all":
-            return True
-        return self.cpu_mode == "auto" and self.placer is not None and self.placer.arm(T) != "off"
+            return "all"
+        if self.cpu_mode == "auto" and self.placer is not None:
+            return self.placer.arm(T)
+        return "off"
 
     def _cpu_compute(self, x: torch.Tensor, w_flat: torch.Tensor, K: int, experts: list[int],
                      positions: dict[int, list[int]], exchange) -> tuple[list[int], torch.Tensor, float, float]:
