@@ -205,10 +205,12 @@ class DFlashDraftModel(nn.Module):
         return self._shared[1]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's output head over draft hidden states (cast to the head's dtype: the draft
-        may compute in another, e.g. float32 on a CPU) -> logits."""
+        """The target's output head over draft hidden states [..., H] (cast to the head's dtype:
+        the draft may compute in another, e.g. float32 on a CPU) -> logits [..., V]."""
         w = getattr(self.lm_head, "weight", None)
-        return self.lm_head(hidden if w is None else hidden.to(w.dtype))
+        rows = _rows(hidden)
+        logits = self.lm_head(rows if w is None else rows.to(w.dtype))
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     @property
     def context_length(self) -> int:
@@ -233,7 +235,7 @@ class DFlashDraftModel(nn.Module):
         if self.cache is None:
             cfg = self.config
             self.cache = DraftKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, w.device, w.dtype)
-        ctx = self.hidden_norm(self.fc(features.to(device=w.device, dtype=w.dtype)))  # [1, n, H]
+        ctx = self.hidden_norm(self.fc(_rows(features).to(device=w.device, dtype=w.dtype)))[None]  # [1, n, H]
         pos = torch.arange(self.cache.length, self.cache.length + n, device=w.device)
         cos, sin = self._rotary(pos, ctx)
         self.cache.reserve(n)
@@ -286,6 +288,14 @@ class DFlashDraftModel(nn.Module):
         ids = torch.full((1, block_size), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = last_token
         return ids
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., F] as 2-D rows [N, F]. A slice such as ``hidden[:, 1:]`` of a [1, T, F] tensor keeps
+    the stride of its size-1 leading dimension, and PyTorch's CPU linear takes a path several
+    times slower for such an input (0.4 against 0.1 ms for the embedded model's head); the
+    2-D view has the plain strides."""
+    return x.reshape(-1, x.shape[-1])
 
 
 def _make_rotary(config: DFlashConfig) -> nn.Module:

@@ -175,7 +175,17 @@ def speculative_on_runtime(
     ``acceptance`` switches oracle-acceptance mode on (``reference``: the target's greedy
     continuation when already known, which skips the reference run). ``eos_token_ids`` defaults
     to the checkpoint's. ``block_size`` "auto" lets the block planner pick each step's block
-    length up to the draft's trained block size."""
+    length up to the draft's trained block size. The warm-ups and the loop run with the
+    runtime's decode threads (offload/threads.py)."""
+    with rt.decode_threads():
+        return _speculative_on_runtime(rt, draft, input_ids, max_new_tokens, block_size=block_size,
+                                       predictor=predictor, acceptance=acceptance, reference=reference,
+                                       temperature=temperature, seed=seed, eos_token_ids=eos_token_ids,
+                                       on_step=on_step, graphs=graphs, lookup=lookup)
+
+
+def _speculative_on_runtime(rt, draft, input_ids, max_new_tokens, *, block_size, predictor, acceptance, reference,
+                            temperature, seed, eos_token_ids, on_step, graphs, lookup) -> SpeculativeResult:
     eos = list(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
     prompt = [int(t) for t in input_ids]
     check_context(rt.config, len(prompt), max_new_tokens)

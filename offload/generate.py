@@ -121,30 +121,32 @@ def generate(
     else:
         from pdflash.offload.warmup import warm_linears
 
-        warm_linears([rt.model], [1])  # the decode shape's first-call setup, before the prompt
+        with rt.decode_threads():  # the decode shape's first-call setup, before the prompt
+            warm_linears([rt.model], [1])
         kv = rt.new_kv_cache()
         step_prefill = lambda p: prefill(rt, p, kv)  # noqa: E731
         step_decode = lambda t: decode_one_token(rt, t, kv)  # noqa: E731
 
     out: list[int] = []
     try:
-        t0 = time.perf_counter()
-        logits = step_prefill(ids)
-        tok = sample(logits, temperature, gen)  # .item() synchronises the device
-        t_first = time.perf_counter()
-        out.append(tok)
-        stop = "eos" if tok in eos else "length"
-        if on_step:
-            on_step(StepInfo(0, tok, t_first - t0, None))
-        while stop == "length" and len(out) < max_new_tokens:
-            logits = step_decode(tok)
-            tok = sample(logits, temperature, gen)
+        with rt.decode_threads():  # one PyTorch thread for a small model on the CPU (offload/threads.py)
+            t0 = time.perf_counter()
+            logits = step_prefill(ids)
+            tok = sample(logits, temperature, gen)  # .item() synchronises the device
+            t_first = time.perf_counter()
             out.append(tok)
-            if tok in eos:
-                stop = "eos"
+            stop = "eos" if tok in eos else "length"
             if on_step:
-                now = time.perf_counter()
-                on_step(StepInfo(len(out) - 1, tok, now - t0, (len(out) - 1) / (now - t_first)))
+                on_step(StepInfo(0, tok, t_first - t0, None))
+            while stop == "length" and len(out) < max_new_tokens:
+                logits = step_decode(tok)
+                tok = sample(logits, temperature, gen)
+                out.append(tok)
+                if tok in eos:
+                    stop = "eos"
+                if on_step:
+                    now = time.perf_counter()
+                    on_step(StepInfo(len(out) - 1, tok, now - t0, (len(out) - 1) / (now - t_first)))
     except KeyboardInterrupt:
         raise GenerationInterrupted(out) from None
     _sync(dev)

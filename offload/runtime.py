@@ -407,6 +407,13 @@ class OffloadedModel:
 
         return DynamicCache(config=self.model.config)
 
+    def decode_threads(self):
+        """Context for a decode loop: PyTorch's intra-op threads as offload/threads.py picks them
+        for this model (one for a small model on the CPU device)."""
+        from pdflash.offload.threads import decode_threads, intra_op_threads
+
+        return intra_op_threads(decode_threads(self.device, self.family.hidden))
+
     def forward(self, input_ids: torch.Tensor, cache=None, **kwargs):
         """``model(input_ids, <kv cache>=cache, use_cache=True, **kwargs)`` without autograd."""
         self._check_open()

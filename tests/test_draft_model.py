@@ -180,6 +180,16 @@ def test_embeddings_and_head_are_shared_not_copied(pair):
     assert not target_ptrs & {p.data_ptr() for p in own.values()}
 
 
+def test_head_of_a_block_slice_is_the_target_head_row_by_row(pair):
+    target, draft, _ = pair
+    torch.manual_seed(3)
+    hidden = torch.randn(1, 5, target.config.hidden_size)
+    got = draft.head(hidden[:, 1:])  # a slice: its leading stride is the full block's
+    assert got.shape == (1, 4, target.config.vocab_size)
+    want = torch.stack([target.lm_head(hidden[0, i].contiguous()) for i in range(1, 5)])[None]
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize(
     "target_kwargs, message",
     [({"hidden": 64}, "hidden size"), ({"vocab": 97}, "vocabulary"), ({"layers": 2}, "layers")],
