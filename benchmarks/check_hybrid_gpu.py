@@ -19,9 +19,6 @@ computed on the CPU, with the CPU and link time. One JSON object (stdout with --
 ``--prewake-us 0,500`` runs every mode that computes on the CPU once per value: how long the
 kernel's pool, woken when a layer's routing copy starts, polls for the layer's call (0: it
 sleeps until the call; the runtime's default is CpuExpertRunner.prewake_us).
-``--graph-routing 1,0`` runs every mode that computes on the CPU once per value, with (1, the
-default) and without (0) the routing packed inside the graphed segments (offload/graphs.py,
-``PDFLASH_GRAPH_ROUTING``; meaningful with ``--cuda-graphs``).
 ``--in-memory PRESET`` runs a seeded synthetic MXFP4 checkpoint of that preset generated in host
 memory (offload/synthetic.py; gpt-oss-120b's 65 GB do not fit the GPU machine's disk) instead of CKPT.
 """
@@ -31,7 +28,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import time
 import sys
 from pathlib import Path
@@ -80,7 +76,6 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
             free, total = torch.cuda.mem_get_info(rt.device)
             vram = total - free  # everything this process holds on the GPU (cache, weights, context)
         return {"dtype": dtype, "prewake_us": getattr(rt.cpu, "prewake_us", None) if mode != "off" else None,
-                "graph_routing": os.environ.get("PDFLASH_GRAPH_ROUTING") != "0" if graphs and mode != "off" else None,
                 "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": mode, "cuda_graphs": graphs,
                 "link_gbps": args.link_gbps, "link_emulated": st.get("link_emulated", False),
                 "cpu_threads": st["cpu_experts"].get("threads"), "token_ids": res.token_ids,
@@ -111,8 +106,6 @@ def main(argv=None) -> int:
                     help="time each decode step's expert layers by part (routing copy, kernel, result copy, between layers)")
     ap.add_argument("--prewake-us", default=None, metavar="US[,US...]",
                     help="run each mode that computes on the CPU once per value: the pool's poll after a layer's prewake (0: none)")
-    ap.add_argument("--graph-routing", default=None, metavar="0|1[,...]",
-                    help="with --cuda-graphs: run each CPU mode with the routing packed in the graphs (1) and/or not (0)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -122,9 +115,6 @@ def main(argv=None) -> int:
         ap.error(f"--prewake-us: comma-separated integers, got {args.prewake_us!r}")
     if any(v is not None and not 0 <= v <= 100_000 for v in prewakes):
         ap.error("--prewake-us: values in 0 .. 100000")
-    routings = args.graph_routing.split(",") if args.graph_routing else [None]
-    if any(v not in (None, "0", "1") for v in routings):
-        ap.error(f"--graph-routing: comma-separated 0 / 1, got {args.graph_routing!r}")
     bad = [m for m in args.modes.split(",") if m not in ("off", "auto", "auto-model", "auto-host", "auto-all", "auto-off", "all")]
     if bad:
         ap.error(f"unknown mode(s) {', '.join(bad)}: use off, auto, auto-model, auto-host, auto-all, auto-off, all")
@@ -142,14 +132,24 @@ def main(argv=None) -> int:
     total = int(cfg["num_hidden_layers"]) * int(cfg["num_local_experts"])
     need = int(cfg["num_experts_per_tok"])
     args._slots = max(need, int(total * args.cache_fraction))
-    saved = os.environ.get("PDFLASH_GRAPH_ROUTING")
-    try:
-        runs = _runs(source, args, prewakes, routings)
-    finally:
-        if saved is None:
-            os.environ.pop("PDFLASH_GRAPH_ROUTING", None)
-        else:
-            os.environ["PDFLASH_GRAPH_ROUTING"] = saved
+    runs = []
+    for dtype in args.dtypes.split(","):
+        ref = None
+        for mode, pw in [(m, p) for m in args.modes.split(",") for p in (prewakes if m != "off" else [None])]:
+            r = run_one(source, args.device, dtype, mode, args, pw)
+            if ref is None:
+                ref = r["token_ids"]
+            r["identical_to_first_mode"] = r["token_ids"] == ref
+            r["first_difference"] = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b), None)
+            runs.append(r)
+            ept = r["experts_per_token"]
+            label = mode if pw is None else f"{mode}/prewake {pw}"
+            print(f"{dtype:9s} {label:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
+                  f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
+                  f"identical {r['identical_to_first_mode']}{_guard_text(r)}", file=sys.stderr)
+            if r["layer_breakdown_us"]:
+                print("    per decode layer, us: " + ", ".join(f"{k} {v:.0f}" for k, v in r["layer_breakdown_us"].items()
+                                                           if k != "layers"), file=sys.stderr)
     if args.in_memory:
         source.close()
     out = {"ckpt": args.ckpt or f"synthetic in memory: {args.in_memory}", "synthetic_in_memory": bool(args.in_memory), "device": args.device, "cache_slots": args._slots, "total_experts": total,
@@ -161,35 +161,6 @@ def main(argv=None) -> int:
     if args.json:
         print(text)
     return 0
-
-
-def _runs(source, args, prewakes: list, routings: list) -> list[dict]:
-    """Every (dtype, mode, prewake, graph routing) run, printed as it ends."""
-    runs = []
-    for dtype in args.dtypes.split(","):
-        ref = None
-        plan = [(m, p, g) for m in args.modes.split(",") for p in (prewakes if m != "off" else [None])
-                for g in (routings if m != "off" else [None])]
-        for mode, pw, gr in plan:
-            if gr is None:
-                os.environ.pop("PDFLASH_GRAPH_ROUTING", None)
-            else:
-                os.environ["PDFLASH_GRAPH_ROUTING"] = gr
-            r = run_one(source, args.device, dtype, mode, args, pw)
-            if ref is None:
-                ref = r["token_ids"]
-            r["identical_to_first_mode"] = r["token_ids"] == ref
-            r["first_difference"] = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b), None)
-            runs.append(r)
-            ept = r["experts_per_token"]
-            label = mode + ("" if pw is None else f"/prewake {pw}") + ("" if gr is None else f"/graph routing {gr}")
-            print(f"{dtype:9s} {label:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
-                  f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
-                  f"identical {r['identical_to_first_mode']}{_guard_text(r)}", file=sys.stderr)
-            if r["layer_breakdown_us"]:
-                print("    per decode layer, us: " + ", ".join(f"{k} {v:.0f}" for k, v in r["layer_breakdown_us"].items()
-                                                           if k != "layers"), file=sys.stderr)
-    return runs
 
 
 class _Breakdown:

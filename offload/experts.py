@@ -88,22 +88,14 @@ class OffloadedExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"layer={self.layer}, num_experts={self.num_experts}, offloaded"
 
-    @staticmethod
-    def routing_of(hidden_states: torch.Tensor, router_indices, routing_weights):
-        """The forward's inputs as (x [T, H], idx [T, K], w [T, K]): what the layer sends to the
-        host (HostExchange.routing; offload/graphs.py packs the same in its segments)."""
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
-        T = x.shape[0]
+    def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # [T, H]
+        T, H = x.shape
         idx = router_indices.reshape(T, -1)  # [T, K]
         w = routing_weights.reshape(T, -1)
         if w.shape[1] != idx.shape[1]:  # dense scores [T, E]: keep the routed ones, in top-k order
             w = w.gather(1, idx)
-        return x, idx, w
-
-    def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
-        shape = hidden_states.shape
-        x, idx, w = self.routing_of(hidden_states, router_indices, routing_weights)
-        T, H = x.shape
         K = idx.shape[1]
         self.calls += 1
         cache, layer = self.cache, self.layer

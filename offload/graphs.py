@@ -30,12 +30,6 @@ Module hooks do not run inside replayed graphs, so the runtime's layer hooks (pr
 bookkeeping) are called explicitly, in the same order, followed by ``layer_hooks`` (route-ahead's
 pacing and lookahead in speculative decoding).
 
-With CPU experts (a HostExchange on the layers' experts modules) each layer's segment also
-packs the layer's routing and token rows and copies them to pinned host memory (a RoutingPack per
-layer and capture): the experts module then only waits for the stream instead of launching the
-pack and the copy itself. ``PDFLASH_GRAPH_ROUTING=0`` leaves the routing to the experts module
-(an A/B switch for benchmarks).
-
 Blocks: ``forward(ids)`` runs T tokens at the current length (a speculative verify pass, or a
 draft-free plain step at T = 1); graphs are captured per (key-length bucket, T), so each block
 length a run uses replays its own graphs. It returns every position's logits and, for the layers
@@ -47,14 +41,11 @@ forward masks positions it has not written and overwrites them.
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 from torch import nn
 
 from pdflash import PdflashError
-from pdflash.offload.experts import OffloadedExperts
-from pdflash.offload.host_exchange import RoutingPack
 from pdflash.offload.prompt import chunked_prefill
 
 
@@ -145,8 +136,6 @@ class GraphedDecoder:
         self.ids, self.pos = self._static_inputs(1)  # decode-step static inputs
         self.tap_layers: list[int] = []  # layers whose outputs forward() returns as features
         self.layer_hooks: list = []  # fn(layer, hidden after attention), called before each layer's experts
-        self.exchange = getattr(self.layers[0].mlp.experts, "exchange", None)  # HostExchange of CPU experts on CUDA
-        self.pack_routing = self.exchange is not None and os.environ.get("PDFLASH_GRAPH_ROUTING") != "0"
 
     def _static_inputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         if T not in self._inputs:
@@ -265,15 +254,10 @@ class GraphedDecoder:
                 else:
                     last = outs[-1]
                     fn = (lambda last=last: self._head(last["x"] + e_in[n - 1].view_as(last["x"]), last=T == 1))
-                res = fn()  # warm-up outside the graph (allocations, lazy inits)
-                pack = None
-                if i < n and self.pack_routing:  # its buffers, allocated before the capture
-                    pack = RoutingPack(*self._routing(res))
+                fn()  # warm-up outside the graph (allocations, lazy inits)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     res = fn()
-                    if pack is not None:
-                        pack.fill(*self._routing(res))
                 if i == 0:
                     pe, masks, x, flat, scores, indices = res
                     outs.append({"pe": pe, "masks": masks, "x": x, "flat": flat, "scores": scores, "indices": indices})
@@ -283,18 +267,9 @@ class GraphedDecoder:
                                  "scores": scores, "indices": indices})
                 else:
                     outs.append({"logits": res})
-                if pack is not None:
-                    outs[-1]["pack"] = pack
                 segs.append(g)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return [segs, outs, e_in]
-
-    @staticmethod
-    def _routing(res) -> tuple:
-        """A segment's results -> what its layer sends to the host, (idx, w, x) as HostExchange.routing takes them."""
-        flat, scores, indices = res[-3:]
-        x, idx, w = OffloadedExperts.routing_of(flat, indices, scores)
-        return idx, w, x
 
     def _step_graphed(self, tokens: list[int]):
         """Replay the T-token step's graphs at the current length -> (logits, features)."""
@@ -322,11 +297,7 @@ class GraphedDecoder:
         for i in range(n):
             segs[i].replay()
             o = outs[i]
-            if "pack" in o:  # the segment packed this layer's routing: the experts module reads it
-                self.exchange.prepacked = o["pack"]
             e_in[i].copy_(self._experts(i, o["x"], o["flat"], o["scores"], o["indices"]).view_as(e_in[i]))
-            if self.exchange is not None:
-                self.exchange.prepacked = None
             if i in self.tap_layers:
                 taps[i] = o["x"] + e_in[i].view_as(o["x"])
         segs[n].replay()

@@ -3,7 +3,6 @@
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -90,21 +89,6 @@ def test_check_hybrid_prewake_values_run_each_cpu_mode_and_restore_the_default(t
     runs = json.loads(out.read_text())["runs"]
     assert [(r["asked"], r["prewake_us"]) for r in runs] == [("off", None), ("all", 0), ("all", 300)]
     assert all(r["identical_to_first_mode"] for r in runs)
-
-
-def test_check_hybrid_graph_routing_values_run_each_cpu_mode_and_restore_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("PDFLASH_GRAPH_ROUTING", "1")
-    mod = _load("check_hybrid_gpu")
-    out = tmp_path / "h.json"
-    rc = mod.main(["--in-memory", "tiny", "--device", "cpu", "--dtypes", "float32", "--modes", "off,all", "--tokens", "3",
-                   "--link-gbps", "0.05", "--graph-routing", "1,0", "--out", str(out)])
-    assert rc == 0 and os.environ["PDFLASH_GRAPH_ROUTING"] == "1"
-    runs = json.loads(out.read_text())["runs"]
-    assert [r["asked"] for r in runs] == ["off", "all", "all"]  # graph_routing None: no graphs on the CPU
-    assert all(r["identical_to_first_mode"] for r in runs)
-    with pytest.raises(SystemExit) as e:
-        mod.main(["--in-memory", "tiny", "--device", "cpu", "--graph-routing", "yes"])
-    assert e.value.code == 2
 
 
 @pytest.mark.parametrize("args, message", [(["--prewake", "0,fast"], "--prewake"), (["--prewake", "100001"], "--prewake"),

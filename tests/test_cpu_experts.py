@@ -483,29 +483,6 @@ def test_routing_and_rows_to_host_in_one_copy_are_bit_exact(x_dtype, w_dtype, id
         assert torch.equal(x2.view(torch.int16), x.view(torch.int16))
 
 
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-def test_routing_pack_filled_ahead_is_what_routing_returns_once(x_dtype):
-    """A RoutingPack (what a graph segment fills) handed to the exchange as ``prepacked``: the
-    next routing() returns its host views, equal to packing the same tensors directly; the call
-    after that packs again (a pack serves one call), and a pack of other shapes is not used."""
-    from pdflash.offload.host_exchange import HostExchange, RoutingPack
-
-    g = torch.Generator().manual_seed(4)
-    idx = torch.randint(0, 32, (3, 4), generator=g)
-    w, x = torch.rand((3, 4), generator=g).to(x_dtype), torch.randn((3, 96), generator=g).to(x_dtype)
-    ex = HostExchange(torch.device("cpu"))
-    want = [t.clone() for t in ex.routing(idx, w, x)]
-    pack = RoutingPack(idx, w, x, pin=False)
-    pack.fill(idx, w, x)
-    ex.prepacked = pack
-    got = ex.routing(idx.neg(), w, x)  # the pack's contents win: the segment packed this layer
-    assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[0].data_ptr() == pack.host.data_ptr()
-    assert ex.prepacked is None
-    assert torch.equal(ex.routing(idx.neg(), w, x)[0], idx.neg())
-    ex.prepacked = pack
-    assert torch.equal(ex.routing(idx[:2].neg(), w[:2], x[:2])[0], idx[:2].neg())  # other shapes: packed here
-
-
 def test_result_buffer_is_zeroed_when_asked_and_upload_copies_it():
     from pdflash.offload.host_exchange import HostExchange
 

@@ -280,31 +280,6 @@ def test_cuda_hybrid_matches_fetch_only_in_float32(ckpts):
         assert st["experts_per_token"]["fetched"] == 0 and st["experts_per_token"]["cache"] == 0
 
 
-@pytest.mark.gpu
-def test_cuda_graphed_hybrid_packs_the_routing_in_its_segments(ckpts, monkeypatch):
-    """Graphed decoding with CPU experts: each decode step's layers read the routing their graph
-    segment packed and copied (one RoutingPack read per layer and step), and the tokens equal the
-    fetch-only run's in float32, as they do with the packing left to the experts modules."""
-    from pdflash.offload.host_exchange import RoutingPack
-
-    path = ckpts["mxfp4-bf16"]
-    with OffloadedModel.load(path, device="cuda", dtype=torch.float32, expert_cache_experts=K) as rt:
-        want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[], cuda_graphs=True).token_ids
-    reads = []
-    views = RoutingPack.views
-    monkeypatch.setattr(RoutingPack, "views", lambda self: (reads.append(1), views(self))[1])
-    for arm, packed in (("host", "1"), ("all", "1"), ("all", "0")):
-        monkeypatch.setenv("PDFLASH_GRAPH_ROUTING", packed)
-        reads.clear()
-        with OffloadedModel.load(path, device="cuda", dtype=torch.float32, expert_cache_experts=K, cpu_experts="auto",
-                                 cpu_threads=2) as rt:
-            rt.placer.guard.pin(arm)
-            rt.placer.guard.max_tokens = 1 << 20
-            assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[], cuda_graphs=True).token_ids == want, arm
-            assert rt.stats()["cpu_experts"]["computed"] > 0
-        assert len(reads) == ((NEW - 1) * L if packed == "1" else 0), (arm, packed)  # decode steps, not the prefill
-
-
 # -- Qwen3-MoE ---------------------------------------------------------------------------------
 # The reference is transformers' Qwen3MoeForCausalLM with eager attention (pdflash's choice for
 # this family: see offload/qwen3_moe.py) and its default experts implementation; FP8 checkpoints
