@@ -69,3 +69,17 @@ def load_script():
         return mod
 
     return _load
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """DIR with a tiny MXFP4 gpt-oss target in bf16 (DIR/target) and a synthetic DFlash draft
+    fitted to it (DIR/draft). Shared: tests read it and write nothing into it."""
+    from pdflash.draft import write_synthetic_draft
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.synthetic import write_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_pair")
+    write_checkpoint(out / "target", ModelPreset.from_name("tiny"), mxfp4=True, dtype="bfloat16")
+    write_synthetic_draft(out / "draft", "tiny", target_dir=out / "target", seed=2)
+    return out

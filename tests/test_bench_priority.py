@@ -16,20 +16,14 @@ from pdflash.bench.budget import plan_budget
 from pdflash.bench.config import PriorityConfig
 from pdflash.bench.decision import make_decision, instrumentation_checks
 from pdflash.bench.priority import run_priority_bench
-from pdflash.draft import write_synthetic_draft
-from pdflash.offload.config import ModelPreset
-from pdflash.offload.synthetic import write_checkpoint
 
 LINK_GBPS = 0.05  # one tiny MXFP4 expert (6912 B) crosses in ~0.14 ms
 
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_priority")
-    write_checkpoint(out / "target", ModelPreset.from_name("tiny"), mxfp4=True, dtype="bfloat16")
-    write_synthetic_draft(out / "draft", "tiny", target_dir=out / "target", seed=2)
-    return out
+@pytest.fixture
+def pair(tiny_pair):
+    return tiny_pair  # conftest.py: a tiny target and its draft
 
 
 def config(pair, **kw) -> PriorityConfig:

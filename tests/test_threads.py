@@ -3,12 +3,10 @@
 import pytest
 import torch
 
-from pdflash.draft import speculative_on_runtime, write_synthetic_draft
+from pdflash.draft import speculative_on_runtime
 from pdflash.draft.offloaded import load_runtime_draft
-from pdflash.offload.config import ModelPreset
 from pdflash.offload.generate import generate
 from pdflash.offload.runtime import OffloadedModel
-from pdflash.offload.synthetic import write_checkpoint
 from pdflash.offload.threads import SMALL_HIDDEN, decode_threads, intra_op_threads
 
 
@@ -37,12 +35,9 @@ def test_intra_op_threads_restores_the_count_even_after_an_error(two_threads):
     assert torch.get_num_threads() == 2
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    out = tmp_path_factory.mktemp("threads")
-    write_checkpoint(out / "target", ModelPreset.from_name("tiny"), mxfp4=True, dtype="bfloat16")
-    write_synthetic_draft(out / "draft", "tiny", target_dir=out / "target", seed=2)
-    return out
+@pytest.fixture
+def pair(tiny_pair):
+    return tiny_pair  # conftest.py: a tiny target and its draft
 
 
 def test_decode_loops_run_on_one_thread_and_restore_it(pair, two_threads):
