@@ -6,8 +6,11 @@ core, and a second intra-op thread saves less than it costs to wake and join, si
 operators the step runs Python and native expert calls long enough for PyTorch's idle threads to
 go to sleep. Measured on a 2-vCPU VM, embedded pair, `make demo` setting, ten alternating rounds
 in one process: one thread against two gave plain decoding 97.9 / 95.2 tok/s and blocks of 4
-112.6 / 92.3 tok/s. Models with a hidden size of ``SMALL_HIDDEN`` or more keep PyTorch's setting
-(their dense products gain from more threads; see docs/benchmarks.md).
+112.6 / 92.3 tok/s. Models with a hidden size of ``SMALL_HIDDEN`` or more keep PyTorch's setting.
+The threshold is a judgement from these figures, not a crossover measured in the loop: alone, a
+bf16 [4, H] x [H, 2H] product gained 17 us from a second thread at H = 512 (78 / 61 us) and 58 us
+at H = 1024 (217 / 159 us), against the tens of microseconds a woken thread cost in the loop (a
+[4, 192] x [192, 512] product: 24 us alone, 68 us in the loop on two threads). See docs/benchmarks.md.
 
     with intra_op_threads(decode_threads(rt.device, hidden_size)):
         ...  # the decode loop
