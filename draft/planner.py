@@ -24,10 +24,7 @@ tokens per predicted second; B = 1 is plain decoding (no draft forward). Each st
    not chosen (except by a probe when every speculative length lags).
 2. after drafting (:meth:`BlockPlanner.choose`): the same choice with the draft's own confidence
    per position (its probability of the token it proposed), calibrated against measured
-   acceptance in confidence bins, each bin's prior being the position's running acceptance. The
-   draft is paid by then whichever B is verified, so a B > 1 is ranked by its verify time alone
-   (the marginal choice: B beats plain decoding when its expected tokens per verify second do);
-   its predicted step time still counts the draft.
+   acceptance in confidence bins, each bin's prior being the position's running acceptance.
 
 B = 1 is priced by what plain decoding measurably costs once it runs: the median of recent
 plain steps that followed a plain step (the steady state, whose expert cache holds the recent
@@ -299,10 +296,7 @@ class BlockPlanner:
     def _candidate(self, block: int, probs: Sequence[float], draft_s: float | None) -> Choice:
         return self._candidates(block, block, probs, draft_s)[0]
 
-    def _best(self, limit: int, probs: Sequence[float], draft_s: float | None, low: int = 1,
-              sunk: float = 0.0) -> Choice:
-        """The candidate with the most expected tokens per second; ``sunk``: draft time already
-        spent, left out of the ranking of B > 1 (it is paid whichever B is verified)."""
+    def _best(self, limit: int, probs: Sequence[float], draft_s: float | None, low: int = 1) -> Choice:
         cands = self._candidates(low, limit, probs, draft_s)
         measured = self.cost.measured_forward("verify")
         if low == 1 and (1 not in measured or self._plain_steady.value is None):
@@ -311,11 +305,7 @@ class BlockPlanner:
             half = max(2, (cands[-1].block + 1) // 2)  # ... then a block of half the draft: informative, and
             return next(c for c in cands if c.block >= min(half, cands[-1].block))  # half the full block's fetches
         keep = [c for c in cands if not self._lags(c.block)] or cands  # a probe keeps them all if all lag
-        def rate(c: Choice) -> float:
-            t = (c.predicted_seconds or 0.0) - (sunk if c.block > 1 else 0.0)
-            return c.expected_tokens / max(t, 1e-12)
-
-        return max(keep, key=lambda c: (rate(c), -c.block))
+        return max(keep, key=lambda c: (c.expected_tokens / max(c.predicted_seconds or 0.0, 1e-12), -c.block))
 
     def _lags(self, block: int) -> bool:
         """Block length ``block`` > 1 recently committed fewer tokens per second than steady plain
@@ -409,8 +399,7 @@ class BlockPlanner:
                 e.add(p)
         else:
             probs = self.acceptance.conditional()
-        best = self._best(drafted, probs, draft_seconds, low=2 if self._probe and drafted >= 2 else 1,
-                          sunk=draft_seconds)
+        best = self._best(drafted, probs, draft_seconds, low=2 if self._probe and drafted >= 2 else 1)
         self._stage = best
         return best
 
