@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds and --max-new-tokens at least 1, --prompts 1 .. {len(PROMPTS)}")
 
     from pdflash.cli.generate import _load_options
+    from pdflash.draft import draft_block_size
     from pdflash.offload.embedded import embedded_draft, embedded_target
     from pdflash.offload.runtime import OffloadedModel
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = _load_options(device=args.device, dtype="auto", expert_cache_mib=None,
                          expert_cache_experts=args.expert_cache_experts, link_gbps=args.link_gbps, eviction="lru",
                          lookahead_depth=0, history_depth=0, show_progress=False)
-    opts["block_tokens"] = max([b or 1 for _, b in arms] + [8])  # the cache minimum covers a verify block
+    opts["block_tokens"] = draft_block_size(draft, None)  # as generate loads it: the cache minimum covers a verify block
     per_prompt = {}
     with OffloadedModel.load(model, **opts) as rt:
         for prompt in PROMPTS[: args.prompts]:

@@ -178,67 +178,59 @@ def speculative_on_runtime(
     length up to the draft's trained block size. The warm-ups and the loop run with the
     runtime's decode threads (offload/threads.py)."""
     with rt.decode_threads():
-        return _speculative_on_runtime(rt, draft, input_ids, max_new_tokens, block_size=block_size,
-                                       predictor=predictor, acceptance=acceptance, reference=reference,
-                                       temperature=temperature, seed=seed, eos_token_ids=eos_token_ids,
-                                       on_step=on_step, graphs=graphs, lookup=lookup)
+        eos = list(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        prompt = [int(t) for t in input_ids]
+        check_context(rt.config, len(prompt), max_new_tokens)
+        auto = parse_block_size(block_size) == AUTO
+        block = check_block_size(None if auto else block_size, draft.config.block_size)
+        if graphs is None:
+            graphs = rt.device.type == "cuda"
+        decoder = None
+        if graphs:
+            from pdflash.offload.graphs import GraphedDecoder
 
-
-def _speculative_on_runtime(rt, draft, input_ids, max_new_tokens, *, block_size, predictor, acceptance, reference,
-                            temperature, seed, eos_token_ids, on_step, graphs, lookup) -> SpeculativeResult:
-    eos = list(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    prompt = [int(t) for t in input_ids]
-    check_context(rt.config, len(prompt), max_new_tokens)
-    auto = parse_block_size(block_size) == AUTO
-    block = check_block_size(None if auto else block_size, draft.config.block_size)
-    if graphs is None:
-        graphs = rt.device.type == "cuda"
-    decoder = None
-    if graphs:
-        from pdflash.offload.graphs import GraphedDecoder
-
-        decoder = GraphedDecoder.shared(rt, len(prompt) + max_new_tokens)
-        decoder.prepare(len(prompt), tokens=range(1, block + 1) if auto else sorted({1, block}))
-    else:  # each verify length's first-call setup, before the prompt (as plain decoding warms its one)
-        warm_linears([rt.model], range(1, block + 1) if auto else sorted({1, block}))
-    draft.warm_up(range(2, block + 1) if auto else [block])
-    oracle = None
-    if acceptance is not None:
-        if reference is None:
-            reference = oracle_reference(rt, prompt, max_new_tokens, block, decoder=decoder, eos_token_ids=eos)
-            rt.reset_cache()
+            decoder = GraphedDecoder.shared(rt, len(prompt) + max_new_tokens)
+            decoder.prepare(len(prompt), tokens=range(1, block + 1) if auto else sorted({1, block}))
+        else:  # each verify length's first-call setup, before the prompt (as plain decoding warms its one)
+            warm_linears([rt.model], range(1, block + 1) if auto else sorted({1, block}))
+        draft.warm_up(range(2, block + 1) if auto else [block])
+        oracle = None
+        if acceptance is not None:
+            if reference is None:
+                reference = oracle_reference(rt, prompt, max_new_tokens, block, decoder=decoder, eos_token_ids=eos)
+                rt.reset_cache()
+                fam = rt.family
+                if rt.cache.capacity >= fam.num_layers * fam.num_experts:
+                    rt.preload()  # an all-resident cache starts warm, as after loading
+            oracle = make_oracle(rt.model, prompt, max_new_tokens, acceptance, reference=reference,
+                                 eos_token_ids=eos, seed=seed, refresh_window=4 * block)
+        route_ahead = None
+        if predictor not in (None, "none"):
             fam = rt.family
-            if rt.cache.capacity >= fam.num_layers * fam.num_experts:
-                rt.preload()  # an all-resident cache starts warm, as after loading
-        oracle = make_oracle(rt.model, prompt, max_new_tokens, acceptance, reference=reference,
-                             eos_token_ids=eos, seed=seed, refresh_window=4 * block)
-    route_ahead = None
-    if predictor not in (None, "none"):
-        fam = rt.family
-        route_ahead = RouteAhead(
-            rt.model, predictor, rt.prefetcher.prefetch_experts, block_size=block,
-            priority=rt.prefetcher.route_ahead_priority, bytes_per_expert=rt.host.layout.expert_bytes,
-            window_layers=window_for_cache(rt.cache.capacity, fam.num_experts, fam.top_k, block),
-        )
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=rt.device).manual_seed(seed)
-    planner = make_planner(rt, block, use_confidence=oracle is None) if auto else None
+            route_ahead = RouteAhead(
+                rt.model, predictor, rt.prefetcher.prefetch_experts, block_size=block,
+                priority=rt.prefetcher.route_ahead_priority, bytes_per_expert=rt.host.layout.expert_bytes,
+                window_layers=window_for_cache(rt.cache.capacity, fam.num_experts, fam.top_k, block),
+            )
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(device=rt.device).manual_seed(seed)
+        planner = make_planner(rt, block, use_confidence=oracle is None) if auto else None
 
-    def moved_bytes() -> float:
-        return float(rt.scheduler.link_totals()[0])
+        def moved_bytes() -> float:
+            return float(rt.scheduler.link_totals()[0])
 
-    try:
-        return speculative_generate(
-            rt.model, draft, prompt, max_new_tokens, block_size=block, temperature=temperature,
-            generator=generator, eos_token_ids=eos, route_ahead=route_ahead, oracle=oracle, on_step=on_step,
-            planner=planner, moved_bytes=moved_bytes, decoder=decoder, lookup=lookup,
-        )
-    finally:
-        if route_ahead is not None:
-            route_ahead.close()
-        if planner is not None:
-            rt.remove_routing_observer(planner.on_routed)
+        try:
+            return speculative_generate(
+                rt.model, draft, prompt, max_new_tokens, block_size=block, temperature=temperature,
+                generator=generator, eos_token_ids=eos, route_ahead=route_ahead, oracle=oracle, on_step=on_step,
+                planner=planner, moved_bytes=moved_bytes, decoder=decoder, lookup=lookup,
+            )
+        finally:
+            if route_ahead is not None:
+                route_ahead.close()
+            if planner is not None:
+                rt.remove_routing_observer(planner.on_routed)
 
 
 def generate_with_draft(
