@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,14 +54,57 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [1, h, T, D]; cos / sin [1, T, D]
+    # x [1, h, T, D]; cos / sin [1, T, D] (the training script's form)
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [T, h, D] with cos / signed_sin [T, 1, D]: rotate_half(x) * sin is
+    roll(x, D/2) * sin with the first half of sin negated, two operations fewer."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
+
+
+class _Stacked:
+    """Linear layers that read the same input, run as one product.
+
+    :meth:`pack` lays their weights (and biases) out as row views of one tensor, so the stacked
+    product needs no memory of its own. If any layer no longer holds the view it was given (the
+    model was moved or converted, or a weight was reassigned), calls fall back to the separate
+    layers, so the result never depends on a stale copy.
+    """
+
+    def __init__(self, linears: Sequence[nn.Linear]):
+        self.linears = list(linears)
+        self.sizes = [lin.out_features for lin in self.linears]
+        biased = [lin.bias is not None for lin in self.linears]
+        if any(biased) and not all(biased):
+            raise ValueError("stacked linears need a bias on all or none")
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight.detach() for lin in self.linears])
+            self.bias = torch.cat([lin.bias.detach() for lin in self.linears]) if all(biased) else None
+        row = 0
+        for lin, n in zip(self.linears, self.sizes):
+            lin.weight = nn.Parameter(self.weight[row : row + n], requires_grad=lin.weight.requires_grad)
+            if self.bias is not None:
+                lin.bias = nn.Parameter(self.bias[row : row + n], requires_grad=lin.bias.requires_grad)
+            row += n
+        self._held = [(lin.weight, lin.bias) for lin in self.linears]
+
+    def intact(self) -> bool:
+        return all(lin.weight is w and lin.bias is b for lin, (w, b) in zip(self.linears, self._held))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.intact():
+            return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        return [lin(x) for lin in self.linears]
+
+
 class DraftKVCache:
-    """Per-layer keys / values of the committed context, [1, Hkv, capacity, D] buffers filled in place.
+    """Per-layer keys / values, [1, Hkv, capacity, D] buffers filled in place.
 
     Invariant: positions 0 .. length-1 hold the context of committed tokens 0 .. length-1.
+    Positions from ``length`` on are scratch: a draft step writes its new context there (then
+    ``advance`` commits it) and its block's transient keys / values after that.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device, dtype, capacity: int = 256):
@@ -74,7 +118,7 @@ class DraftKVCache:
         return self.keys.shape[3]
 
     def reserve(self, extra: int) -> None:
-        """Make room for ``extra`` more tokens (doubling, so appends stay amortised O(1))."""
+        """Make room for ``extra`` positions after ``length`` (doubling, so appends stay amortised O(1))."""
         need = self.length + extra
         if need <= self.capacity:
             return
@@ -94,9 +138,10 @@ class DraftKVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
-    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Committed k / v of one layer, views [1, Hkv, length, D]."""
-        return self.keys[layer, :, :, : self.length], self.values[layer, :, :, : self.length]
+    def get(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k / v of one layer up to ``end`` (default: the committed length), views [1, Hkv, end, D]."""
+        end = self.length if end is None else end
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
     def crop(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -117,36 +162,38 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         is_sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = config.sliding_window if is_sliding else None
+        self._qkv: _Stacked | None = None  # set by pack()
 
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [1, T, H] -> k, v [1, Hkv, T, D]; k is k-normed then rotated."""
-        t = x.shape[1]
-        k = self.k_norm(self.k_proj(x).view(1, t, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(1, t, self.n_kv, self.head_dim).transpose(1, 2)
-        return _apply_rotary(k, cos, sin), v
+    def pack(self) -> None:
+        self._qkv = _Stacked([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [1, B, H] block, after input_layernorm
-        cos: torch.Tensor,  # [1, B, D] block positions
-        sin: torch.Tensor,
-        ctx_k: torch.Tensor,  # [1, Hkv, C, D]
-        ctx_v: torch.Tensor,
-        mask: torch.Tensor | None,  # [B, C+B] bool (True = attend) for sliding layers, else None
-    ) -> torch.Tensor:
-        b = x.shape[1]
-        q = self.q_norm(self.q_proj(x).view(1, b, self.n_heads, self.head_dim)).transpose(1, 2)
-        q = _apply_rotary(q, cos, sin)  # [1, Hq, B, D]
-        blk_k, blk_v = self.keys_values(x, cos, sin)
-        k = torch.cat((ctx_k, blk_k), dim=2)  # [1, Hkv, C+B, D]
-        v = torch.cat((ctx_v, blk_v), dim=2)
-        groups = self.n_heads // self.n_kv
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)  # [1, Hq, C+B, D]
-            v = v.repeat_interleave(groups, dim=1)
+    def _project(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        if self._qkv is not None:
+            return self._qkv(rows)
+        return [self.q_proj(rows), self.k_proj(rows), self.v_proj(rows)]
+
+    def forward(self, rows: torch.Tensor, n_ctx: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+                cache: DraftKVCache, layer: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """rows [n_ctx + B, H]: the new context (projected target features) then the block (after
+        input_layernorm), at positions cache.length .. ; cos / signed_sin [n_ctx + B, 1, D].
+        Writes every row's keys / values into the cache from its length on (the context's stay
+        once the caller advances it; the block's are scratch), then attends from the block's
+        rows to all keys up to the block's end. Returns the block's output [B, H] (None for B = 0)."""
+        t, d = rows.shape[0], self.head_dim
+        b = t - n_ctx
+        q, k, v = self._project(rows)
+        k = _rotate(self.k_norm(k.view(t, self.n_kv, d)), cos, signed_sin)
+        end = cache.length + t
+        cache.keys[layer, 0, :, cache.length : end] = k.transpose(0, 1)
+        cache.values[layer, 0, :, cache.length : end] = v.view(t, self.n_kv, d).transpose(0, 1)
+        if b == 0:
+            return None
+        q = _rotate(self.q_norm(q[n_ctx:].view(b, self.n_heads, d)), cos[n_ctx:], signed_sin[n_ctx:])
+        keys, values = cache.get(layer, end)
         attn_mask = None if mask is None or self.sliding_window is None else mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)  # [1, Hq, B, D]
-        return self.o_proj(out.transpose(1, 2).reshape(1, b, self.n_heads * self.head_dim))
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=attn_mask,
+                                             enable_gqa=self.n_heads != self.n_kv)  # [1, Hq, B, D]
+        return self.o_proj(out[0].transpose(0, 1).reshape(b, self.n_heads * d))
 
 
 class DraftMLP(nn.Module):
@@ -155,9 +202,17 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self._gate_up: _Stacked | None = None  # set by pack()
+
+    def pack(self) -> None:
+        self._gate_up = _Stacked([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is not None:
+            gate, up = self._gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DraftLayer(nn.Module):
@@ -168,8 +223,11 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, ctx: torch.Tensor, x: torch.Tensor, cos, signed_sin, cache: DraftKVCache, layer: int, mask):
+        """ctx [n, H] new context rows, x [B, H] the block -> the block after this layer."""
+        n = ctx.shape[0]
+        rows = self.input_layernorm(x) if n == 0 else torch.cat((ctx, self.input_layernorm(x)))
+        x = x + self.self_attn(rows, n, cos, signed_sin, cache, layer, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -177,9 +235,10 @@ class DFlashDraftModel(nn.Module):
     """DFlash drafter sharing the target's ``embed_tokens`` and ``lm_head``.
 
     Usage per step (C = ``context_length``):
-        model.append_context(features)          # [1, n, K*H] target features of newly committed tokens
-        hidden = model(block_ids, start=C)       # [1, B, H], block_ids = [last token, MASK ...]
-        logits = model.head(hidden[:, 1:])       # [1, B-1, V] proposals for positions C+1 .. C+B-1
+        hidden = model(block_ids, start=C + n, context=features)  # features [1, n, K*H] of the n
+                                                # newly committed tokens; block_ids = [last token, MASK ...]
+        logits = model.head(hidden[:, 1:])       # [1, B-1, V] proposals for positions C+n+1 .. C+n+B-1
+    ``append_context(features)`` adds context without a block (the same projection).
     """
 
     def __init__(self, config: DFlashConfig, embed_tokens: nn.Embedding, lm_head: nn.Module):
@@ -204,6 +263,15 @@ class DFlashDraftModel(nn.Module):
     def lm_head(self) -> nn.Module:
         return self._shared[1]
 
+    def pack(self) -> "DFlashDraftModel":
+        """Stack each layer's q / k / v and gate / up weights so each group is one product in
+        inference (the weights become row views of the stacked tensors: no extra memory, the
+        state_dict unchanged). load_draft calls it; training reads the separate layers as ever."""
+        for layer in self.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+        return self
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's output head over draft hidden states [..., H] (cast to the head's dtype:
         the draft may compute in another, e.g. float32 on a CPU) -> logits [..., V]."""
@@ -220,67 +288,75 @@ class DFlashDraftModel(nn.Module):
         """Forget all committed context (start of a new sequence)."""
         self.cache = None
 
-    def _rotary(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary_emb(like, positions[None])  # cos, sin [1, T, D]
+    def _context_rows(self, features: torch.Tensor | None) -> torch.Tensor:
+        """Target features [1, n, K*H] -> projected context rows [n, H] (n = 0 for None)."""
+        w = self.fc.weight
+        if features is None:
+            return w.new_empty((0, self.config.hidden_size))
+        if features.dim() != 3 or features.shape[0] != 1 or features.shape[2] != self.fc.in_features:
+            raise ValueError(f"expected target features [1, n, {self.fc.in_features}], got {tuple(features.shape)}")
+        if features.shape[1] == 0:
+            return w.new_empty((0, self.config.hidden_size))
+        return self.hidden_norm(self.fc(_rows(features).to(device=w.device, dtype=w.dtype)))
+
+    def _pass(self, ctx: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """One pass over the layers: context rows ctx [n, H] enter the cache (committed) and the
+        block x [B, H] (B may be 0) attends to everything before it and to itself."""
+        if self.cache is None:
+            cfg = self.config
+            self.cache = DraftKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ctx.device, ctx.dtype)
+        n, b, first = ctx.shape[0], x.shape[0], self.cache.length
+        self.cache.reserve(n + b)
+        pos = torch.arange(first, first + n + b, device=ctx.device)
+        cos, sin = self.rotary_emb(ctx, pos[None])  # [1, n + b, D]
+        half = cos.shape[-1] // 2
+        cos, signed_sin = cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
+        mask = None
+        if b and self.config.sliding_window is not None and "sliding_attention" in self.config.layer_types:
+            key_pos = torch.arange(0, first + n + b, device=ctx.device)
+            mask = (pos[n:, None] - key_pos[None, :]) < self.config.sliding_window  # [B, C+n+B]
+        for i, layer in enumerate(self.layers):
+            if b == 0:
+                layer.self_attn(ctx, n, cos, signed_sin, self.cache, i, None)
+            else:
+                x = layer(ctx, x, cos, signed_sin, self.cache, i, mask)
+        self.cache.advance(n)
+        return self.norm(x) if b else None
 
     @torch.no_grad()
     def append_context(self, features: torch.Tensor) -> None:
         """Project the target features [1, n, K*H] of the next n committed tokens into every layer's K/V."""
-        if features.dim() != 3 or features.shape[0] != 1 or features.shape[2] != self.fc.in_features:
-            raise ValueError(f"expected target features [1, n, {self.fc.in_features}], got {tuple(features.shape)}")
-        n = features.shape[1]
-        if n == 0:
-            return
-        w = self.fc.weight
-        if self.cache is None:
-            cfg = self.config
-            self.cache = DraftKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, w.device, w.dtype)
-        ctx = self.hidden_norm(self.fc(_rows(features).to(device=w.device, dtype=w.dtype)))[None]  # [1, n, H]
-        pos = torch.arange(self.cache.length, self.cache.length + n, device=w.device)
-        cos, sin = self._rotary(pos, ctx)
-        self.cache.reserve(n)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(ctx, cos, sin)
-            self.cache.write(i, k, v)
-        self.cache.advance(n)
+        ctx = self._context_rows(features)
+        if ctx.shape[0]:
+            self._pass(ctx, ctx[:0])
 
     @torch.no_grad()
-    def forward(self, block_ids: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, block_ids: torch.Tensor, start: int, context: torch.Tensor | None = None) -> torch.Tensor:
         """block_ids [1, B] at positions start .. start+B-1 -> final hidden states [1, B, H].
 
-        ``start`` must equal ``context_length``: the block begins right after the committed context.
+        ``context``: target features [1, n, K*H] of the n tokens committed since the last call,
+        appended in the same pass (one projection per layer for their keys / values and the
+        block's); ``start`` must equal ``context_length`` + n: the block begins right after the
+        committed context.
         """
-        if start != self.context_length:
-            raise ValueError(f"block starts at {start} but the draft holds {self.context_length} context positions")
+        ctx = self._context_rows(context)
+        if start != self.context_length + ctx.shape[0]:
+            raise ValueError(f"block starts at {start} but the draft holds "
+                             f"{self.context_length + ctx.shape[0]} context positions")
         w = self.fc.weight
-        b = block_ids.shape[1]
-        x = self.embed_tokens(block_ids.to(self.embed_tokens.weight.device)).to(device=w.device, dtype=w.dtype)
-        pos = torch.arange(start, start + b, device=w.device)
-        cos, sin = self._rotary(pos, x)
-        mask = None
-        if self.config.sliding_window is not None and "sliding_attention" in self.config.layer_types:
-            key_pos = torch.arange(0, start + b, device=w.device)
-            mask = (pos[:, None] - key_pos[None, :]) < self.config.sliding_window  # [B, C+B]
-        for i, layer in enumerate(self.layers):
-            if self.cache is None:
-                empty = x.new_empty((1, self.config.num_key_value_heads, 0, self.config.head_dim))
-                ctx_k, ctx_v = empty, empty
-            else:
-                ctx_k, ctx_v = self.cache.get(i)
-            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
-        return self.norm(x)
+        x = self.embed_tokens(block_ids[0].to(self.embed_tokens.weight.device)).to(device=w.device, dtype=w.dtype)
+        return self._pass(ctx.to(x.dtype), x)[None]
 
     @torch.no_grad()
     def warm_up(self, lengths) -> None:
-        """For each length n: append n tokens of zero features to an empty context, draft a block
-        of n after them and run the proposals' head; then forget that context. The first call of
+        """For each length n: draft a block of n after n tokens of zero features (one pass, as a
+        step does) and run the proposals' head; then forget that context. The first call of
         each shape pays the CPU library's setup for it, here instead of in a decode step."""
         saved = self.cache
         w = self.fc.weight
         for n in sorted(set(int(b) for b in lengths if int(b) >= 2)):
             self.cache = None
-            self.append_context(w.new_zeros((1, n, self.fc.in_features)))
-            self.head(self(self.block_ids(0, n, w.device), n)[:, 1:])
+            self.head(self(self.block_ids(0, n, w.device), n, context=w.new_zeros((1, n, self.fc.in_features)))[:, 1:])
         self.cache = saved
 
     def block_ids(self, last_token: int, block_size: int, device) -> torch.Tensor:
@@ -390,4 +466,4 @@ def load_draft(
     if model.rotary_emb.inv_freq.device != device:
         model.rotary_emb.to(device)
     model.eval().requires_grad_(False)
-    return model
+    return model.pack()

@@ -14,7 +14,8 @@ cached; the target cache and the draft context both hold ``start`` positions):
            sampling — see :func:`accept_sampling`.
 4. commit: crop the target cache to start + n_acc + 1 positions (t and the accepted proposals),
            hand the draft the target features of those same positions (appended in one batch
-           right before the next draft forward, so plain steps pay nothing for the draft).
+           by the next draft forward, in the same pass over its layers, so plain steps pay
+           nothing for the draft).
 
 With a block planner (``--block-size auto``, :mod:`pdflash.draft.planner`) B changes per step:
 B = 1 skips the draft (a plain step through the verify path), and after a draft the planner may
@@ -546,9 +547,9 @@ def speculative_generate(
             draft_probs = None
             confidence = None
             if n:
-                draft.append_context(torch.cat(pending, dim=1) if len(pending) > 1 else pending[0])
+                context = torch.cat(pending, dim=1) if len(pending) > 1 else pending[0]
                 pending = []
-                hidden = draft(draft.block_ids(tokens[-1], b, device), start)  # [1, b, H]
+                hidden = draft(draft.block_ids(tokens[-1], b, device), start, context=context)  # [1, b, H]
                 if route_ahead is not None:
                     route_ahead.after_draft(hidden)
                 dlogits = draft.head(hidden[:, 1:])[0]  # [n, V]

@@ -279,6 +279,47 @@ def test_forward_matches_from_scratch_reference_with_chunked_context(pair):
         draft(block, start=8)
 
 
+def test_context_in_the_forward_equals_appending_it_first(pair):
+    _, draft, _ = pair
+    torch.manual_seed(4)
+    feats = torch.randn(1, 7, 3 * 32)
+    block = draft.block_ids(17, 4, "cpu")
+    draft.reset_context()
+    draft.append_context(feats[:, :5])
+    one_pass = draft(block, start=7, context=feats[:, 5:])
+    assert draft.context_length == 7
+    draft.reset_context()
+    draft.append_context(feats)
+    torch.testing.assert_close(one_pass, draft(block, start=7), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="holds 9 context positions"):
+        draft(block, start=7, context=feats[:, :2])
+
+
+def test_packed_weights_are_views_and_fall_back_when_replaced(pair):
+    """load_draft stacks q / k / v and gate / up as row views of one tensor (no copy, same
+    state_dict); a layer whose weight is replaced afterwards runs on its own again."""
+    target, draft, root = pair
+    att, mlp = draft.layers[0].self_attn, draft.layers[0].mlp
+    stacked = att._qkv.weight
+    assert att.q_proj.weight.data_ptr() == stacked.data_ptr()
+    assert att.k_proj.weight.data_ptr() == stacked[att.q_proj.out_features:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp._gate_up.weight[mlp.gate_proj.out_features:].data_ptr()
+    fresh = load_draft(root / "draft", target)
+    assert set(fresh.state_dict()) == set(draft_tensor_shapes(fresh.config))
+    torch.manual_seed(5)
+    feats = torch.randn(1, 6, 3 * 32)
+    block = fresh.block_ids(17, 4, "cpu")
+    want = reference_hidden(fresh, feats, block)
+    with torch.no_grad():
+        fresh.layers[1].self_attn.k_proj.weight = torch.nn.Parameter(fresh.layers[1].self_attn.k_proj.weight * 2)
+        fresh.layers[1].mlp.gate_proj.weight = torch.nn.Parameter(fresh.layers[1].mlp.gate_proj.weight + 0.1)
+    assert not fresh.layers[1].self_attn._qkv.intact() and fresh.layers[0].self_attn._qkv.intact()
+    fresh.append_context(feats)
+    got = fresh(block, start=6)
+    torch.testing.assert_close(got, reference_hidden(fresh, feats, block), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, want)  # the replaced weights are the ones used
+
+
 def test_forward_is_non_causal_and_reads_the_context(pair):
     _, draft, _ = pair
     torch.manual_seed(1)
