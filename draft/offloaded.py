@@ -54,7 +54,7 @@ def draft_block_size(draft_dir: str | Path, block_size: int | str | None) -> int
     return check_block_size(None if block_size == AUTO else block_size, trained)
 
 
-def make_planner(rt, max_block: int, *, use_confidence: bool = True):
+def make_planner(rt, max_block: int):
     """A :class:`~pdflash.draft.planner.BlockPlanner` over the runtime's cache, scheduler counters
     and shared cost model (``rt.cost``); remove its routing observer after the run
     (``rt.remove_routing_observer(planner.on_routed)``)."""
@@ -68,7 +68,7 @@ def make_planner(rt, max_block: int, *, use_confidence: bool = True):
     # per thread, and on the embedded pair (`make demo` setting) wall time gave the higher median
     # ratio to --no-draft in 4 of 4 alternating pairs of runs (docs/benchmarks.md).
     planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
-                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals, use_confidence=use_confidence)
+                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals)
     rt.add_routing_observer(planner.on_routed)
     return planner
 
@@ -215,7 +215,7 @@ def speculative_on_runtime(
         generator = None
         if temperature > 0:
             generator = torch.Generator(device=rt.device).manual_seed(seed)
-        planner = make_planner(rt, block, use_confidence=oracle is None) if auto else None
+        planner = make_planner(rt, block) if auto else None
 
         def moved_bytes() -> float:
             return float(rt.scheduler.link_totals()[0])

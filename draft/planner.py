@@ -2,46 +2,45 @@
 
 A verify block of B tokens commits 1 + a_1 + a_1 a_2 + ... + a_1 ... a_(B-1) tokens in
 expectation (a_i: acceptance of draft position i given the positions before it were accepted)
-and costs a draft forward (none for B = 1) plus a verify forward whose experts are the union of
-its B tokens' experts. The planner picks the B in 1 .. max_block with the most expected committed
-tokens per predicted second; B = 1 is plain decoding (no draft forward). Each step has two stages:
+and costs a draft forward of B positions (none for B = 1) plus a verify forward whose experts are
+the union of its B tokens' experts. Its rate is expected committed tokens per predicted second;
+B = 1 is plain decoding.
 
-1. before drafting (:meth:`BlockPlanner.plan_draft`): with the acceptance expected per position
-   (the running per-position acceptance, or stage 2's calibrated estimates of recent drafts), is
-   any B > 1 expected to beat B = 1 once the draft's cost is paid? If not, the step is a
-   plain one and the draft does not run. Once measured, what recent steps realized decides
-   instead of the prediction: the draft runs while the steps that ran it (an EWMA of their
-   committed tokens per second, the draft's cost and its refused proposals included) beat
-   steady plain decoding, and not otherwise. After ``probe_every`` plain steps in a row the draft runs
-   anyway and at least one proposal is verified, so the acceptance figures keep being measured
-   (the interval doubles after each probe while plain decoding stays ahead, so probes cost a
-   bounded share of a long plain stretch); when the last committed tokens repeat an earlier
-   stretch of the sequence, the probe comes early (at most every ``min_repeat_gap`` plain steps,
-   a gap that doubles after each such probe whose proposals were all refused);
-   every ``remeasure_plain_every`` speculative steps in a row two plain steps run, so B = 1's
-   time stays measured too (both count as ``probes``). Whatever the predictions, a block length
-   whose recent steps realized fewer tokens per second (an EWMA) than steady plain decoding is
-   not chosen (except by a probe when every speculative length lags).
-2. after drafting (:meth:`BlockPlanner.choose`): the same choice with the draft's own confidence
-   per position (its probability of the token it proposed), calibrated against measured
-   acceptance in confidence bins, each bin's prior being the position's running acceptance.
+Each step (:meth:`BlockPlanner.plan_draft`) the planner keeps running its current block length,
+the *incumbent*, unless another B's predicted rate beats the incumbent's by a margin:
+``switch_margin`` between two speculative lengths, ``plain_margin`` to leave speculation for plain
+decoding, and ``switch_margin`` to come back. The draft drafts exactly the chosen B and the whole
+block is verified. Why margins: acceptance varies along a text (the draft sees little context at
+the start, so early blocks are accepted less), and a rate estimated from a handful of blocks is
+noisy; on the embedded pair a planner that followed every estimate lost to a fixed block of 4 on
+5 of 8 prompts, while a wrong switch to speculation costs little (docs/benchmarks.md, session
+11). For the same reason the draft's own per-proposal confidence does not shorten a drafted
+block: measured, verifying fewer proposals when it was low lost to verifying them all.
 
-B = 1 is priced by what plain decoding measurably costs once it runs: the median of recent
-plain steps that followed a plain step (the steady state, whose expert cache holds the recent
-tokens' experts), as soon as there is one. The first plain step after speculative ones pays for
-the cache the wider verify blocks left behind, and is not taken as the price of plain decoding.
-
-Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B (EWMA of
-measured step times with the step's own link time removed) and the link rate (the scheduler's
-counters). The experts a block will fetch are predicted from route-ahead's ``previous`` rule: the
-union of the experts of the last B committed positions, per layer, checked against the cache
-(resident, in flight, missing), plus a per-B correction measured as the EWMA of (experts actually
-fetched - experts predicted missing); before B is measured that correction comes from the nearest
-measured B scaled by the expected number of distinct experts, or from the cache's share of all
-experts. Cold start: the first two plain steps (the second prices steady plain decoding), then
-one block of half the draft's length after a full draft (a full block can cost several plain
-steps' fetches); other lengths are predicted from the nearest measured one plus the link time of
-their predicted experts until measured.
+- Cold start: two plain steps (the second prices steady plain decoding), then ``home_block`` (half
+  the draft's trained block) is the incumbent.
+- Acceptance per position: a Beta posterior mean, prior ``prior_mean`` / ``prior_weight``, over
+  counts that decay by ``decay`` per verified block, so the estimate follows the text.
+- Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
+  (recent medians of measured verify and draft forwards, the step's own link time removed) and the
+  link rate (the scheduler's counters). The experts a block will fetch are predicted from
+  route-ahead's ``previous`` rule: the union of the experts of the last B committed positions, per
+  layer, checked against the cache (resident, in flight, missing), plus a per-B correction
+  measured as the EWMA of (experts actually fetched - experts predicted missing). An unmeasured B
+  is predicted from the nearest measured ones.
+- B = 1 is priced by what plain decoding measurably costs: the median of recent plain steps that
+  followed a plain step (the first plain step after speculative ones pays for the cache the wider
+  verify blocks left behind). Every ``remeasure_plain_every`` speculative steps in a row two plain
+  steps keep that price current (plain steps get slower as the context grows).
+- Floor: when the last ``floor_window`` drafted steps together committed fewer than ``floor`` times
+  steady plain decoding's tokens per second, plain decoding becomes the incumbent whatever the
+  predictions (a draft that does not fit the text), and stays so until a probe commits at least
+  plain decoding's tokens per second.
+- Probes: while plain decoding is the incumbent, after ``probe_every`` plain steps the best
+  speculative B runs once, so acceptance keeps being measured (the interval doubles, up to
+  ``max_probe_interval``, while plain stays ahead); when the last committed tokens repeat an
+  earlier stretch of the sequence, the probe comes early (at most every ``min_repeat_gap`` plain
+  steps, a gap that doubles after each such probe whose proposals were all refused).
 """
 
 from __future__ import annotations
@@ -68,51 +67,36 @@ def expected_committed(probs: Sequence[float], block: int) -> float:
 
 
 class AcceptanceModel:
-    """Measured acceptance per draft position, and calibration of the draft's confidence.
+    """Measured acceptance per draft position.
 
     Position i (1-based) has ``reached[i]`` (blocks in which positions 1 .. i-1 were accepted and
-    i was drafted) and ``accepted[i]``; its conditional acceptance is the Beta posterior mean
-    (accepted + w m) / (reached + w), prior mean m and weight w. Confidence bins (``bins`` equal
-    slices of [0, 1]) count the same per proposal; a proposal's calibrated acceptance is its bin's
-    posterior mean with its position's conditional acceptance as the prior mean.
+    i was drafted) and ``accepted[i]``, both multiplied by ``decay`` before each block is added
+    (recent blocks weigh more); its conditional acceptance is the Beta posterior mean
+    (accepted + w m) / (reached + w), prior mean m and weight w.
     """
 
-    def __init__(self, positions: int, prior_mean: float = 0.5, prior_weight: float = 1.0, bins: int = 10):
+    def __init__(self, positions: int, prior_mean: float = 0.5, prior_weight: float = 1.0, decay: float = 1.0):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
         self.positions = positions
         self.prior_mean = prior_mean
         self.prior_weight = prior_weight
-        self.reached = [0] * positions
-        self.accepted = [0] * positions
-        self.bins = bins
-        self.bin_reached = [0] * bins
-        self.bin_accepted = [0] * bins
-
-    def _bin(self, conf: float) -> int:
-        return min(self.bins - 1, max(0, int(conf * self.bins)))
+        self.decay = decay
+        self.reached = [0.0] * positions
+        self.accepted = [0.0] * positions
 
     def conditional(self) -> list[float]:
         w, m = self.prior_weight, self.prior_mean
         return [(a + w * m) / (r + w) for a, r in zip(self.accepted, self.reached)]
 
-    def calibrated(self, confidence: Sequence[float]) -> list[float]:
-        cond = self.conditional()
-        w = self.prior_weight
-        out = []
-        for i, c in enumerate(confidence[: self.positions]):
-            b = self._bin(float(c))
-            out.append((self.bin_accepted[b] + w * cond[i]) / (self.bin_reached[b] + w))
-        return out
-
-    def record(self, drafted: int, accepted: int, confidence: Sequence[float] | None = None) -> None:
+    def record(self, drafted: int, accepted: int) -> None:
         """A block verified ``drafted`` proposals and accepted the first ``accepted``."""
+        if self.decay < 1.0:
+            self.reached = [r * self.decay for r in self.reached]
+            self.accepted = [a * self.decay for a in self.accepted]
         for i in range(min(drafted, accepted + 1, self.positions)):
-            ok = i < accepted
             self.reached[i] += 1
-            self.accepted[i] += ok
-            if confidence is not None and i < len(confidence):
-                b = self._bin(float(confidence[i]))
-                self.bin_reached[b] += 1
-                self.bin_accepted[b] += ok
+            self.accepted[i] += i < accepted
 
 
 @dataclass
@@ -157,11 +141,10 @@ class BlockPlanner:
     """See the module docstring.
 
     ``cache`` (an ExpertCache, or None without offloading) answers resident / in flight;
-    ``moved_bytes`` returns the link's cumulative bytes and ``link_counters`` (bytes, busy seconds)
-    feeds the cost model's link rate; both None without a scheduler. ``use_confidence`` False
-    ignores the draft's confidence (oracle mode, whose proposals are not the draft's). ``clock``
-    (e.g. ``time.process_time``) makes the planner time the steps itself; without it (what
-    generate does) the caller's wall-clock step times are used.
+    ``link_counters`` (bytes, busy seconds) feeds the cost model's link rate and measures each
+    step's fetched experts; None without a scheduler. ``clock`` (e.g. ``time.process_time``) makes
+    the planner time the steps itself; without it (what generate does) the caller's wall-clock
+    step times are used.
     """
 
     def __init__(
@@ -174,41 +157,51 @@ class BlockPlanner:
         top_k: int,
         cache=None,
         link_counters: Callable[[], tuple[float, float]] | None = None,
-        use_confidence: bool = True,
-        probe_every: int = 16,
+        home_block: int | None = None,
+        switch_margin: float = 1.15,
+        plain_margin: float = 1.3,
+        floor: float = 0.7,
+        floor_window: int = 16,
+        probe_every: int = 8,
+        max_probe_interval: int = 64,
         min_repeat_gap: int = 4,
-        remeasure_plain_every: int = 16,
+        remeasure_plain_every: int = 24,
         acceptance: AcceptanceModel | None = None,
         clock: Callable[[], float] | None = None,
     ):
         if max_block < 1:
             raise ValueError(f"max_block must be at least 1, got {max_block}")
         self.max_block = max_block
+        self.home_block = min(max_block, max(2, (max_block + 1) // 2)) if home_block is None else home_block
+        if not 1 <= self.home_block <= max_block:
+            raise ValueError(f"home_block must be in 1 .. {max_block}, got {self.home_block}")
         self.cost = cost
         self.cache = cache
         self.link_counters = link_counters
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
-        self.use_confidence = use_confidence
+        self.switch_margin, self.plain_margin = switch_margin, plain_margin
+        self.floor = floor
         self.clock = clock  # None: the step times the caller passes; else the planner times steps itself
         self._t0 = 0.0
         self.probe_every = probe_every
+        self.max_probe_interval = max_probe_interval
         self.min_repeat_gap = min_repeat_gap
         self._repeat_gap = min_repeat_gap  # doubles after each repeat probe that accepted nothing
         self._repeat_probe = False
         self._probe_interval = probe_every  # doubles after each probe that leaves plain decoding ahead
         self.remeasure_plain_every = remeasure_plain_every
+        self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1), prior_mean=0.6, prior_weight=4.0, decay=0.9)
+        self._incumbent: int | None = None  # the block length being run (None during the cold start)
         self._spec_run = 0  # speculative steps in a row
-        self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1))
-        self._expected = [Ewma() for _ in range(self.acceptance.positions)]  # stage 2's calibrated p_i, smoothed
+        self._plain_run = 0  # plain steps in a row
         self._history: deque[tuple[int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (tokens, layer -> experts) per step
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
-        self._plain_run = 0
         self._plain_steady = RecentMedian()  # measured plain steps that followed a plain step
         self._prev_block: int | None = None
         self._forced_plain = 0  # plain steps still to run for a re-measurement
-        self._rate: dict[int, Ewma] = {}  # B -> committed tokens per second its steps realized
-        self._spec_rate = Ewma(0.5)  # committed tokens per second of recent steps that ran the draft
+        self._window: deque[tuple[int, float]] = deque(maxlen=floor_window)  # (committed, seconds) of drafted steps
+        self._hold_plain = False  # the floor put plain decoding in: it stays until a probe pays
         self._drafting = False  # stage 1 of the step running now ran the draft
         self._step_bytes0 = 0.0
         self._stage: Choice | None = None
@@ -255,8 +248,9 @@ class BlockPlanner:
         value = self.cost.fetch_equivalents(in_flight, missing)
         return out + [value] * (limit - len(out))
 
-    def _extra_fetch(self, block: int) -> float:
-        known = {b: e.value for b, e in self._extra.items() if e.value is not None}
+    def _extra_fetch(self, block: int, known: dict[int, float] | None = None) -> float:
+        if known is None:
+            known = {b: e.value for b, e in self._extra.items() if e.value is not None}
         u = distinct_experts(block, self.num_experts, self.top_k)
         if block in known:
             return known[block]
@@ -275,46 +269,63 @@ class BlockPlanner:
         pred = self._route_missing(block)[block - 1]
         return pred, max(0.0, pred + self._extra_fetch(block))
 
-    def _candidates(self, low: int, limit: int, probs: Sequence[float], draft_s: float | None) -> list[Choice]:
+    def _candidates(self, low: int, limit: int) -> list[Choice]:
+        """Choices for B = low .. limit with the acceptance expected now and the predicted step
+        times (B = 1: steady plain decoding once measured; B > 1: draft + verify + fetches)."""
+        probs = self.acceptance.conditional()
         route = self._route_missing(limit) if self.cache is not None else [0.0] * limit
+        known = {b: e.value for b, e in self._extra.items() if e.value is not None}
         out = []
         for block in range(low, limit + 1):
             route_missing = route[block - 1]
-            fetch = max(0.0, route_missing + self._extra_fetch(block)) if self.cache is not None else 0.0
-            verify = self.cost.step_seconds("verify", block, fetch)
+            fetch = max(0.0, route_missing + self._extra_fetch(block, known)) if self.cache is not None else 0.0
             if block == 1 and self._plain_steady.value is not None:
                 t = self._plain_steady.value  # measured, fetches included
-            elif verify is None:
-                t = None
-            elif block == 1:
-                t = verify
             else:
-                t = None if draft_s is None else draft_s + verify
+                t = self.cost.step_seconds("verify", block, fetch)
+                if t is not None and block > 1:
+                    draft = self.cost.forward_seconds("draft", block)
+                    t = None if draft is None else draft + t
             out.append(Choice(block, expected_committed(probs, block), t, fetch, route_missing))
         return out
 
-    def _candidate(self, block: int, probs: Sequence[float], draft_s: float | None) -> Choice:
-        return self._candidates(block, block, probs, draft_s)[0]
+    def _candidate(self, block: int) -> Choice:
+        return self._candidates(block, block)[0]
 
-    def _best(self, limit: int, probs: Sequence[float], draft_s: float | None, low: int = 1) -> Choice:
-        cands = self._candidates(low, limit, probs, draft_s)
-        measured = self.cost.measured_forward("verify")
-        if low == 1 and (1 not in measured or self._plain_steady.value is None):
-            return cands[0]  # cold start: two plain steps first (the second is a steady one) ...
-        if len(cands) > 1 and (max(measured, default=0) < 2 or draft_s is None):
-            half = max(2, (cands[-1].block + 1) // 2)  # ... then a block of half the draft: informative, and
-            return next(c for c in cands if c.block >= min(half, cands[-1].block))  # half the full block's fetches
-        keep = [c for c in cands if not self._lags(c.block)] or cands  # a probe keeps them all if all lag
-        return max(keep, key=lambda c: (c.expected_tokens / max(c.predicted_seconds or 0.0, 1e-12), -c.block))
+    @staticmethod
+    def _rate(c: Choice) -> float | None:
+        return None if not c.predicted_seconds else c.expected_tokens / c.predicted_seconds
 
-    def _lags(self, block: int) -> bool:
-        """Block length ``block`` > 1 recently committed fewer tokens per second than steady plain
-        decoding does: whatever the predictions say, the realized rate rules it out (the guard
-        that keeps auto from being slower than plain decoding when the cost model is wrong)."""
-        rate, plain = self._rate.get(block), self._plain_steady.value
-        return block > 1 and rate is not None and rate.count >= 2 and bool(plain) and rate.value < 1.0 / plain
+    def _decide(self, limit: int) -> Choice:
+        """The incumbent, or the best predicted B if it beats the incumbent by the margin."""
+        inc = min(self._incumbent or self.home_block, limit)
+        cands = self._candidates(1, limit)
+        current = cands[inc - 1]
+        rated = [c for c in cands if self._rate(c) is not None]
+        if not rated or self._rate(current) is None:
+            return current
+        best = max(rated, key=lambda c: (self._rate(c), -c.block))
+        margin = self.plain_margin if best.block == 1 else self.switch_margin
+        return best if self._rate(best) > margin * self._rate(current) else current
 
-    # -- the two stages ------------------------------------------------------------------
+    def _below_floor(self) -> bool:
+        """The last ``floor_window`` drafted steps together committed fewer than ``floor`` times
+        steady plain decoding's tokens per second."""
+        plain = self._plain_steady.value
+        if len(self._window) < (self._window.maxlen or 0) or not plain:
+            return False
+        tokens = sum(c for c, _ in self._window)
+        seconds = sum(t for _, t in self._window)
+        return seconds > 0 and tokens / seconds < self.floor / plain
+
+    def _best_speculative(self, limit: int) -> Choice:
+        cands = self._candidates(2, limit)
+        rated = [c for c in cands if self._rate(c) is not None]
+        if not rated:
+            return self._candidate(min(self.home_block, limit))
+        return max(rated, key=lambda c: (self._rate(c), -c.block))
+
+    # -- the step ------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._current = {}
         self._draft_clock = 0.0
@@ -324,91 +335,65 @@ class BlockPlanner:
         self._step_bytes0 = c[0] if c is not None else 0.0
 
     def plan_draft(self, limit: int, repeating: bool = False) -> int:
-        """Stage 1: the draft length to run now, ``limit`` (<= max_block) or 1 for a plain step.
-        ``repeating``: the last committed tokens already occurred earlier in the sequence (text
-        that copies itself is where a draft is most often right); during a plain stretch it
-        brings the next probe forward (at most every ``min_repeat_gap`` plain steps, doubling
-        after each such probe that accepted nothing)."""
+        """The block length to draft and verify now (<= ``limit`` <= max_block), or 1 for a
+        plain step. ``repeating``: the last committed tokens already occurred earlier in the
+        sequence (text that copies itself is where a draft is most often right); during a plain
+        stretch it brings the next probe forward (at most every ``min_repeat_gap`` plain steps,
+        doubling after each such probe that accepted nothing)."""
         self._stage = None
         self._probe = self._repeat_probe = self._drafting = False
-        if limit <= 1 or self._forced_plain > 0:
-            self._forced_plain = max(0, self._forced_plain - 1)
-            self._stage = self._candidate(1, [], None)
-            self._plain_run += 1
-            self._spec_run = 0
-            return 1
-        draft_s = self.cost.forward_seconds("draft", limit)
-        realized = self._speculation_pays()
-        if realized is None:
-            best = self._best(limit, self._stage1_probs(), draft_s)
+        measured = self.cost.measured_forward("verify")
+        if limit <= 1 or self._forced_plain > 0 or 1 not in measured or self._plain_steady.value is None:
+            self._forced_plain = max(0, self._forced_plain - 1)  # a re-measurement, or the cold start
+            best = self._candidate(1)
         else:
-            # What recent steps realized outranks what the model predicts: draft while drafting
-            # has committed more tokens per second than steady plain decoding, else decode plainly.
-            best = self._candidate(limit if realized else 1, self._stage1_probs(), draft_s)
-        if best.block == 1 and self._plain_run + 1 >= self._probe_interval:
-            self.report.probes += 1
-            self._probe_interval *= 2
-            self._probe = True  # stage 2 then verifies at least one proposal
-            best = self._candidate(limit, self._stage1_probs(), draft_s)
-        elif best.block == 1 and repeating and self._plain_run + 1 >= self._repeat_gap:
-            self.report.probes += 1  # the text repeats itself: look now, the interval unchanged
-            self._probe = self._repeat_probe = True
-            best = self._candidate(limit, self._stage1_probs(), draft_s)
-        elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every:
-            self.report.probes += 1  # two plain steps keep B = 1's steady time measured
-            self._forced_plain = 1
-            best = self._candidate(1, [], None)
+            if self._incumbent is None:
+                self._incumbent = self.home_block
+            if self._incumbent > 1 and self._below_floor():
+                self._incumbent = 1  # held until a probe pays
+                self._hold_plain = True
+                self._window.clear()
+            best = self._candidate(1) if self._hold_plain else self._decide(limit)
+            if best.block != min(self._incumbent, limit):
+                self._incumbent = best.block
+            if best.block == 1 and self._plain_run + 1 >= self._probe_interval:
+                self.report.probes += 1
+                self._probe_interval = min(self.max_probe_interval, 2 * self._probe_interval)
+                self._probe = True
+                best = self._best_speculative(limit)
+            elif best.block == 1 and repeating and self._plain_run + 1 >= self._repeat_gap:
+                self.report.probes += 1  # the text repeats itself: look now, the interval unchanged
+                self._probe = self._repeat_probe = True
+                best = self._best_speculative(limit)
+            elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every:
+                self.report.probes += 1  # two plain steps keep B = 1's steady time measured
+                self._forced_plain = 1
+                best = self._candidate(1)
         self._stage = best
         if best.block == 1:
             self._plain_run += 1
             self._spec_run = 0
             return 1
-        if not self._probe:
-            self._probe_interval = self.probe_every  # speculation pays again: probe at the base rate
+        if self._incumbent and self._incumbent > 1:
+            self._probe_interval = self.probe_every  # speculation is the incumbent: probe at the base rate later
         self._plain_run = 0
         self._spec_run += 1
         self._drafting = True
-        return limit
+        return best.block
 
-    def _speculation_pays(self) -> bool | None:
-        """Whether the recent steps that ran the draft committed more tokens per second than
-        steady plain decoding (None until both are measured)."""
-        plain = self._plain_steady.value
-        if self._spec_rate.value is None or not plain:
-            return None
-        return self._spec_rate.value > 1.0 / plain
-
-    def _stage1_probs(self) -> list[float]:
-        """Acceptance expected before drafting: the running per-position acceptance, or, with the
-        draft's confidence in use, stage 2's calibrated estimates smoothed over the drafted steps
-        (so a draft whose confidence keeps stage 2 at B = 1 stops being run)."""
-        cond = self.acceptance.conditional()
-        if not self.use_confidence:
-            return cond
-        return [e.value if e.value is not None else c for e, c in zip(self._expected, cond)]
-
-    def choose(self, drafted: int, confidence: Sequence[float] | None, draft_seconds: float) -> Choice:
-        """Stage 2, after a draft of ``drafted`` tokens (B <= drafted): the verify length."""
+    def after_draft(self, drafted: int, draft_seconds: float) -> None:
+        """The draft of ``drafted`` positions took ``draft_seconds`` (the planner's own clock
+        replaces it when it has one)."""
         if self.clock is not None:
             draft_seconds = self.clock() - self._t0
             self._draft_clock = draft_seconds
         self.cost.observe_forward("draft", drafted, draft_seconds)
-        if confidence is not None and self.use_confidence:
-            probs = self.acceptance.calibrated(confidence)
-            for e, p in zip(self._expected, probs):
-                e.add(p)
-        else:
-            probs = self.acceptance.conditional()
-        best = self._best(drafted, probs, draft_seconds, low=2 if self._probe and drafted >= 2 else 1)
-        self._stage = best
-        return best
 
     def current(self) -> Choice | None:
-        """The choice the step is running (stage 2's, or stage 1's for a plain step)."""
+        """The choice the step is running."""
         return self._stage
 
-    def end_step(self, block: int, accepted: int, committed: int, seconds: float,
-                 confidence: Sequence[float] | None = None, draft_seconds: float = 0.0) -> None:
+    def end_step(self, block: int, accepted: int, committed: int, seconds: float, draft_seconds: float = 0.0) -> None:
         """The step verified ``block`` tokens, accepted ``accepted`` proposals, committed
         ``committed`` tokens and took ``seconds`` (draft + verify; with a ``clock`` the planner's
         own measurements replace ``seconds`` and ``draft_seconds``)."""
@@ -417,10 +402,10 @@ class BlockPlanner:
             draft_seconds = self._draft_clock
         self.last_measured_seconds = seconds
         if self._drafting or block > 1:  # the step ran the draft
-            if seconds > 0:
-                self._spec_rate.add(committed / seconds)
-                if block > 1:
-                    self._rate.setdefault(block, Ewma(0.5)).add(committed / seconds)
+            self._window.append((committed, seconds))
+            plain = self._plain_steady.value
+            if self._probe and self._hold_plain and seconds > 0 and (not plain or committed / seconds >= 1.0 / plain):
+                self._hold_plain = False  # a probe that paid: the predictions decide again
         elif block == 1 and self._prev_block == 1:
             self._plain_steady.add(seconds)
         self._prev_block = block
@@ -435,7 +420,7 @@ class BlockPlanner:
             pred_missing = choice.route_missing if choice is not None else 0.0
             self._extra.setdefault(block, Ewma(self.cost.alpha)).add(fetched - pred_missing)
         if block > 1:
-            self.acceptance.record(block - 1, accepted, confidence if self.use_confidence else None)
+            self.acceptance.record(block - 1, accepted)
         if self._repeat_probe:  # repetition that the draft did not follow: trust the hint less
             self._repeat_gap = self.min_repeat_gap if accepted else min(64, 2 * self._repeat_gap)
         self._history.append((committed, self._current))
@@ -452,4 +437,4 @@ class BlockPlanner:
 
     def to_dict(self) -> dict:
         return {**self.report.to_dict(), "acceptance_conditional": self.acceptance.conditional(),
-                "cost": self.cost.to_dict()}
+                "home_block": self.home_block, "cost": self.cost.to_dict()}

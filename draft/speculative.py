@@ -18,8 +18,7 @@ cached; the target cache and the draft context both hold ``start`` positions):
            nothing for the draft).
 
 With a block planner (``--block-size auto``, :mod:`pdflash.draft.planner`) B changes per step:
-B = 1 skips the draft (a plain step through the verify path), and after a draft the planner may
-verify fewer of its proposals. With a ``GraphedDecoder`` the target forwards are its static-cache
+B = 1 skips the draft (a plain step through the verify path). With a ``GraphedDecoder`` the target forwards are its static-cache
 segments, replayed as CUDA graphs per block length (``pdflash.offload.graphs``).
 
 Greedy output is token-for-token the target's own greedy output: every committed token is the
@@ -538,14 +537,13 @@ def speculative_generate(
                 b = limit
             n = b - 1
             plain_step = planner is not None and n == 0  # no draft, no route-ahead: plain decoding
-            # 1. draft (a block of b; the planner may verify fewer of its proposals)
+            # 1. draft (a block of b)
             t_draft = time.perf_counter()
             refresh_before = oracle.refresh_seconds if oracle else 0.0
             if route_ahead is not None and not plain_step:
                 route_ahead.begin_step()
             proposals = torch.empty(0, dtype=torch.long, device=device)
             draft_probs = None
-            confidence = None
             if n:
                 context = torch.cat(pending, dim=1) if len(pending) > 1 else pending[0]
                 pending = []
@@ -555,13 +553,9 @@ def speculative_generate(
                 dlogits = draft.head(hidden[:, 1:])[0]  # [n, V]
                 if greedy:
                     proposals = dlogits.argmax(-1)
-                    if planner is not None:
-                        confidence = torch.softmax(dlogits.float(), -1).amax(-1).tolist()
                 else:
                     draft_probs = _probs(dlogits, temperature)
                     proposals = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
-                    if planner is not None:
-                        confidence = draft_probs.gather(1, proposals[:, None])[:, 0].tolist()
                 if oracle is not None:
                     proposals = torch.tensor(oracle.propose(tokens, n), dtype=torch.long, device=device)
                 elif greedy and lookup:  # the text copies itself: what followed last time leads the block
@@ -573,13 +567,7 @@ def speculative_generate(
             _sync(device)
             draft_s = time.perf_counter() - t_draft - ((oracle.refresh_seconds - refresh_before) if oracle else 0.0)
             if planner is not None and n:
-                b = planner.choose(b, confidence, draft_s).block
-                n = b - 1
-                proposals = proposals[:n]
-                if draft_probs is not None:
-                    draft_probs = draft_probs[:n]
-                if confidence is not None:
-                    confidence = confidence[:n]
+                planner.after_draft(b, draft_s)
 
             # 2. verify
             t_verify = time.perf_counter()
@@ -613,7 +601,7 @@ def speculative_generate(
             if planner is not None:
                 choice = planner.current()
                 predicted = choice.predicted_seconds if choice is not None else None
-                planner.end_step(b, n_acc, len(new), draft_s + verify_s, confidence, draft_s if not plain_step else 0.0)
+                planner.end_step(b, n_acc, len(new), draft_s + verify_s, draft_s if not plain_step else 0.0)
                 planner_measured = planner.last_measured_seconds
             stats.draft_seconds += draft_s
             stats.verify_seconds += verify_s

@@ -55,6 +55,9 @@ class SlotState(enum.IntEnum):
     RESIDENT = 2
 
 
+_STATE_NAMES = {state: state.name.lower() for state in SlotState}  # state_of's answers, built once
+
+
 @dataclass
 class _Slot:
     key: tuple[int, int] | None = None
@@ -136,7 +139,7 @@ class ExpertCache:
 
     def state_of(self, layer: int, expert: int) -> str | None:
         s = self._table.get((layer, expert))
-        return None if s is None else self._slot[s].state.name.lower()
+        return None if s is None else _STATE_NAMES[self._slot[s].state]
 
     def resident(self) -> dict[int, list[int]]:
         """{layer: sorted experts} resident now."""

@@ -57,20 +57,20 @@ class RecentMedian:
         self.window = window
         self.samples: list[float] = []
         self.count = 0
+        self._value: float | None = None
 
     def add(self, x: float) -> float:
         self.samples.append(float(x))
         del self.samples[: -self.window]
         self.count += 1
-        return self.value
+        s = sorted(self.samples)
+        n = len(s)
+        self._value = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+        return self._value
 
     @property
     def value(self) -> float | None:
-        if not self.samples:
-            return None
-        s = sorted(self.samples)
-        n = len(s)
-        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+        return self._value if self.samples else None
 
 
 class Ewma:

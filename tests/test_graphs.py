@@ -229,7 +229,7 @@ def test_speculative_decoding_through_the_decoder_is_lossless(tmp_path_factory, 
             oracle = make_oracle(rt.model, PROMPT, 24, 0.8, reference=want, seed=3)
             ra = None if predictor == "none" else RouteAhead(rt.model, predictor, rt.prefetcher.prefetch_experts,
                                                                block_size=4, window_layers=2)
-            planner = make_planner(rt, 4, use_confidence=False) if auto else None
+            planner = make_planner(rt, 4) if auto else None
             dec = GraphedDecoder(rt, max_len=len(PROMPT) + 24, graphs=False)
             try:
                 res = speculative_generate(rt.model, draft, PROMPT, 24, block_size=4, oracle=oracle, route_ahead=ra,
