@@ -67,8 +67,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 class _Stacked:
     """Linear layers that read the same input, run as one product.
 
-    :meth:`pack` lays their weights (and biases) out as row views of one tensor, so the stacked
-    product needs no memory of its own. If any layer no longer holds the view it was given (the
+    Built by the layers' ``pack()``, it lays their weights (and biases) out as row views of one
+    tensor, so the stacked product needs no memory of its own. If any layer no longer holds the view it was given (the
     model was moved or converted, or a weight was reassigned), calls fall back to the separate
     layers, so the result never depends on a stale copy.
     """
@@ -88,10 +88,13 @@ class _Stacked:
             if self.bias is not None:
                 lin.bias = nn.Parameter(self.bias[row : row + n], requires_grad=lin.bias.requires_grad)
             row += n
-        self._held = [(lin.weight, lin.bias) for lin in self.linears]
+        self._held = [(lin.weight, lin.bias, lin.weight.data_ptr()) for lin in self.linears]
 
     def intact(self) -> bool:
-        return all(lin.weight is w and lin.bias is b for lin, (w, b) in zip(self.linears, self._held))
+        """Every layer still holds its view (``Module.to`` swaps a parameter's data in place,
+        hence the data pointer as well as the object)."""
+        return all(lin.weight is w and lin.bias is b and w.data_ptr() == ptr
+                   for lin, (w, b, ptr) in zip(self.linears, self._held))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.intact():

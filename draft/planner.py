@@ -12,9 +12,9 @@ the *incumbent*, unless another B's predicted rate beats the incumbent's by a ma
 decoding, and ``switch_margin`` to come back. The draft drafts exactly the chosen B and the whole
 block is verified. Why margins: acceptance varies along a text (the draft sees little context at
 the start, so early blocks are accepted less), and a rate estimated from a handful of blocks is
-noisy; on the embedded pair a planner that followed every estimate lost to a fixed block of 4 on
-5 of 8 prompts, while a wrong switch to speculation costs little (docs/benchmarks.md, session
-11). For the same reason the draft's own per-proposal confidence does not shorten a drafted
+noisy; on the embedded pair planners that followed their estimates lost to a fixed block of 4 on
+6-7 of 8 prompts, while a wrong switch to speculation costs little there (docs/benchmarks.md,
+sessions 10-11). For the same reason the draft's own per-proposal confidence does not shorten a drafted
 block: measured, verifying fewer proposals when it was low lost to verifying them all.
 
 - Cold start: two plain steps (the second prices steady plain decoding), then ``home_block`` (half

@@ -318,6 +318,10 @@ def test_packed_weights_are_views_and_fall_back_when_replaced(pair):
     got = fresh(block, start=6)
     torch.testing.assert_close(got, reference_hidden(fresh, feats, block), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, want)  # the replaced weights are the ones used
+    moved = load_draft(root / "draft", target).to(torch.float64)  # Module.to swaps the data in place
+    assert not moved.layers[0].self_attn._qkv.intact() and not moved.layers[0].mlp._gate_up.intact()
+    moved.append_context(feats.double())
+    torch.testing.assert_close(moved(block, start=6), want.double(), rtol=1e-5, atol=1e-5)
 
 
 def test_forward_is_non_causal_and_reads_the_context(pair):
