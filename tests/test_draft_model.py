@@ -265,34 +265,25 @@ def reference_hidden(draft, features, block_ids):
 
 
 def test_forward_matches_from_scratch_reference_with_chunked_context(pair):
+    """Context appended a few committed tokens at a time, or handed to the forward itself (one
+    pass over the layers for the new context and the block): both match the reference."""
     target, draft, _ = pair
     torch.manual_seed(0)
     feats = torch.randn(1, 9, 3 * 32)
     block = draft.block_ids(17, 4, "cpu")
+    want = reference_hidden(draft, feats, block)
     draft.reset_context()
     for lo, hi in ((0, 3), (3, 5), (5, 9)):  # context arrives a few committed tokens at a time
         draft.append_context(feats[:, lo:hi])
-    got = draft(block, start=9)
-    want = reference_hidden(draft, feats, block)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(draft(block, start=9), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="block starts at 8"):
         draft(block, start=8)
-
-
-def test_context_in_the_forward_equals_appending_it_first(pair):
-    _, draft, _ = pair
-    torch.manual_seed(4)
-    feats = torch.randn(1, 7, 3 * 32)
-    block = draft.block_ids(17, 4, "cpu")
     draft.reset_context()
-    draft.append_context(feats[:, :5])
-    one_pass = draft(block, start=7, context=feats[:, 5:])
-    assert draft.context_length == 7
-    draft.reset_context()
-    draft.append_context(feats)
-    torch.testing.assert_close(one_pass, draft(block, start=7), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="holds 9 context positions"):
-        draft(block, start=7, context=feats[:, :2])
+    draft.append_context(feats[:, :6])
+    torch.testing.assert_close(draft(block, start=9, context=feats[:, 6:]), want, rtol=1e-5, atol=1e-5)
+    assert draft.context_length == 9
+    with pytest.raises(ValueError, match="holds 11 context positions"):
+        draft(block, start=9, context=feats[:, :2])
 
 
 def test_packed_weights_are_views_and_fall_back_when_replaced(pair):
