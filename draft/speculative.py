@@ -18,8 +18,9 @@ cached; the target cache and the draft context both hold ``start`` positions):
            nothing for the draft).
 
 With a block planner (``--block-size auto``, :mod:`pdflash.draft.planner`) B changes per step:
-B = 1 skips the draft (a plain step through the verify path). With a ``GraphedDecoder`` the target forwards are its static-cache
-segments, replayed as CUDA graphs per block length (``pdflash.offload.graphs``).
+B = 1 skips the draft (a plain step through the verify path). With a ``GraphedDecoder`` the
+target forwards are its static-cache segments, replayed as CUDA graphs per block length
+(``pdflash.offload.graphs``).
 
 Greedy output is token-for-token the target's own greedy output: every committed token is the
 target's argmax given the committed prefix, computed in the verify forward.
