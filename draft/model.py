@@ -186,9 +186,8 @@ class DraftAttention(nn.Module):
         b = t - n_ctx
         q, k, v = self._project(rows)
         k = _rotate(self.k_norm(k.view(t, self.n_kv, d)), cos, signed_sin)
+        cache.write(layer, k.transpose(0, 1)[None], v.view(t, self.n_kv, d).transpose(0, 1)[None])
         end = cache.length + t
-        cache.keys[layer, 0, :, cache.length : end] = k.transpose(0, 1)
-        cache.values[layer, 0, :, cache.length : end] = v.view(t, self.n_kv, d).transpose(0, 1)
         if b == 0:
             return None
         q = _rotate(self.q_norm(q[n_ctx:].view(b, self.n_heads, d)), cos[n_ctx:], signed_sin[n_ctx:])
@@ -294,11 +293,9 @@ class DFlashDraftModel(nn.Module):
     def _context_rows(self, features: torch.Tensor | None) -> torch.Tensor:
         """Target features [1, n, K*H] -> projected context rows [n, H] (n = 0 for None)."""
         w = self.fc.weight
-        if features is None:
-            return w.new_empty((0, self.config.hidden_size))
-        if features.dim() != 3 or features.shape[0] != 1 or features.shape[2] != self.fc.in_features:
+        if features is not None and (features.dim() != 3 or features.shape[0] != 1 or features.shape[2] != self.fc.in_features):
             raise ValueError(f"expected target features [1, n, {self.fc.in_features}], got {tuple(features.shape)}")
-        if features.shape[1] == 0:
+        if features is None or features.shape[1] == 0:
             return w.new_empty((0, self.config.hidden_size))
         return self.hidden_norm(self.fc(_rows(features).to(device=w.device, dtype=w.dtype)))
 

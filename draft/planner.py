@@ -296,15 +296,19 @@ class BlockPlanner:
     def _rate(c: Choice) -> float | None:
         return None if not c.predicted_seconds else c.expected_tokens / c.predicted_seconds
 
+    def _fastest(self, cands: Sequence[Choice]) -> Choice | None:
+        """The candidate with the highest predicted rate (the shorter on a tie), None if none is predicted."""
+        rated = [c for c in cands if self._rate(c) is not None]
+        return max(rated, key=lambda c: (self._rate(c), -c.block)) if rated else None
+
     def _decide(self, limit: int) -> Choice:
         """The incumbent, or the best predicted B if it beats the incumbent by the margin."""
         inc = min(self._incumbent or self.home_block, limit)
         cands = self._candidates(1, limit)
         current = cands[inc - 1]
-        rated = [c for c in cands if self._rate(c) is not None]
-        if not rated or self._rate(current) is None:
+        best = self._fastest(cands)
+        if best is None or self._rate(current) is None:
             return current
-        best = max(rated, key=lambda c: (self._rate(c), -c.block))
         margin = self.plain_margin if best.block == 1 else self.switch_margin
         return best if self._rate(best) > margin * self._rate(current) else current
 
@@ -319,11 +323,7 @@ class BlockPlanner:
         return seconds > 0 and tokens / seconds < self.floor / plain
 
     def _best_speculative(self, limit: int) -> Choice:
-        cands = self._candidates(2, limit)
-        rated = [c for c in cands if self._rate(c) is not None]
-        if not rated:
-            return self._candidate(min(self.home_block, limit))
-        return max(rated, key=lambda c: (self._rate(c), -c.block))
+        return self._fastest(self._candidates(2, limit)) or self._candidate(min(self.home_block, limit))
 
     # -- the step ------------------------------------------------------------------------
     def begin_step(self) -> None:

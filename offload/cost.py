@@ -70,7 +70,7 @@ class RecentMedian:
 
     @property
     def value(self) -> float | None:
-        return self._value if self.samples else None
+        return self._value
 
 
 class Ewma:
