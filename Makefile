@@ -5,8 +5,9 @@ CC ?= cc
 SAN_FLAGS = -std=c11 -O1 -g -fno-omit-frame-pointer -pthread -Wall -Wextra -Wno-unused-parameter
 STRESS_SRC = native/stress/stress.c native/pf_sched.c
 CPU_STRESS_SRC = native/stress/cpu_stress.c native/pf_cpu.c
+DRAFT_STRESS_SRC = native/stress/draft_stress.c native/pf_draft.c native/pf_cpu.c
 
-.PHONY: install native test test-fast stress stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan bench demo gpu-check clean
+.PHONY: install native test test-fast stress stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan draft-stress-asan draft-stress-tsan bench demo gpu-check clean
 
 # Install pdflash (editable) with its test extras. PyTorch is taken as already
 # installed when importable, so a CPU or CUDA build you chose stays in place.
@@ -28,9 +29,9 @@ test: install stress
 test-fast:
 	$(PYTHON) -m pytest -q -x tests
 
-# C stress tests of the scheduler and of the CPU expert kernel under AddressSanitizer + UBSan
-# and ThreadSanitizer.
-stress: stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan
+# C stress tests of the scheduler, the CPU expert kernel and the draft pass under
+# AddressSanitizer + UBSan and ThreadSanitizer.
+stress: stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan draft-stress-asan draft-stress-tsan
 
 native/stress/stress_asan: $(STRESS_SRC) native/pf_sched.h
 	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(STRESS_SRC) -ldl
@@ -64,6 +65,18 @@ cpu-stress-asan: native/stress/cpu_stress_asan
 cpu-stress-tsan: native/stress/cpu_stress_tsan
 	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/cpu_stress_tsan
 
+native/stress/draft_stress_asan: $(DRAFT_STRESS_SRC) native/pf_draft.h native/pf_cpu.h
+	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(DRAFT_STRESS_SRC) -lm
+
+native/stress/draft_stress_tsan: $(DRAFT_STRESS_SRC) native/pf_draft.h native/pf_cpu.h
+	$(CC) $(SAN_FLAGS) -fsanitize=thread -Inative -o $@ $(DRAFT_STRESS_SRC) -lm
+
+draft-stress-asan: native/stress/draft_stress_asan
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ./native/stress/draft_stress_asan
+
+draft-stress-tsan: native/stress/draft_stress_tsan
+	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/draft_stress_tsan
+
 bench: install
 	$(PYTHON) benchmarks/bench_scheduler.py
 
@@ -79,5 +92,6 @@ gpu-check:
 
 clean:
 	rm -f native/_pf_sched*.so native/stress/stress_asan native/stress/stress_tsan native/stress/cpu_stress_asan native/stress/cpu_stress_tsan
+	rm -f native/stress/draft_stress_asan native/stress/draft_stress_tsan
 	rm -f native/stress/stress_asan_cudart.so native/stress/stress_tsan_cudart.so
 	rm -rf build *.egg-info

@@ -14,6 +14,11 @@ The context keys / values of a layer depend only on the projected target feature
 :class:`DraftKVCache`. The block's own keys / values are transient: the cache only ever holds
 committed context, so a rejected block leaves nothing to roll back.
 
+On a CPU, a small float32 draft runs each pass as one native call (``use_native``: the
+``pf_draft`` kernel in pdflash/native, checked against this module's operators), since its
+operators cost far more in per-call overhead than in arithmetic; ``propose`` takes the greedy
+proposals there too.
+
 The draft has no embedding or output head of its own: it holds references to the target's
 ``embed_tokens`` and ``lm_head`` (not registered as submodules, so they stay out of the draft's
 state_dict and are never copied or moved by it).
@@ -31,6 +36,10 @@ from torch import nn
 
 from pdflash import PdflashError
 from pdflash.draft.config import DFlashConfig, TargetShape
+
+# A pass of more rows than this (the first step after a long prompt appends its whole context)
+# runs as PyTorch operators, whose products use every intra-op thread; the native pass is one thread.
+NATIVE_MAX_ROWS = 64
 
 
 class RMSNorm(nn.Module):
@@ -256,6 +265,9 @@ class DFlashDraftModel(nn.Module):
             self.rotary_emb = _make_rotary(config)
         self._shared = (embed_tokens, lm_head)  # a tuple: not registered, not in state_dict
         self.cache: DraftKVCache | None = None
+        self._native = None  # a pdflash.native.draft_pass.DraftPass over these weights (use_native)
+        self._native_held: list[tuple[dict, str, torch.Tensor, int]] = []  # (module params, name, tensor, data pointer)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos / sin [P, D] by position
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -273,6 +285,94 @@ class DFlashDraftModel(nn.Module):
             layer.self_attn.pack()
             layer.mlp.pack()
         return self
+
+    def use_native(self, enable: bool = True, level: str | None = None) -> bool:
+        """From now on run passes (and greedy proposals) through the native CPU draft pass
+        (``pdflash/native/pf_draft.c``: one C call per step), when this model qualifies: packed,
+        float32 weights on the CPU, and the native library built. Returns whether it is on.
+        A pass of more than NATIVE_MAX_ROWS rows, or one after a weight was replaced or moved,
+        runs as PyTorch operators (the same maths; both keep the one cache). Matrices that hold
+        bf16 values are read from bf16 copies made here: a weight changed in place afterwards
+        (same tensor, same storage) is not seen until ``use_native`` runs again."""
+        self._native, self._native_held = None, []
+        if not enable:
+            return False
+        attn0 = self.layers[0].self_attn
+        if attn0._qkv is None or self.layers[0].mlp._gate_up is None:
+            return False
+        params = [p for p in self.parameters()]
+        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
+            return False
+        from pdflash.native import NativeLibraryMissing
+        from pdflash.native.draft_pass import DraftPass, DraftShape
+
+        cfg = self.config
+        held: list[tuple[dict, str, torch.Tensor, int]] = []
+
+        def hold(module: nn.Module, name: str) -> torch.Tensor | None:
+            t = getattr(module, name)
+            if t is not None:
+                held.append((module._parameters, name, t, t.data_ptr()))
+            return t
+
+        layers, windows = [], []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            # the stacked layers hold views of the stacked weights the kernel reads
+            for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                hold(lin, "weight"), hold(lin, "bias")
+            layers.append({
+                "input_norm": hold(layer.input_layernorm, "weight"), "post_norm": hold(layer.post_attention_layernorm, "weight"),
+                "w_qkv": a._qkv.weight, "b_qkv": a._qkv.bias, "q_norm": hold(a.q_norm, "weight"),
+                "k_norm": hold(a.k_norm, "weight"), "w_o": a.o_proj.weight, "b_o": a.o_proj.bias,
+                "w_gate_up": mlp._gate_up.weight, "w_down": mlp.down_proj.weight,
+            })
+            windows.append(a.sliding_window or 0)
+        fc = hold(self.fc, "weight")
+        # Matrices that are bf16 values (a bf16 checkpoint widened to float32) go to the kernel as
+        # bf16 copies: half the bytes to read each step, the same products.
+        matrices = [fc] + [layer[k] for layer in layers for k in ("w_qkv", "w_o", "w_gate_up", "w_down")]
+        halves = [m.to(torch.bfloat16) for m in matrices]
+        if all(torch.equal(h.float(), m) for h, m in zip(halves, matrices)):
+            fc = halves[0]
+            for i, layer in enumerate(layers):
+                for j, k in enumerate(("w_qkv", "w_o", "w_gate_up", "w_down")):
+                    layer[k] = halves[1 + 4 * i + j]
+        shape = DraftShape(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                           cfg.intermediate_size, self.fc.in_features, float(cfg.rms_norm_eps))
+        try:
+            self._native = DraftPass(shape, fc, hold(self.hidden_norm, "weight"), hold(self.norm, "weight"),
+                                     layers, windows, level=level)
+        except NativeLibraryMissing:
+            return False
+        self._native_held = held
+        return True
+
+    @property
+    def native(self) -> bool:
+        """Whether passes run through the native CPU draft pass (``use_native``)."""
+        return self._native is not None
+
+    def _native_intact(self) -> bool:
+        """Whether the native pass is on and every weight it reads is still the module's (the
+        same tensor on the same storage); if not, it turns off for good."""
+        if self._native is None:
+            return False
+        for params, name, t, ptr in self._native_held:
+            if params.get(name) is not t or t.data_ptr() != ptr:
+                self._native, self._native_held = None, []  # a weight changed: PyTorch operators from now on
+                return False
+        return True
+
+    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy proposals: argmax of the output head over hidden rows [r, H] -> token ids [r]
+        (the native head when passes are native and the head is a bias-free linear on the CPU)."""
+        w = getattr(self.lm_head, "weight", None)
+        if (self._native is not None and isinstance(self.lm_head, nn.Linear) and self.lm_head.bias is None
+                and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+                and hidden.dtype == torch.float32 and hidden.shape[0]):
+            return self._native.argmax(_rows(hidden).contiguous(), w)
+        return self.head(hidden).argmax(-1)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's output head over draft hidden states [..., H] (cast to the head's dtype:
@@ -293,9 +393,7 @@ class DFlashDraftModel(nn.Module):
     def _context_rows(self, features: torch.Tensor | None) -> torch.Tensor:
         """Target features [1, n, K*H] -> projected context rows [n, H] (n = 0 for None)."""
         w = self.fc.weight
-        if features is not None and (features.dim() != 3 or features.shape[0] != 1 or features.shape[2] != self.fc.in_features):
-            raise ValueError(f"expected target features [1, n, {self.fc.in_features}], got {tuple(features.shape)}")
-        if features is None or features.shape[1] == 0:
+        if self._check_features(features) == 0:
             return w.new_empty((0, self.config.hidden_size))
         return self.hidden_norm(self.fc(_rows(features).to(device=w.device, dtype=w.dtype)))
 
@@ -323,9 +421,43 @@ class DFlashDraftModel(nn.Module):
         self.cache.advance(n)
         return self.norm(x) if b else None
 
+    def _check_features(self, features: torch.Tensor | None) -> int:
+        """The row count n of target features [1, n, K*H] (0 for None); ValueError otherwise."""
+        if features is None:
+            return 0
+        if features.dim() != 3 or features.shape[0] != 1 or features.shape[2] != self.fc.in_features:
+            raise ValueError(f"expected target features [1, n, {self.fc.in_features}], got {tuple(features.shape)}")
+        return features.shape[1]
+
+    def _rope_tables(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [P >= end, D] by position, from the draft's own rotary module (grown by doubling)."""
+        if self._rope is None or self._rope[0].shape[0] < end:
+            size = max(end, 256, 2 * (self._rope[0].shape[0] if self._rope is not None else 0))
+            w = self.fc.weight
+            cos, sin = self.rotary_emb(w.new_empty((1, 1)), torch.arange(size, device=w.device)[None])
+            self._rope = (cos[0].to(w.dtype).contiguous(), sin[0].to(w.dtype).contiguous())
+        return self._rope
+
+    def _native_pass(self, features: torch.Tensor | None, n: int, x: torch.Tensor | None) -> None:
+        """The pass of ``_pass`` through the native kernel: features [1, n, K*H] (n may be 0), x [B, H]
+        float32 (None for none; overwritten with the block's final hidden rows)."""
+        cfg = self.config
+        if self.cache is None:
+            self.cache = DraftKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, "cpu", torch.float32)
+        b = 0 if x is None else x.shape[0]
+        self.cache.reserve(n + b)
+        cos, sin = self._rope_tables(self.cache.length + n + b)
+        rows = _rows(features).to(torch.float32).contiguous() if n else None
+        self._native.run(self.cache.keys, self.cache.values, self.cache.length, rows, x, cos, sin)
+        self.cache.advance(n)
+
     @torch.no_grad()
     def append_context(self, features: torch.Tensor) -> None:
         """Project the target features [1, n, K*H] of the next n committed tokens into every layer's K/V."""
+        n = self._check_features(features)
+        if n and n <= NATIVE_MAX_ROWS and self._native_intact():
+            self._native_pass(features, n, None)
+            return
         ctx = self._context_rows(features)
         if ctx.shape[0]:
             self._pass(ctx, ctx[:0])
@@ -339,10 +471,15 @@ class DFlashDraftModel(nn.Module):
         block's); ``start`` must equal ``context_length`` + n: the block begins right after the
         committed context.
         """
+        n = self._check_features(context)
+        if start != self.context_length + n:
+            raise ValueError(f"block starts at {start} but the draft holds {self.context_length + n} context positions")
+        if n + block_ids.shape[1] <= NATIVE_MAX_ROWS and self._native_intact():
+            emb = self.embed_tokens(block_ids[0].to(self.embed_tokens.weight.device))
+            x = emb.to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+            self._native_pass(context, n, x)
+            return x[None]
         ctx = self._context_rows(context)
-        if start != self.context_length + ctx.shape[0]:
-            raise ValueError(f"block starts at {start} but the draft holds "
-                             f"{self.context_length + ctx.shape[0]} context positions")
         w = self.fc.weight
         x = self.embed_tokens(block_ids[0].to(self.embed_tokens.weight.device)).to(device=w.device, dtype=w.dtype)
         return self._pass(ctx.to(x.dtype), x)[None]

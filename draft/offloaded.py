@@ -88,8 +88,13 @@ def load_runtime_draft(rt, draft_dir: str | Path) -> DFlashDraftModel:
     step of 8 positions 1.9 -> 1.5 ms); elsewhere in the target's dtype. Proposals are verified as
     ever, so the output does not depend on it."""
     from pdflash.draft.model import load_draft
+    from pdflash.offload.threads import SMALL_HIDDEN
 
-    return load_draft(draft_dir, rt.model, dtype=torch.float32 if rt.device.type == "cpu" else None)
+    cpu = rt.device.type == "cpu"
+    draft = load_draft(draft_dir, rt.model, dtype=torch.float32 if cpu else None)
+    if cpu and draft.config.hidden_size < SMALL_HIDDEN:
+        draft.use_native()
+    return draft
 
 
 def speculative_options(

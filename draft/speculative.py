@@ -551,11 +551,10 @@ def speculative_generate(
                 hidden = draft(draft.block_ids(tokens[-1], b, device), start, context=context)  # [1, b, H]
                 if route_ahead is not None:
                     route_ahead.after_draft(hidden)
-                dlogits = draft.head(hidden[:, 1:])[0]  # [n, V]
                 if greedy:
-                    proposals = dlogits.argmax(-1)
+                    proposals = draft.propose(hidden[0, 1:])  # [n]
                 else:
-                    draft_probs = _probs(dlogits, temperature)
+                    draft_probs = _probs(draft.head(hidden[:, 1:])[0], temperature)  # [n, V]
                     proposals = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
                 if oracle is not None:
                     proposals = torch.tensor(oracle.propose(tokens, n), dtype=torch.long, device=device)
