@@ -208,3 +208,20 @@ def test_c_draft_stress_quick(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("draft_stress: ") and last.endswith(" 0 failed") and not last.startswith("draft_stress: 0 passed")
+
+
+def test_bench_draft_pass_runs_and_reports(tmp_path):
+    """benchmarks/bench_draft_pass.py: both paths timed, agreeing, written as JSON; bad flags refused."""
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_draft_pass.py")
+    out = tmp_path / "dp.json"
+    run = subprocess.run([sys.executable, bench, "--blocks", "2,4", "--steps", "3", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    res = json.loads(out.read_text())
+    for b in ("2", "4"):
+        row = res["blocks"][b]
+        assert row["same_proposals"] and row["max_abs_diff"] < 1e-4 and row["native_us"] > 0 and row["operators_us"] > 0
+    bad = subprocess.run([sys.executable, bench, "--blocks", "x"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "error: --blocks" in bad.stderr and "Traceback" not in bad.stderr
