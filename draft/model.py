@@ -304,7 +304,7 @@ class DFlashDraftModel(nn.Module):
         if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
             return False
         from pdflash.native import NativeLibraryMissing
-        from pdflash.native.draft_pass import DraftPass, DraftShape
+        from pdflash.native.draft_pass import DraftPass, DraftPassError, DraftShape
 
         cfg = self.config
         held: list[tuple[dict, str, torch.Tensor, int]] = []
@@ -343,7 +343,7 @@ class DFlashDraftModel(nn.Module):
         try:
             self._native = DraftPass(shape, fc, hold(self.hidden_norm, "weight"), hold(self.norm, "weight"),
                                      layers, windows, level=level)
-        except NativeLibraryMissing:
+        except (NativeLibraryMissing, DraftPassError):  # no library, or a shape it does not take
             return False
         self._native_held = held
         return True

@@ -55,6 +55,7 @@ LAYER_TENSORS = ("input_norm", "post_norm", "w_qkv", "b_qkv", "q_norm", "k_norm"
 
 
 MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")
+MAX_HEAD_DIM = 1024  # pf_draft.c's limit
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
@@ -72,6 +73,9 @@ class DraftPass:
                  layers: list[dict[str, torch.Tensor | None]], windows: list[int], level: str | None = None):
         self.ffi, self.lib = _load()
         s = shape
+        if min(s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.features) < 1 or s.heads % s.kv_heads \
+                or s.head_dim % 2 or s.head_dim > MAX_HEAD_DIM or not s.eps >= 0:
+            raise DraftPassError(f"the native draft pass does not take this shape: {s}")
         self.shape = s
         self.matrices_dtype = fc.dtype
         qkv = (s.heads + 2 * s.kv_heads) * s.head_dim

@@ -172,6 +172,21 @@ def test_kernel_refuses_bad_inputs_with_one_clear_error(pair):
     shape = DraftShape(32, 4, 2, 8, 64, 96, 1e-5)
     with pytest.raises(DraftPassError, match="fc must be"):
         DraftPass(shape, torch.randn(32, 95), torch.ones(32), torch.ones(32), [], [])
+    with pytest.raises(DraftPassError, match="does not take this shape"):
+        DraftPass(DraftShape(32, 4, 3, 8, 64, 96, 1e-5), torch.randn(32, 96), torch.ones(32), torch.ones(32), [], [])
+
+
+def test_a_shape_the_kernel_does_not_take_stays_on_the_operators(pair, monkeypatch):
+    import pdflash.native.draft_pass as dp
+
+    monkeypatch.setattr(dp, "MAX_HEAD_DIM", 4)  # the tiny draft's head_dim is 8
+    target, root = pair
+    draft = load_draft(root / "draft", target)
+    assert not draft.use_native() and not draft.native
+    feats = torch.randn(1, 5, 3 * 32)
+    block = draft.block_ids(3, 4, "cpu")
+    draft.append_context(feats)
+    torch.testing.assert_close(draft(block, start=5), reference_hidden(draft, feats, block), rtol=1e-5, atol=1e-5)
 
 
 def test_runtime_draft_is_native_on_the_cpu_and_lossless():
