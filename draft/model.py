@@ -300,8 +300,7 @@ class DFlashDraftModel(nn.Module):
         attn0 = self.layers[0].self_attn
         if attn0._qkv is None or self.layers[0].mlp._gate_up is None:
             return False
-        params = [p for p in self.parameters()]
-        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
+        if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in self.parameters()):
             return False
         from pdflash.native import NativeLibraryMissing
         from pdflash.native.draft_pass import DraftPass, DraftPassError, DraftShape
@@ -320,7 +319,8 @@ class DFlashDraftModel(nn.Module):
             a, mlp = layer.self_attn, layer.mlp
             # the stacked layers hold views of the stacked weights the kernel reads
             for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                hold(lin, "weight"), hold(lin, "bias")
+                hold(lin, "weight")
+                hold(lin, "bias")
             layers.append({
                 "input_norm": hold(layer.input_layernorm, "weight"), "post_norm": hold(layer.post_attention_layernorm, "weight"),
                 "w_qkv": a._qkv.weight, "b_qkv": a._qkv.bias, "q_norm": hold(a.q_norm, "weight"),
@@ -331,13 +331,11 @@ class DFlashDraftModel(nn.Module):
         fc = hold(self.fc, "weight")
         # Matrices that are bf16 values (a bf16 checkpoint widened to float32) go to the kernel as
         # bf16 copies: half the bytes to read each step, the same products.
-        matrices = [fc] + [layer[k] for layer in layers for k in ("w_qkv", "w_o", "w_gate_up", "w_down")]
-        halves = [m.to(torch.bfloat16) for m in matrices]
-        if all(torch.equal(h.float(), m) for h, m in zip(halves, matrices)):
-            fc = halves[0]
-            for i, layer in enumerate(layers):
-                for j, k in enumerate(("w_qkv", "w_o", "w_gate_up", "w_down")):
-                    layer[k] = halves[1 + 4 * i + j]
+        names = ("w_qkv", "w_o", "w_gate_up", "w_down")
+        if all(torch.equal(m.to(torch.bfloat16).float(), m) for m in [fc] + [layer[k] for layer in layers for k in names]):
+            fc = fc.to(torch.bfloat16)
+            for layer in layers:
+                layer.update({k: layer[k].to(torch.bfloat16) for k in names})
         shape = DraftShape(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            cfg.intermediate_size, self.fc.in_features, float(cfg.rms_norm_eps))
         try:
