@@ -789,10 +789,9 @@ int pf_submit_after(pf_sched *s, uint64_t key, const void *src, void *dst, uint6
     map_put(&s->by_ticket, t, 0);
     q_push(s, t);
     s->st.level[priority].submitted++;
-    int wake = s->idle_workers > 0;
+    if (s->idle_workers) pthread_cond_signal(&s->work_cv);
     *ticket = t->ticket;
     pthread_mutex_unlock(&s->mu);
-    if (wake) pthread_cond_signal(&s->work_cv); /* after unlocking: the woken worker finds the mutex free */
     return 0;
 }
 
