@@ -31,7 +31,9 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
 - B = 1 is priced by what plain decoding measurably costs: the median of recent plain steps that
   followed a plain step (the first plain step after speculative ones pays for the cache the wider
   verify blocks left behind). Every ``remeasure_plain_every`` speculative steps in a row two plain
-  steps keep that price current (plain steps get slower as the context grows).
+  steps keep that price current (plain steps get slower as the context grows), unless the recent
+  drafted steps realize more than ``remeasure_unless`` times plain decoding's rate, when no
+  plausible drift of that price could make plain decoding the choice.
 - Floor: when the last ``floor_window`` drafted steps together committed fewer than ``floor`` times
   steady plain decoding's tokens per second, plain decoding becomes the incumbent whatever the
   predictions (a draft that does not fit the text), and stays so until a probe commits at least
@@ -166,6 +168,7 @@ class BlockPlanner:
         max_probe_interval: int = 64,
         min_repeat_gap: int = 4,
         remeasure_plain_every: int = 24,
+        remeasure_unless: float | None = 1.5,
         acceptance: AcceptanceModel | None = None,
         clock: Callable[[], float] | None = None,
     ):
@@ -190,6 +193,7 @@ class BlockPlanner:
         self._repeat_probe = False
         self._probe_interval = probe_every  # doubles after each probe that leaves plain decoding ahead
         self.remeasure_plain_every = remeasure_plain_every
+        self.remeasure_unless = remeasure_unless
         self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1), prior_mean=0.6, prior_weight=4.0, decay=0.9)
         self._incumbent: int | None = None  # the block length being run (None during the cold start)
         self._spec_run = 0  # speculative steps in a row
@@ -315,12 +319,27 @@ class BlockPlanner:
     def _below_floor(self) -> bool:
         """The last ``floor_window`` drafted steps together committed fewer than ``floor`` times
         steady plain decoding's tokens per second."""
-        plain = self._plain_steady.value
-        if len(self._window) < (self._window.maxlen or 0) or not plain:
+        if len(self._window) < (self._window.maxlen or 0):
             return False
-        tokens = sum(c for c, _ in self._window)
+        ratio = self._realized_ratio()
+        return ratio is not None and ratio < self.floor
+
+    def _realized_ratio(self) -> float | None:
+        """Tokens per second of the recent drafted steps (the floor's window) over steady plain
+        decoding's; None before both are measured."""
+        plain = self._plain_steady.value
         seconds = sum(t for _, t in self._window)
-        return seconds > 0 and tokens / seconds < self.floor / plain
+        if not plain or not self._window or seconds <= 0:
+            return None
+        return sum(c for c, _ in self._window) / seconds * plain
+
+    def _clearly_ahead(self) -> bool:
+        """The recent drafted steps realize more than ``remeasure_unless`` times plain decoding's
+        rate: plain decoding would have to have become that much faster than measured, relative to
+        the drafted steps, to be chosen (at the 30 % margin, 15 % for 1.5), so the periodic
+        re-measurement is skipped (it costs two plain steps where drafting pays most)."""
+        ratio = self._realized_ratio()
+        return self.remeasure_unless is not None and ratio is not None and ratio > self.remeasure_unless
 
     def _best_speculative(self, limit: int) -> Choice:
         return self._fastest(self._candidates(2, limit)) or self._candidate(min(self.home_block, limit))
@@ -365,7 +384,7 @@ class BlockPlanner:
                 self.report.probes += 1  # the text repeats itself: look now, the interval unchanged
                 self._probe = self._repeat_probe = True
                 best = self._best_speculative(limit)
-            elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every:
+            elif best.block > 1 and self._spec_run + 1 >= self.remeasure_plain_every and not self._clearly_ahead():
                 self.report.probes += 1  # two plain steps keep B = 1's steady time measured
                 self._forced_plain = 1
                 best = self._candidate(1)

@@ -149,12 +149,27 @@ def test_probes_bring_speculation_back_when_the_draft_is_right_again():
 
 
 def test_a_plain_step_is_remeasured_among_long_speculative_runs():
-    p = planner(link_gbps=1000, remeasure_plain_every=5)
+    p = planner(link_gbps=1000, remeasure_plain_every=5, remeasure_unless=None)
     teach(p, accept_rate=0.95)
     steady = p._plain_steady.count
     chosen = [step(p, seconds=lambda b: 0.005 if b == 1 else 0.006) for _ in range(12)]
     assert chosen == [8, 8, 8, 8, 1, 1, 8, 8, 8, 8, 1, 1]  # two plain steps: the second is the steady one
     assert p._plain_steady.count == steady + 2
+
+
+def test_the_remeasurement_is_skipped_only_while_drafting_is_far_ahead():
+    """Blocks of 8 committing 8 tokens in 6 ms against plain's 1 in 5 ms (6.7x): no plain steps.
+    The same blocks committing 2 tokens in 8 ms (1.25x: plain 15 % faster would come within the
+    margin): the two plain steps come as before."""
+    p = planner(link_gbps=1000, remeasure_plain_every=5)
+    teach(p, accept_rate=0.95)
+    assert [step(p, seconds=lambda b: 0.005 if b == 1 else 0.006) for _ in range(12)] == [8] * 12
+    assert p._realized_ratio() == pytest.approx(8 / 0.006 * p._plain_steady.value)
+    p = planner(link_gbps=1000, remeasure_plain_every=5)
+    teach(p, accept_rate=0.95)
+    chosen = [step(p, accepted=1, seconds=lambda b: 0.005 if b == 1 else 0.008) for _ in range(6)]
+    assert p._realized_ratio() is not None and 1.0 < p._realized_ratio() < 1.5
+    assert chosen[:6] == [8, 8, 8, 8, 1, 1] and p.report.probes == 1, chosen
 
 
 def test_plain_decoding_is_priced_by_its_steady_steps_not_the_first_after_speculation():
