@@ -20,6 +20,7 @@ import torch
 
 from pdflash import PdflashError
 from pdflash.native import NativeLibraryMissing
+from pdflash.native import _load as load_library  # the library itself, with its missing-build error
 from pdflash.native.cpu_experts import LEVELS, CpuLevelUnsupported
 
 
@@ -28,15 +29,10 @@ class DraftPassError(PdflashError):
 
 
 def _load():
-    try:
-        from pdflash.native import _pf_sched  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise NativeLibraryMissing(
-            f"the native library is not built ({exc}); run 'pdflash build-native' or 'pip install -e .'"
-        ) from None
-    if not hasattr(_pf_sched.lib, "pf_draft_pass"):
+    ffi, lib = load_library()
+    if not hasattr(lib, "pf_draft_pass"):
         raise NativeLibraryMissing("the native library predates the draft pass; run 'pdflash build-native'")
-    return _pf_sched.ffi, _pf_sched.lib
+    return ffi, lib
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,12 @@ the wrapper slices), 1..4 threads, MXFP4 / bf16 / float32 weights, float32 and b
 and sizes that do not divide evenly among the threads or the vector widths.
 """
 
-import os
-import shutil
-import subprocess
 import threading
 
 import pytest
 import torch
 
+import stress_programs
 from pdflash.native import NativeLibraryMissing
 from pdflash.native.cpu_experts import (
     LEVELS,
@@ -314,19 +312,10 @@ def test_level_from_environment(monkeypatch):
         CpuExperts(threads=1)
 
 
-@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+@pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
 def test_c_stress_quick(tmp_path):
     """native/stress/cpu_stress.c (the Makefile runs it under the sanitizers), built plainly."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    exe = tmp_path / "cpu_stress"
-    native = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
-    subprocess.run([cc, "-std=c11", "-O2", "-pthread", f"-I{native}", "-o", str(exe),
-                    os.path.join(native, "stress", "cpu_stress.c"), os.path.join(native, "pf_cpu.c"), "-lm"],
-                   check=True)
-    out = subprocess.run([str(exe), "--quick", "--seed", "7"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("cpu_stress: ") and last.endswith(" 0 failed") and not last.startswith("cpu_stress: 0 passed")
+    stress_programs.run_quick(tmp_path, "cpu_stress", ["pf_cpu.c"])
 
 
 @pytest.mark.parametrize("level", LEVELS_HERE)

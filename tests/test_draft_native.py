@@ -4,7 +4,6 @@ its bf16 matrices; the fallbacks; the greedy head against PyTorch's; errors; the
 
 import json
 import os
-import shutil
 import subprocess
 
 import pytest
@@ -14,22 +13,18 @@ from pdflash.draft import load_draft, write_synthetic_draft
 from pdflash.draft.model import DFlashDraftModel
 from pdflash.native.cpu_experts import LEVELS, detect_level
 from pdflash.native.draft_pass import DraftPass, DraftPassError, DraftShape
-from test_draft_model import reference_hidden, tiny_target
+import stress_programs
+import test_draft_model
+from test_draft_model import reference_hidden
+
+pair = test_draft_model.pair  # the fixture: a tiny float32 target, its synthetic draft and their folder
 
 LEVELS_HERE = [lv for lv in ("scalar", "avx2") if LEVELS.index(lv) <= LEVELS.index(detect_level())]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("native_pair")
-    target = tiny_target()
-    target.config.save_pretrained(root / "target")
-    write_synthetic_draft(root / "draft", "tiny", target_dir=root / "target", seed=3)
-    return target, root
-
-
 def native_draft(pair, level=None, **kwargs):
-    target, root = pair
+    """A fresh draft of the ``pair`` fixture (target, draft, root) with the native pass on."""
+    target, _, root = pair
     draft = load_draft(root / "draft", target, **kwargs)
     assert draft.use_native(level=level) and draft.native
     return draft
@@ -39,7 +34,7 @@ def native_draft(pair, level=None, **kwargs):
 def test_native_forward_matches_the_reference(pair, level):
     """Context appended a few tokens at a time, then in the forward itself: the native pass
     gives the reference's hidden rows and the PyTorch operators' cache."""
-    target, root = pair
+    target, _, root = pair
     draft = native_draft(pair, level)
     torch.manual_seed(0)
     feats = torch.randn(1, 9, 3 * 32)
@@ -63,7 +58,7 @@ def test_native_forward_matches_the_reference(pair, level):
 def test_native_sliding_window_and_block_sizes_match_the_operators(pair):
     """Mixed sliding / full layers, blocks of 1..8 after growing context (the cache doubling on
     the way): the native pass and PyTorch's operators agree step by step."""
-    target, root = pair
+    target, _, root = pair
     cfg = json.loads((root / "draft" / "config.json").read_text())
     cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     from pdflash.draft.config import DFlashConfig
@@ -90,7 +85,7 @@ def test_native_sliding_window_and_block_sizes_match_the_operators(pair):
 def test_bf16_checkpoint_reads_bf16_matrices_with_the_same_results(tmp_path, pair):
     """A bf16 draft loaded in float32 (as generate does on a CPU): the kernel reads bf16 copies
     of the matrices, with the products of the float32 weights."""
-    target, root = pair
+    target, _, root = pair
     write_synthetic_draft(tmp_path / "d16", "tiny", target_dir=root / "target", seed=4, dtype="bfloat16")
     native = load_draft(tmp_path / "d16", target, dtype=torch.float32)
     assert native.use_native() and native._native.matrices_dtype == torch.bfloat16
@@ -103,7 +98,7 @@ def test_bf16_checkpoint_reads_bf16_matrices_with_the_same_results(tmp_path, pai
 
 
 def test_replaced_or_moved_weights_leave_the_native_pass(pair):
-    target, root = pair
+    target, _, root = pair
     draft = native_draft(pair)
     torch.manual_seed(5)
     feats = torch.randn(1, 6, 3 * 32)
@@ -127,7 +122,7 @@ def test_replaced_or_moved_weights_leave_the_native_pass(pair):
 def test_native_greedy_head_matches_the_head(pair, head_dtype):
     """propose() through the native head gives the head's argmax (bf16 weights: the rows and
     logits rounded as a bf16 head rounds them), wherever the two best logits are apart."""
-    target, _ = pair
+    target, _, _ = pair
     draft = native_draft(pair)
     torch.manual_seed(7)
     head = torch.nn.Linear(32, 3000, bias=False).to(head_dtype)
@@ -180,7 +175,7 @@ def test_a_shape_the_kernel_does_not_take_stays_on_the_operators(pair, monkeypat
     import pdflash.native.draft_pass as dp
 
     monkeypatch.setattr(dp, "MAX_HEAD_DIM", 4)  # the tiny draft's head_dim is 8
-    target, root = pair
+    target, _, root = pair
     draft = load_draft(root / "draft", target)
     assert not draft.use_native() and not draft.native
     feats = torch.randn(1, 5, 3 * 32)
@@ -210,19 +205,10 @@ def test_runtime_draft_is_native_on_the_cpu_and_lossless():
         assert draft.native
 
 
-@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+@pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
 def test_c_draft_stress_quick(tmp_path):
     """native/stress/draft_stress.c (the Makefile runs it under the sanitizers), built plainly."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    exe = tmp_path / "draft_stress"
-    native = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
-    subprocess.run([cc, "-std=c11", "-O2", "-pthread", f"-I{native}", "-o", str(exe),
-                    os.path.join(native, "stress", "draft_stress.c"), os.path.join(native, "pf_draft.c"),
-                    os.path.join(native, "pf_cpu.c"), "-lm"], check=True)
-    out = subprocess.run([str(exe), "--quick", "--seed", "7"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("draft_stress: ") and last.endswith(" 0 failed") and not last.startswith("draft_stress: 0 passed")
+    stress_programs.run_quick(tmp_path, "draft_stress", ["pf_draft.c", "pf_cpu.c"])
 
 
 def test_bench_draft_pass_runs_and_reports(tmp_path):

@@ -31,22 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int passed, failed;
-static pthread_mutex_t count_mu = PTHREAD_MUTEX_INITIALIZER;
-
-static void count(int ok, const char *what) {
-    pthread_mutex_lock(&count_mu);
-    if (ok)
-        passed++;
-    else {
-        failed++;
-        fprintf(stderr, "FAIL: %s\n", what);
-    }
-    pthread_mutex_unlock(&count_mu);
-}
-#define STR2(x) #x
-#define STR(x) STR2(x)
-#define CHECK(cond) count((cond), #cond " (" __FILE__ ":" STR(__LINE__) ")")
+#include "check.h"
 
 static uint64_t rng_next(uint64_t *s) {
     *s ^= *s << 13;
@@ -558,6 +543,5 @@ int main(int argc, char **argv) {
     phase_pool(quick, seed);
     printf("pool: %d passed, %d failed\n", passed, failed);
     phase_shared(quick, seed);
-    printf("cpu_stress: %d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    return report("cpu_stress");
 }

@@ -29,19 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int passed, failed;
-static pthread_mutex_t count_mu = PTHREAD_MUTEX_INITIALIZER;
-
-static void count(int ok, const char *what) {
-    pthread_mutex_lock(&count_mu);
-    if (ok)
-        passed++;
-    else {
-        failed++;
-        fprintf(stderr, "FAIL: %s\n", what);
-    }
-    pthread_mutex_unlock(&count_mu);
-}
+#include "check.h"
 
 static _Thread_local unsigned long long rng_state;
 static double urand(void) { /* xorshift64*, [0, 1) */
@@ -437,6 +425,5 @@ int main(int argc, char **argv) {
     for (int i = 0; i < NT; i++) pthread_join(th[i], NULL);
     for (int i = 0; i < NT; i++) free(want[i]);
     model_free(&M);
-    printf("draft_stress: %d passed, %d failed\n", passed, failed);
-    return failed ? 1 : 0;
+    return report("draft_stress");
 }
