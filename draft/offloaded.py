@@ -264,7 +264,8 @@ def generate_with_draft(
     committed token, decode rate so far; elapsed counts decode time only), ``on_verify`` this
     module's :class:`StepInfo` of the pass. Extra fields: ``draft``, ``block_size``,
     ``verify_steps``, ``acceptance_length``, ``acceptance_per_position``, ``draft_ms``,
-    ``verify_ms``, ``route_ahead`` (None when off) and, in oracle-acceptance mode only,
+    ``verify_ms``, ``route_ahead`` (None when off), ``draft_pass`` ("native": the native CPU draft
+    pass, or "operators": PyTorch's) and, in oracle-acceptance mode only,
     ``oracle_acceptance`` = P with the oracle's divergence counters.
     """
     from pdflash.offload.generate import GenerationResult
@@ -311,6 +312,7 @@ def generate_with_draft(
         "verify_ms": st.verify_seconds * 1e3,
         "route_ahead": res.route_ahead,
         "copied_steps": st.copied_steps,
+        "draft_pass": "native" if draft.native else "operators",  # how the draft's passes ran at the end
     }
     if res.planner is not None:
         extra["planner"] = res.planner

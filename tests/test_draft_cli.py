@@ -89,6 +89,7 @@ def test_generate_with_draft_is_lossless_and_reports_speculation(run, mx_pair):
     assert len(spec["acceptance_per_position"]) == 2 and spec["draft_ms"] >= 0 and spec["verify_ms"] > 0
     assert spec["cache"]["slots"] == 6 and "oracle_acceptance" not in spec
     assert spec["route_ahead"] is None  # the default predictor is none (draft.offloaded.DEFAULT_PREDICTOR)
+    assert spec["draft_pass"] == "native"  # a small float32 draft on the CPU runs through pf_draft.c
     code, out, err = _gen(run, mx_pair, "--json", "--draft", mx_pair / "draft", "--block-size", 3,
                           "--expert-cache-experts", 6, "--route-ahead-predictor", "previous")
     assert code == 0, err
