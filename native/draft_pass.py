@@ -20,7 +20,7 @@ import torch
 
 from pdflash import PdflashError
 from pdflash.native import NativeLibraryMissing
-from pdflash.native import _load as load_library  # the library itself, with its missing-build error
+from pdflash.native import _load as load_library  # the library, or NativeLibraryMissing saying how to build it
 from pdflash.native.cpu_experts import LEVELS, CpuLevelUnsupported
 
 
@@ -48,9 +48,7 @@ class DraftShape:
 
 # Per layer, in this order; a None bias means the layer has none.
 LAYER_TENSORS = ("input_norm", "post_norm", "w_qkv", "b_qkv", "q_norm", "k_norm", "w_o", "b_o", "w_gate_up", "w_down")
-
-
-MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")
+MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")  # float32, or all bf16 (fc with them)
 MAX_HEAD_DIM = 1024  # pf_draft.c's limit
 
 
@@ -60,14 +58,15 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-def _check_f32(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    _check(name, t, shape)
-
-
 class DraftPass:
+    """The kernel over one draft's weights (see the module docstring); ``level`` forces a CPU
+    level ("scalar", "avx2"; default: the best this CPU runs)."""
+
     def __init__(self, shape: DraftShape, fc: torch.Tensor, hidden_norm: torch.Tensor, norm: torch.Tensor,
                  layers: list[dict[str, torch.Tensor | None]], windows: list[int], level: str | None = None):
         self.ffi, self.lib = _load()
+        if level is not None and level not in LEVELS:
+            raise DraftPassError(f"unknown CPU level {level!r}; one of {', '.join(LEVELS)}")
         s = shape
         if min(s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.features) < 1 or s.heads % s.kv_heads \
                 or s.head_dim % 2 or s.head_dim > MAX_HEAD_DIM or not s.eps >= 0:
@@ -82,8 +81,8 @@ class DraftPass:
         if mdtype not in (torch.float32, torch.bfloat16):
             raise DraftPassError(f"the draft's matrices must be float32 or bf16, got {mdtype}")
         _check("fc", fc, (s.hidden, s.features), mdtype)
-        _check_f32("hidden_norm", hidden_norm, (s.hidden,))
-        _check_f32("norm", norm, (s.hidden,))
+        _check("hidden_norm", hidden_norm, (s.hidden,))
+        _check("norm", norm, (s.hidden,))
         if len(windows) != len(layers) or not layers:
             raise DraftPassError(f"{len(layers)} layers but {len(windows)} window sizes")
         self._keep: list[torch.Tensor] = [fc, hidden_norm, norm]
@@ -136,10 +135,10 @@ class DraftPass:
         n = b = 0
         fptr = xptr = ffi.NULL
         if features is not None and features.shape[0]:
-            _check_f32("features", features, (features.shape[0], s.features))
+            _check("features", features, (features.shape[0], s.features))
             n, fptr = features.shape[0], ffi.cast("float *", features.data_ptr())
         if x is not None and x.shape[0]:
-            _check_f32("x", x, (x.shape[0], s.hidden))
+            _check("x", x, (x.shape[0], s.hidden))
             b, xptr = x.shape[0], ffi.cast("float *", x.data_ptr())
         rc = self.lib.pf_draft_pass(self._model, ffi.cast("float *", keys.data_ptr()),
                                     ffi.cast("float *", values.data_ptr()), keys.shape[3], length, fptr, n, xptr, b,
@@ -155,7 +154,7 @@ class DraftPass:
                 or not weight.is_contiguous() or weight.dim() != 2:
             raise DraftPassError(f"head weight must be a contiguous float32 or bf16 CPU matrix, got {weight.dtype} "
                                  f"{tuple(weight.shape)}")
-        _check_f32("hidden", hidden, (hidden.shape[0], weight.shape[1]))
+        _check("hidden", hidden, (hidden.shape[0], weight.shape[1]))
         out = torch.empty(hidden.shape[0], dtype=torch.long)
         if not hidden.shape[0]:
             return out

@@ -167,6 +167,8 @@ def test_kernel_refuses_bad_inputs_with_one_clear_error(pair):
     shape = DraftShape(32, 4, 2, 8, 64, 96, 1e-5)
     with pytest.raises(DraftPassError, match="fc must be"):
         DraftPass(shape, torch.randn(32, 95), torch.ones(32), torch.ones(32), [], [])
+    with pytest.raises(DraftPassError, match="unknown CPU level 'sse9'"):
+        DraftPass(k.shape, draft.fc.weight, draft.hidden_norm.weight, draft.norm.weight, [], [], level="sse9")
     with pytest.raises(DraftPassError, match="does not take this shape"):
         DraftPass(DraftShape(32, 4, 3, 8, 64, 96, 1e-5), torch.randn(32, 96), torch.ones(32), torch.ones(32), [], [])
 
