@@ -75,6 +75,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
+class _Held:
+    """Parameters read outside their modules (a stacked product, the native pass), as they were
+    when recorded: ``intact()`` is False once any was reassigned or had its storage swapped
+    (``Module.to`` replaces a parameter's data in place, hence the data pointer as well as the object)."""
+
+    def __init__(self, modules: Sequence[nn.Module] = (), names: Sequence[str] = ("weight", "bias")):
+        self._held: list[tuple[dict, str, torch.Tensor | None, int | None]] = []
+        for module in modules:
+            for name in names:
+                self.add(module, name)
+
+    def add(self, module: nn.Module, name: str) -> torch.Tensor | None:
+        """Record ``module.<name>`` (a parameter, or None); returns it."""
+        t = getattr(module, name)
+        self._held.append((module._parameters, name, t, None if t is None else t.data_ptr()))
+        return t
+
+    def intact(self) -> bool:
+        for params, name, t, ptr in self._held:
+            if params.get(name) is not t or (t is not None and t.data_ptr() != ptr):
+                return False
+        return True
+
+
 class _Stacked:
     """Linear layers that read the same input, run as one product.
 
@@ -99,13 +123,11 @@ class _Stacked:
             if self.bias is not None:
                 lin.bias = nn.Parameter(self.bias[row : row + n], requires_grad=lin.bias.requires_grad)
             row += n
-        self._held = [(lin.weight, lin.bias, lin.weight.data_ptr()) for lin in self.linears]
+        self._held = _Held(self.linears)
 
     def intact(self) -> bool:
-        """Every layer still holds its view (``Module.to`` swaps a parameter's data in place,
-        hence the data pointer as well as the object)."""
-        return all(lin.weight is w and lin.bias is b and w.data_ptr() == ptr
-                   for lin, (w, b, ptr) in zip(self.linears, self._held))
+        """Every layer still holds the view it was given."""
+        return self._held.intact()
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.intact():
@@ -268,7 +290,7 @@ class DFlashDraftModel(nn.Module):
         self._shared = (embed_tokens, lm_head)  # a tuple: not registered, not in state_dict
         self.cache: DraftKVCache | None = None
         self._native = None  # a pdflash.native.draft_pass.DraftPass over these weights (use_native)
-        self._native_held: list[tuple[dict, str, torch.Tensor, int]] = []  # (module params, name, tensor, data pointer)
+        self._native_held = _Held()  # the parameters the native pass reads
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos / sin [P, D] by position
 
     @property
@@ -296,25 +318,23 @@ class DFlashDraftModel(nn.Module):
         runs as PyTorch operators (the same maths; both keep the one cache). Matrices that hold
         bf16 values are read from bf16 copies made here: a weight changed in place afterwards
         (same tensor, same storage) is not seen until ``use_native`` runs again."""
-        self._native, self._native_held = None, []
+        self._native, self._native_held = None, _Held()
         if not enable:
             return False
         attn0 = self.layers[0].self_attn
         if attn0._qkv is None or self.layers[0].mlp._gate_up is None:
             return False
+        rope_type = getattr(self.rotary_emb, "rope_type", "default")
+        if "dynamic" in rope_type or rope_type == "longrope":  # frequencies that follow the longest position:
+            return False  # a table by position would not reproduce them
         if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in self.parameters()):
             return False
         from pdflash.native import NativeLibraryMissing
         from pdflash.native.draft_pass import DraftPass, DraftPassError, DraftShape
 
         cfg = self.config
-        held: list[tuple[dict, str, torch.Tensor, int]] = []
-
-        def hold(module: nn.Module, name: str) -> torch.Tensor | None:
-            t = getattr(module, name)
-            if t is not None:
-                held.append((module._parameters, name, t, t.data_ptr()))
-            return t
+        held = _Held()
+        hold = held.add
 
         layers, windows = [], []
         for layer in self.layers:
@@ -358,10 +378,9 @@ class DFlashDraftModel(nn.Module):
         same tensor on the same storage); if not, it turns off for good."""
         if self._native is None:
             return False
-        for params, name, t, ptr in self._native_held:
-            if params.get(name) is not t or t.data_ptr() != ptr:
-                self._native, self._native_held = None, []  # a weight changed: PyTorch operators from now on
-                return False
+        if not self._native_held.intact():
+            self._native, self._native_held = None, _Held()  # a weight changed: PyTorch operators from now on
+            return False
         return True
 
     def propose(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -233,3 +233,13 @@ def test_bench_draft_pass_runs_and_reports(tmp_path):
         assert row["same_proposals"] and row["max_abs_diff"] < 1e-4 and row["native_us"] > 0 and row["operators_us"] > 0
     bad = subprocess.run([sys.executable, bench, "--blocks", "x"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "error: --blocks" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rotary_that_follows_the_longest_position_stays_on_the_operators(pair, rope_type):
+    """Dynamic and longrope frequencies change with the longest position seen, which a table by
+    position cannot reproduce: such a draft is not run natively."""
+    target, _, root = pair
+    draft = load_draft(root / "draft", target)
+    draft.rotary_emb.rope_type = rope_type
+    assert not draft.use_native() and not draft.native
