@@ -107,8 +107,8 @@ def instrumentation_checks(samples: list[dict]) -> dict:
     refresh = sum(s["oracle_refreshes"] or 0 for s in samples)
     checks["oracle_refreshes"] = {"ok": refresh == 0, "count": refresh,
                                   "note": "refresh forwards (oracle divergence repair) run inside the decode window"
-                                  + ("; in bf16 on random weights, block and single-token forwards round apart: "
-                                     "--dtype float32 avoids the repairs" if refresh else "")}
+                                  + ("; blocks of different lengths round apart in a 16-bit dtype unless every verify "
+                                     "pass runs fixed rows (batch-invariant verify)" if refresh else "")}
     return checks
 
 

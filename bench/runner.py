@@ -117,7 +117,7 @@ class PriorityBench:
     def prepare(self) -> None:
         """Untimed per-prompt work: the greedy reference (oracle-acceptance mode) and the oracle
         arm's recorded verify experts."""
-        from pdflash.draft.offloaded import oracle_reference
+        from pdflash.draft.offloaded import fixed_rows, oracle_reference, verify_decoder
         from pdflash.offload.prompt import check_context
 
         rt, cfg = self.rt, self.cfg
@@ -127,12 +127,9 @@ class PriorityBench:
             ref = None
             if cfg.draft_acceptance is not None:  # from the verify path's arithmetic (draft/oracle.py)
                 self.configure("on-demand")
-                decoder = None
-                if rt.device.type == "cuda":
-                    from pdflash.offload.graphs import GraphedDecoder
-
-                    decoder = GraphedDecoder.shared(rt, len(prompt) + cfg.max_new_tokens)
-                    decoder.prepare(len(prompt), tokens=range(1, self.budget.block_size + 1))
+                rows = fixed_rows(rt, self.draft.config.block_size, cfg.draft_acceptance)
+                decoder = verify_decoder(rt, len(prompt) + cfg.max_new_tokens, rows, at=len(prompt),
+                                         blocks=range(1, self.budget.block_size + 1))
                 ref = oracle_reference(rt, prompt, cfg.max_new_tokens, self.budget.block_size, decoder=decoder)
             self.references.append(ref)
             plan = None
@@ -183,6 +180,7 @@ class PriorityBench:
     def _speculate_oracle(self, pi: int, on_step):
         """The oracle arm: ``speculative_generate`` with the arguments ``speculative_on_runtime``
         gives it, the route-ahead predictor replaced by the recorded verify experts."""
+        from pdflash.draft.offloaded import fixed_rows, verify_decoder
         from pdflash.draft.route_ahead import RouteAhead, window_for_cache
         from pdflash.draft.speculative import make_oracle, speculative_generate
 
@@ -197,12 +195,10 @@ class PriorityBench:
                         window_layers=window_for_cache(rt.cache.capacity, b.num_experts, b.top_k, b.block_size))
         ra.predictor = _replay_predictor(self.oracle_plans[pi])
         ra.report.predictor = ra.predictor.name
-        decoder = None
-        if rt.device.type == "cuda":  # the graphed path, as speculative_on_runtime takes there
-            from pdflash.offload.graphs import GraphedDecoder
-
-            decoder = GraphedDecoder.shared(rt, len(prompt) + cfg.max_new_tokens)
-            decoder.prepare(len(prompt), tokens=sorted({1, b.block_size}))
+        # the verify path speculative_on_runtime takes (graphed on CUDA, fixed rows in bf16 oracle mode)
+        decoder = verify_decoder(rt, len(prompt) + cfg.max_new_tokens,
+                                 fixed_rows(rt, self.draft.config.block_size, cfg.draft_acceptance),
+                                 at=len(prompt), blocks=sorted({1, b.block_size}))
         try:
             return speculative_generate(rt.model, self.draft, prompt, cfg.max_new_tokens, block_size=b.block_size,
                                         eos_token_ids=[], route_ahead=ra, oracle=oracle, on_step=on_step,

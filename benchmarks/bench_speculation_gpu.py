@@ -81,9 +81,8 @@ def _moved(rt) -> float:
 
 def run_dtype(args, dtype: str, trained: int) -> list[dict]:
     from pdflash.draft import load_draft
-    from pdflash.draft.offloaded import oracle_reference, speculative_on_runtime
+    from pdflash.draft.offloaded import fixed_rows, oracle_reference, speculative_on_runtime, verify_decoder
     from pdflash.offload.generate import generate
-    from pdflash.offload.graphs import GraphedDecoder
     from pdflash.offload.runtime import OffloadedModel
 
     graphs = args.device.startswith("cuda")
@@ -103,11 +102,15 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in ["auto"] + [f"B{b}" for b in blocks]]
         for pi, prompt in enumerate(prompts):
             refs: dict[int, list[int]] = {}
+            # The verify path of the runs below: graphed on CUDA, with fixed rows in a 16-bit dtype
+            # (oracle mode: draft/offloaded.py fixed_rows), where one reference serves every block length.
+            rows_fixed = fixed_rows(rt, draft.config.block_size, 1.0)
+            dec = verify_decoder(rt, len(prompt) + n, rows_fixed, graphs=graphs, at=len(prompt), blocks=range(1, trained + 1))
             for b in sorted(set(blocks) | {trained}):  # untimed: the reference of each block length
+                if rows_fixed and refs:
+                    refs[b] = next(iter(refs.values()))
+                    continue
                 rt.reset_cache()
-                dec = GraphedDecoder.shared(rt, len(prompt) + n) if graphs else None
-                if dec is not None:
-                    dec.prepare(len(prompt), tokens=range(1, trained + 1))
                 refs[b] = oracle_reference(rt, prompt, n, b, decoder=dec)
             rt.reset_cache()  # warm-up of the plain path (allocations, kernels)
             generate(rt, prompt, max_new_tokens=min(n, 8), eos_token_ids=[], cuda_graphs=graphs)

@@ -28,6 +28,9 @@ def make_synthetic(
     draft_preset: Annotated[str | None, typer.Option(help="Also write a synthetic DFlash draft fitted to this target: tiny, gpt-oss-20b-DFlash or Qwen3-Coder-30B-A3B-DFlash.")] = None,
     draft_dir: Annotated[Path | None, typer.Option(help="Directory of the draft checkpoint; the default is OUT_DIR/draft.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Write into a non-empty directory, replacing the checkpoint files there (by default such a directory is refused).")] = False,
+    layers: Annotated[int | None, typer.Option(help="Override the preset's number of decoder layers (a short model with real layer shapes).")] = None,
+    experts: Annotated[int | None, typer.Option(help="Override the preset's experts per layer (at least its top-k).")] = None,
+    vocab: Annotated[int | None, typer.Option(help="Override the preset's vocabulary (embedding and lm_head rows; the tokenizer uses at most this many).")] = None,
 ) -> None:
     """Write a complete synthetic checkpoint (config, safetensors, tokenizer) that pdflash and transformers load.
 
@@ -39,6 +42,7 @@ def make_synthetic(
       pdflash make-synthetic /tmp/tiny --preset tiny
       pdflash make-synthetic /data/oss20b --preset gpt-oss-20b --mxfp4
       pdflash make-synthetic /data/oss20b --preset gpt-oss-20b --mxfp4 --draft-preset gpt-oss-20b-DFlash
+      pdflash make-synthetic /tmp/oss2 --preset gpt-oss-20b --mxfp4 --layers 2 --experts 8 --vocab 8192 --draft-preset tiny
       pdflash make-synthetic /tmp/q3 --preset qwen3-tiny --fp8 --draft-preset tiny
       pdflash make-synthetic /data/q3coder --preset qwen3-coder-30b-a3b --fp8 --draft-preset Qwen3-Coder-30B-A3B-DFlash
     """
@@ -54,7 +58,7 @@ def make_synthetic(
     if mxfp4 and fp8:
         raise checks.usage("choose one of --mxfp4 (gpt-oss) and --fp8 (Qwen3-MoE)")
     quant = "mxfp4" if mxfp4 else "fp8" if fp8 else None
-    p = ModelPreset.from_name(preset)
+    p = _shaped(ModelPreset.from_name(preset), layers, experts, vocab)
     ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     p.hf_config(ids, quant=quant)  # a format the preset's family has no: fail before writing
     need = checkpoint_bytes(p, quant=quant, dtype=dtype) + (256 << 10)  # + tokenizer and config files
@@ -84,6 +88,9 @@ def make_synthetic(
     info = {
         "path": str(out),
         "preset": p.name,
+        "layers": p.num_hidden_layers,
+        "experts_per_layer": p.num_local_experts,
+        "vocab": p.vocab_size,
         "family": p.family,
         "experts": quant or dtype,
         "seed": seed,
@@ -98,7 +105,7 @@ def make_synthetic(
     if json_out:
         print(json.dumps(info))
         return
-    print(f"wrote {out}: preset {p.name}, experts {info['experts']}, {human_bytes(size)} in {len(files)} files ({info['seconds']} s)")
+    print(f"wrote {out}: preset {p.name} ({p.num_hidden_layers} layers x {p.num_local_experts} experts), experts {info['experts']}, {human_bytes(size)} in {len(files)} files ({info['seconds']} s)")
     if draft_preset is not None:
         print(f"wrote draft {info['draft']['path']}: preset {draft_preset}, {human_bytes(info['draft']['bytes'])}")
         print(f"use it with: pdflash generate \"Hello\" --model {out} --draft {info['draft']['path']}")
@@ -107,3 +114,25 @@ def make_synthetic(
 
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _shaped(p, layers: int | None, experts: int | None, vocab: int | None):
+    """The preset with --layers / --experts / --vocab applied (checked)."""
+    from dataclasses import replace
+
+    from pdflash.cli import checks
+    from pdflash.offload.config import SPECIAL_TOKENS
+
+    checks.at_least("--layers", layers, 1)
+    checks.at_least("--experts", experts, p.num_experts_per_tok)
+    checks.at_least("--vocab", vocab, len(SPECIAL_TOKENS) + 256)  # the byte-level tokenizer's floor
+    if layers is None and experts is None and vocab is None:
+        return p
+    kw = {}
+    if layers is not None:
+        kw.update(num_hidden_layers=layers, layer_types=())  # () -> derived for the new depth
+    if experts is not None:
+        kw["num_local_experts"] = experts
+    if vocab is not None:
+        kw.update(vocab_size=vocab, tokenizer_vocab=min(vocab, p.tokenizer_vocab))
+    return replace(p, **kw)

@@ -13,6 +13,12 @@ Oracle-acceptance mode (``acceptance`` = P): the target's greedy continuation is
 on the same runtime and the same target path as the verify passes (:func:`oracle_reference`, not
 part of the result's timings); the runtime's cache and statistics are then reset (and an
 all-resident cache preloaded again), so the reported figures cover the speculative run alone.
+
+Batch-invariant verify (:func:`fixed_rows`): every verify forward, and the reference's, runs the
+draft's trained block length of rows (offload/graphs.py, fixed rows), so a position's logits do
+not depend on the block it was verified in. On by default in oracle mode in a 16-bit dtype: there
+the reference and the verify passes must round alike, or the oracle's draws are refused for
+rounding and its acceptance falls below P.
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ def speculative_options(
     temperature: float,
     default_predictor: str = DEFAULT_PREDICTOR,
     lookup: bool = True,
+    batch_invariant: bool | None = None,
 ) -> dict | None:
     """Check the command-line options of a draft run before anything is loaded.
 
@@ -121,7 +128,8 @@ def speculative_options(
     if draft_dir is None:
         used = [flag for flag, on in (("--block-size", block_size is not None),
                                       ("--route-ahead-predictor", predictor != default_predictor),
-                                      ("--draft-acceptance", acceptance is not None)) if on]
+                                      ("--draft-acceptance", acceptance is not None),
+                                      ("--batch-invariant", batch_invariant is not None)) if on]
         if used:
             verb = "applies" if len(used) == 1 else "apply"
             raise PdflashError(f"{', '.join(used)} only {verb} to speculative decoding: add --draft DIR", exit_code=2)
@@ -136,7 +144,34 @@ def speculative_options(
             raise PdflashError("--draft-acceptance (oracle-acceptance mode) needs greedy decoding: drop --temperature",
                                exit_code=2)
     return {"draft_dir": Path(draft_dir), "block_size": draft_block_size(draft_dir, block_size),
-            "auto": block_size in (None, AUTO), "predictor": predictor, "acceptance": acceptance, "lookup": lookup}
+            "auto": block_size in (None, AUTO), "predictor": predictor, "acceptance": acceptance, "lookup": lookup,
+            "batch_invariant": batch_invariant}
+
+
+def fixed_rows(rt, trained_block: int, acceptance: float | None, batch_invariant: bool | None = None) -> int | None:
+    """Rows of every verify forward with batch-invariant verify, or None (each block its own
+    length). ``batch_invariant`` None: on in oracle-acceptance mode in a 16-bit dtype."""
+    if batch_invariant is None:
+        batch_invariant = acceptance is not None and rt.dtype in (torch.bfloat16, torch.float16)
+    return int(trained_block) if batch_invariant else None
+
+
+def verify_decoder(rt, max_len: int, rows: int | None, *, graphs: bool | None = None, at: int | None = None,
+                   blocks: Sequence[int] = ()):
+    """The ``GraphedDecoder`` verify passes (and the oracle's reference) go through, or None for
+    the library model's own forward: graphed on CUDA (``graphs``), eager elsewhere when ``rows``
+    fixes the rows. Shared per runtime, so a reference and the runs that follow it use one
+    decoder. Graphs for blocks of ``blocks`` tokens at ``at`` positions are captured now."""
+    from pdflash.offload.graphs import GraphedDecoder
+
+    if graphs is None:
+        graphs = rt.device.type == "cuda"
+    if not graphs and rows is None:
+        return None
+    dec = GraphedDecoder.shared(rt, max_len, rows=rows, graphs=graphs)
+    if graphs and at is not None:
+        dec.prepare(at, tokens=blocks)
+    return dec
 
 
 def oracle_reference(rt, input_ids: Sequence[int], max_new_tokens: int, block_size: int, *, decoder=None,
@@ -175,6 +210,7 @@ def speculative_on_runtime(
     on_step: Callable[[StepInfo], None] | None = None,
     graphs: bool | None = None,
     lookup: bool = True,
+    batch_invariant: bool | None = None,
 ) -> SpeculativeResult:
     """Speculative generation on ``rt``; ``graphs`` (default: on CUDA) runs the prefill and every
     verify block through a ``GraphedDecoder`` whose graphs for block lengths 1 .. B are captured
@@ -182,24 +218,20 @@ def speculative_on_runtime(
     ``acceptance`` switches oracle-acceptance mode on (``reference``: the target's greedy
     continuation when already known, which skips the reference run). ``eos_token_ids`` defaults
     to the checkpoint's. ``block_size`` "auto" lets the block planner pick each step's block
-    length up to the draft's trained block size. The warm-ups and the loop run with the
-    runtime's decode threads (offload/threads.py)."""
+    length up to the draft's trained block size. ``batch_invariant`` (default: in oracle mode in
+    a 16-bit dtype) runs every verify forward with the trained block's rows (:func:`fixed_rows`).
+    The warm-ups and the loop run with the runtime's decode threads (offload/threads.py)."""
     with rt.decode_threads():
         eos = list(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
         prompt = [int(t) for t in input_ids]
         check_context(rt.config, len(prompt), max_new_tokens)
         auto = parse_block_size(block_size) == AUTO
         block = check_block_size(None if auto else block_size, draft.config.block_size)
-        if graphs is None:
-            graphs = rt.device.type == "cuda"
-        decoder = None
-        if graphs:
-            from pdflash.offload.graphs import GraphedDecoder
-
-            decoder = GraphedDecoder.shared(rt, len(prompt) + max_new_tokens)
-            decoder.prepare(len(prompt), tokens=range(1, block + 1) if auto else sorted({1, block}))
-        else:  # each verify length's first-call setup, before the prompt (as plain decoding warms its one)
-            warm_linears([rt.model], range(1, block + 1) if auto else sorted({1, block}))
+        rows = fixed_rows(rt, draft.config.block_size, acceptance, batch_invariant)
+        lengths = range(1, block + 1) if auto else sorted({1, block})
+        decoder = verify_decoder(rt, len(prompt) + max_new_tokens, rows, graphs=graphs, at=len(prompt), blocks=lengths)
+        if decoder is None:  # each verify length's first-call setup, before the prompt (as plain decoding warms its one)
+            warm_linears([rt.model], lengths)
         draft.warm_up(range(2, block + 1) if auto else [block])
         oracle = None
         if acceptance is not None:
@@ -228,11 +260,13 @@ def speculative_on_runtime(
             return float(rt.scheduler.link_totals()[0])
 
         try:
-            return speculative_generate(
+            res = speculative_generate(
                 rt.model, draft, prompt, max_new_tokens, block_size=block, temperature=temperature,
                 generator=generator, eos_token_ids=eos, route_ahead=route_ahead, oracle=oracle, on_step=on_step,
                 planner=planner, moved_bytes=moved_bytes, decoder=decoder, lookup=lookup,
             )
+            res.verify_rows = rows
+            return res
         finally:
             if route_ahead is not None:
                 route_ahead.close()
@@ -256,6 +290,7 @@ def generate_with_draft(
     on_verify: Callable[[StepInfo], None] | None = None,
     graphs: bool | None = None,
     lookup: bool = True,
+    batch_invariant: bool | None = None,
 ) -> tuple[object, dict]:
     """``pdflash generate --draft``: returns (a GenerationResult as plain decoding returns it,
     extra report fields).
@@ -265,7 +300,8 @@ def generate_with_draft(
     module's :class:`StepInfo` of the pass. Extra fields: ``draft``, ``block_size``,
     ``verify_steps``, ``acceptance_length``, ``acceptance_per_position``, ``draft_ms``,
     ``verify_ms``, ``route_ahead`` (None when off), ``draft_pass`` ("native": the native CPU draft
-    pass, or "operators": PyTorch's) and, in oracle-acceptance mode only,
+    pass, or "operators": PyTorch's), ``verify_rows`` (the fixed rows of batch-invariant verify, or
+    None) and, in oracle-acceptance mode only,
     ``oracle_acceptance`` = P with the oracle's divergence counters.
     """
     from pdflash.offload.generate import GenerationResult
@@ -286,7 +322,7 @@ def generate_with_draft(
     res = speculative_on_runtime(rt, draft, input_ids, max_new_tokens, block_size=AUTO if auto else block_size,
                                  predictor=predictor,
                                  acceptance=acceptance, temperature=temperature, seed=seed, eos_token_ids=eos,
-                                 on_step=step_hook, graphs=graphs, lookup=lookup)
+                                 on_step=step_hook, graphs=graphs, lookup=lookup, batch_invariant=batch_invariant)
     n = len(res.token_ids)
     st = res.stats
     gen = GenerationResult(
@@ -313,6 +349,7 @@ def generate_with_draft(
         "route_ahead": res.route_ahead,
         "copied_steps": st.copied_steps,
         "draft_pass": "native" if draft.native else "operators",  # how the draft's passes ran at the end
+        "verify_rows": res.verify_rows,
     }
     if res.planner is not None:
         extra["planner"] = res.planner

@@ -421,6 +421,7 @@ class SpeculativeResult:
     route_ahead: dict[str, Any] | None = None
     oracle: dict[str, Any] | None = None  # present (with "oracle_acceptance") only in oracle mode
     planner: dict[str, Any] | None = None  # the block planner's report (--block-size auto)
+    verify_rows: int | None = None  # fixed rows of every verify forward (batch-invariant verify), or None
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -430,6 +431,7 @@ class SpeculativeResult:
 
     def to_dict(self) -> dict[str, Any]:
         out = {"token_ids": self.token_ids, "tokens_per_second": self.tokens_per_second, **self.stats.to_dict()}
+        out["verify_rows"] = self.verify_rows
         if self.route_ahead is not None:
             out["route_ahead"] = self.route_ahead
         if self.oracle is not None:

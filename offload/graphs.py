@@ -36,6 +36,17 @@ length a run uses replays its own graphs. It returns every position's logits and
 named in ``tap_layers``, their outputs (the draft's context features). ``truncate(n)`` drops the
 positions from n on (rejected proposals): the static cache keeps their values, but every later
 forward masks positions it has not written and overwrites them.
+
+Fixed rows (``rows=R``, batch-invariant verify): a matrix product's kernel, and with it how a
+row's sums are rounded, is chosen by the product's shape, so in bf16 a position's logits depend
+on how many tokens its forward held (a verify block of 4 and a single-token step round apart, and
+on random weights near-tied argmaxes flip). With ``rows`` every step (``decode`` and ``forward``
+of 1 .. R tokens) runs R rows: the tokens, then copies of the last one at the next positions,
+which no real row can see (causal mask) and which the next forward overwrites; the experts run on
+the real rows only (their kernels compute each (token, expert) pair alone), and every step
+attends to the whole cache (one key length), so a position's arithmetic is the same whatever
+block it is in and wherever in the block. The prefill is not padded (it is one computation per
+prompt). The cache holds ``max_len + R - 1`` positions for the padding rows.
 """
 
 from __future__ import annotations
@@ -89,17 +100,19 @@ class GraphedDecoder:
 
     MIN_BUCKET = 256
     @classmethod
-    def shared(cls, rt, max_len: int) -> "GraphedDecoder":
-        """One graphed decoder per (runtime, max_len), kept on the runtime: its captured graphs
-        (which read only its own static tensors; experts run outside them) serve every run of
-        that length instead of being captured again."""
+    def shared(cls, rt, max_len: int, rows: int | None = None, graphs: bool = True) -> "GraphedDecoder":
+        """One decoder per (runtime, max_len, rows, graphs), kept on the runtime: its captured
+        graphs (which read only its own static tensors; experts run outside them) serve every run
+        of that length instead of being captured again."""
         per_rt = rt.__dict__.setdefault("_graphed_decoders", {})
-        dec = per_rt.get(int(max_len))
+        key = (int(max_len), rows, bool(graphs))
+        dec = per_rt.get(key)
         if dec is None:
-            dec = per_rt[int(max_len)] = cls(rt, max_len=max_len, graphs=True)
+            dec = per_rt[key] = cls(rt, max_len=max_len, graphs=graphs, rows=rows)
         return dec
 
-    def __init__(self, rt, max_len: int, graphs: bool | None = None, min_bucket: int | None = None):
+    def __init__(self, rt, max_len: int, graphs: bool | None = None, min_bucket: int | None = None,
+                 rows: int | None = None):
         model = rt.model
         cfg = model.config
         self.rt = rt
@@ -112,11 +125,15 @@ class GraphedDecoder:
         self.dtype = rt.dtype
         self.max_len = int(max_len)
         self.min_bucket = max(1, int(min_bucket or self.MIN_BUCKET))
+        if rows is not None and int(rows) < 1:
+            raise PdflashError(f"fixed rows must be at least 1, got {rows}")
+        self.rows = None if rows is None else int(rows)  # every step's row count (fixed rows), or None
+        self.capacity = self.max_len + (self.rows - 1 if self.rows else 0)  # positions the cache holds
         hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         try:
-            self.kv = StaticKV(len(self.layers), int(cfg.num_key_value_heads), hd, self.max_len, self.dtype, self.device)
+            self.kv = StaticKV(len(self.layers), int(cfg.num_key_value_heads), hd, self.capacity, self.dtype, self.device)
         except torch.OutOfMemoryError:
-            gib = 2 * len(self.layers) * int(cfg.num_key_value_heads) * hd * self.max_len * self.dtype.itemsize / 2**30
+            gib = 2 * len(self.layers) * int(cfg.num_key_value_heads) * hd * self.capacity * self.dtype.itemsize / 2**30
             raise PdflashError(f"a static KV cache of {self.max_len} positions ({gib:.1f} GiB) does not fit on the device: "
                                "lower --max-new-tokens, or decode with --no-cuda-graphs (a cache that grows)") from None
         self.cache_kw = _cache_kw(self.layers[0].self_attn)
@@ -125,11 +142,11 @@ class GraphedDecoder:
             raise PdflashError("CUDA graphs need --device cuda")
         dev = self.device
         with torch.inference_mode():
-            all_pos = torch.arange(self.max_len, device=dev)[None]
+            all_pos = torch.arange(self.capacity, device=dev)[None]
             probe = torch.zeros(1, dtype=self.dtype, device=dev)
             cos, sin = model.model.rotary_emb(probe, all_pos)  # [1, max_len, hd]
         self.cos, self.sin = cos, sin
-        self.key_pos = torch.arange(self.max_len, device=dev)  # [max_len]
+        self.key_pos = torch.arange(self.capacity, device=dev)  # [capacity]
         self.length = 0  # positions written so far
         self._steps: dict[tuple[int, int], list] = {}  # (key-length bucket, T) -> captured graphs and static tensors
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # T -> static (ids [1, T], positions [T])
@@ -188,29 +205,56 @@ class GraphedDecoder:
             return None
         return torch.cat([outputs[i] for i in self.tap_layers], dim=-1)  # [1, T, K*H]
 
-    # -- eager (prefill, CPU) ------------------------------------------------------------
-    def _forward_eager(self, ids: torch.Tensor, last: bool = True):
-        """T tokens at the current length -> (logits, tapped layer outputs or None)."""
-        T = ids.shape[1]
+    # -- fixed rows ------------------------------------------------------------------------
+    def _step_rows(self, T: int) -> int:
+        """Rows a step of T tokens runs: T, or the fixed row count."""
+        if self.rows is None:
+            return T
+        if T > self.rows:
+            raise PdflashError(f"a block of {T} tokens is longer than this decoder's {self.rows} fixed rows")
+        return self.rows
+
+    def _padded(self, tokens: list[int]) -> list[int]:
+        return tokens + [tokens[-1]] * (self._step_rows(len(tokens)) - len(tokens))
+
+    def _check_room(self, T: int) -> None:
         if self.length + T > self.max_len:
             raise PdflashError(f"the sequence would reach {self.length + T} positions; this decoder holds {self.max_len}")
-        pos = torch.arange(self.length, self.length + T, device=self.device)
+
+    # -- eager (prefill, CPU) ------------------------------------------------------------
+    def _forward_eager(self, tokens: list[int], last: bool = True, pad: bool = False):
+        """T tokens at the current length -> (logits, tapped layer outputs or None); ``pad``
+        runs them as a fixed-rows step (the tokens first, see the module's docstring)."""
+        T = len(tokens)
+        ids = self._padded(tokens) if pad else tokens
+        self._check_room(T)
+        n = len(ids)
+        pos = torch.arange(self.length, self.length + n, device=self.device)
         self.kv.positions = pos
-        self.kv.visible = self.length + T  # only the positions written so far
+        self.kv.visible = self.capacity if pad else self.length + T  # eager: only the positions written so far
         self.rt.begin_forward(T)
-        x, pe, masks = self._embed(ids.to(self.device), pos, self.length + T)
+        x, pe, masks = self._embed(torch.tensor([ids], device=self.device), pos, self.kv.visible)
         taps = {}
         for i in range(len(self.layers)):
             x, flat, scores, indices = self._pre_experts(i, x, pe, masks)
-            x = x + self._experts(i, x, flat, scores, indices).view_as(x)
+            e = self._experts(i, x[:, :T], flat[:T], scores[:T], indices[:T]).reshape(1, T, -1)
+            if n > T:
+                e = torch.cat([e, e.new_zeros(1, n - T, e.shape[-1])], dim=1)
+            x = x + e
             if i in self.tap_layers:
-                taps[i] = x
+                taps[i] = x[:, :T]
         self.length += T
+        if pad:  # the head over every row too: one shape for every step
+            logits = self._head(x, last=False)[:T]
+            return (logits[-1:] if last else logits), self._features(taps)
         return self._head(x, last), self._features(taps)
 
     # -- graphed decode -------------------------------------------------------------------
     def bucket(self, n: int) -> int:
-        """Key length a graphed step at ``n`` positions (its own included) attends to."""
+        """Key length a graphed step at ``n`` positions (its own included) attends to: with fixed
+        rows, the whole cache."""
+        if self.rows is not None:
+            return self.capacity
         b = self.min_bucket
         while b < n:
             b *= 2
@@ -253,7 +297,8 @@ class GraphedDecoder:
                     fn = make_mid(i, outs[-1])
                 else:
                     last = outs[-1]
-                    fn = (lambda last=last: self._head(last["x"] + e_in[n - 1].view_as(last["x"]), last=T == 1))
+                    head_last = T == 1 and self.rows is None
+                    fn = (lambda last=last: self._head(last["x"] + e_in[n - 1].view_as(last["x"]), last=head_last))
                 fn()  # warm-up outside the graph (allocations, lazy inits)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
@@ -274,21 +319,22 @@ class GraphedDecoder:
     def _step_graphed(self, tokens: list[int]):
         """Replay the T-token step's graphs at the current length -> (logits, features)."""
         T = len(tokens)
-        if self.length + T > self.max_len:
-            raise PdflashError(f"the sequence would reach {self.length + T} positions; this decoder holds {self.max_len}")
+        ids_in = self._padded(tokens)
+        self._check_room(T)
+        R = len(ids_in)  # rows of the captured step: T, or the fixed rows
         # Static inputs first: a capture's warm-up runs the segments eagerly and writes these
         # positions' keys / values, which the replay below then overwrites.
-        ids, pos = self._static_inputs(T)
-        if T == 1:
+        ids, pos = self._static_inputs(R)
+        if R == 1:
             ids.fill_(int(tokens[0]))
             pos.fill_(self.length)
         else:
-            ids.copy_(torch.tensor([tokens], dtype=torch.long))
-            pos.copy_(torch.arange(self.length, self.length + T))
+            ids.copy_(torch.tensor([ids_in], dtype=torch.long))
+            pos.copy_(torch.arange(self.length, self.length + R))
         bucket = self.bucket(self.length + T)
-        if (bucket, T) not in self._steps:
-            self._steps[(bucket, T)] = self._capture(bucket, T)
-        segs, outs, e_in = self._steps[(bucket, T)]
+        if (bucket, R) not in self._steps:
+            self._steps[(bucket, R)] = self._capture(bucket, R)
+        segs, outs, e_in = self._steps[(bucket, R)]
         n = len(self.layers)
         self.kv.positions = pos
         self.kv.visible = bucket
@@ -297,12 +343,17 @@ class GraphedDecoder:
         for i in range(n):
             segs[i].replay()
             o = outs[i]
-            e_in[i].copy_(self._experts(i, o["x"], o["flat"], o["scores"], o["indices"]).view_as(e_in[i]))
+            x = o["x"] if R == T else o["x"][:, :T]
+            e = self._experts(i, x, o["flat"][:T], o["scores"][:T], o["indices"][:T])
+            e_in[i][:T].copy_(e.view(T, -1))
+            if R > T:
+                e_in[i][T:].zero_()  # padding rows: no experts
             if i in self.tap_layers:
-                taps[i] = o["x"] + e_in[i].view_as(o["x"])
+                taps[i] = x + e_in[i][:T].view_as(x)
         segs[n].replay()
         self.length += T
-        return outs[n]["logits"].clone(), self._features(taps)
+        logits = outs[n]["logits"]
+        return (logits if R == T else logits[:T]).clone(), self._features(taps)
 
     # -- public ----------------------------------------------------------------------------
     def prepare(self, length: int | None = None, tokens=(1,)) -> None:
@@ -313,12 +364,12 @@ class GraphedDecoder:
             return
         for T in tokens:
             at = min(self.length if length is None else int(length), self.max_len - T)
-            bucket = self.bucket(at + T)
-            if (bucket, T) not in self._steps:
-                ids, pos = self._static_inputs(T)
+            bucket, R = self.bucket(at + T), self._step_rows(T)
+            if (bucket, R) not in self._steps:
+                ids, pos = self._static_inputs(R)
                 start = max(at, self.length)  # the warm-up writes only positions not yet used
-                pos.copy_(torch.arange(start, start + T))
-                self._steps[(bucket, T)] = self._capture(bucket, T)
+                pos.copy_(torch.arange(start, start + R))
+                self._steps[(bucket, R)] = self._capture(bucket, R)
 
     def prefill(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Start a sequence: run the prompt, return the last position's logits [1, V] (float32)."""
@@ -331,7 +382,7 @@ class GraphedDecoder:
         feats = []  # every chunk's tapped outputs: the draft needs all the prompt's positions
 
         def run(chunk: torch.Tensor, start: int) -> torch.Tensor:
-            logits, f = self._forward_eager(chunk)
+            logits, f = self._forward_eager(chunk[0].tolist())
             if f is not None:
                 feats.append(f)
             return logits
@@ -347,7 +398,7 @@ class GraphedDecoder:
         with torch.inference_mode():
             if self.graphs:
                 return self._step_graphed([int(token_id)])[0]
-            return self._forward_eager(torch.tensor([[int(token_id)]]))[0]
+            return self._forward_eager([int(token_id)], pad=self.rows is not None)[0]
 
     def forward(self, tokens: list[int]):
         """Feed T tokens at the current length (a verify block); returns (logits [T, V] float32,
@@ -356,7 +407,7 @@ class GraphedDecoder:
         with torch.inference_mode():
             if self.graphs:
                 return self._step_graphed(tokens)
-            return self._forward_eager(torch.tensor([tokens]), last=False)
+            return self._forward_eager(tokens, last=False, pad=self.rows is not None)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions (drop rejected proposals)."""

@@ -47,6 +47,20 @@ def test_make_synthetic_writes_a_fitted_draft_that_decodes_losslessly(written):
     assert speculative_generate(target, draft, prompt, 20, oracle=oracle).token_ids == want
 
 
+def test_make_synthetic_shape_overrides(tmp_path):
+    """--layers / --experts / --vocab: a short gpt-oss-20b-wide model that loads and decodes."""
+    out = tmp_path / "short"
+    proc = pdflash("make-synthetic", out, "--preset", "tiny", "--layers", "3", "--experts", "5", "--vocab", "300", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert (info["layers"], info["experts_per_layer"], info["vocab"]) == (3, 5, 300)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["num_local_experts"], cfg["vocab_size"], len(cfg["layer_types"])) == (3, 5, 300, 3)
+    proc = pdflash("generate", "hi", "--model", out, "--max-new-tokens", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) == 3
+
+
 def test_bad_draft_preset_is_one_line(tmp_path):
     assert_clean_error(pdflash("make-synthetic", tmp_path / "x", "--draft-preset", "bogus"), "unknown draft preset", 2)
     proc = pdflash("make-synthetic", tmp_path / "y", "--preset", "tiny", "--draft-preset", "gpt-oss-20b-DFlash")

@@ -66,8 +66,10 @@ def test_cli_refuses_cuda_graphs_where_they_cannot_run(run, ckpt):
 
 def test_key_length_buckets():
     dec = GraphedDecoder.__new__(GraphedDecoder)  # bucket() needs only the two sizes
-    dec.min_bucket, dec.max_len = 8, 40
+    dec.min_bucket, dec.max_len, dec.rows = 8, 40, None
     assert [dec.bucket(n) for n in (1, 8, 9, 16, 17, 32, 33, 40)] == [8, 8, 16, 16, 32, 32, 40, 40]
+    dec.rows, dec.capacity = 4, 43  # fixed rows: every step attends to the whole cache
+    assert {dec.bucket(n) for n in (1, 9, 40)} == {43}
 
 
 @pytest.mark.gpu

@@ -1,0 +1,180 @@
+"""Batch-invariant verify (offload/graphs.py, fixed rows; draft/offloaded.py fixed_rows).
+
+The target here is the tiny preset widened to hidden 1536: at that width this CPU's bf16 matrix
+products round a single-token forward differently from a block's (measured: logits apart by
+2.4e-4), which is what made oracle mode refuse its own draws in bf16. With fixed rows every
+position's logits are the same bits whatever block it is verified in, the oracle's reference is
+never contradicted, and speculative output equals plain decoding through the same rows."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from pdflash import PdflashError
+from pdflash.offload.config import ModelPreset
+from pdflash.offload.graphs import GraphedDecoder
+from pdflash.offload.runtime import OffloadedModel
+from pdflash.offload.synthetic import write_checkpoint
+
+PROMPT = [5, 77, 200, 31, 9, 100, 250, 17, 3, 44, 81, 90]
+TOKENS = [11, 22, 33, 44, 55, 66, 77, 88]
+WIDE = dataclasses.replace(ModelPreset.from_name("tiny"), name="tiny-wide", hidden_size=1536, intermediate_size=64,
+                           num_hidden_layers=2, layer_types=())
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tmp_path_factory):
+    from pdflash.draft import write_synthetic_draft
+
+    out = tmp_path_factory.mktemp("wide")
+    write_checkpoint(out / "target", WIDE, mxfp4=True, dtype="bfloat16", seed=3)
+    write_synthetic_draft(out / "draft", "tiny", target_dir=out / "target", seed=2, dtype="bfloat16")
+    return out
+
+
+def _rows_by_block(dec: GraphedDecoder, lengths) -> dict[int, dict[tuple[int, int], torch.Tensor]]:
+    """Logits of positions 0..7 after the prompt, computed in blocks of each length in
+    ``lengths`` at every alignment: {position: {(length, block start): logits}}."""
+    dec.prefill(PROMPT)
+    at = dec.length
+    out: dict[int, dict] = {}
+    for T in lengths:
+        for start in range(0, len(TOKENS) - T + 1, T):
+            dec.truncate(at + start)
+            logits = dec.decode(TOKENS[start]) if T == 1 else dec.forward(TOKENS[start:start + T])[0]
+            for i in range(T):
+                out.setdefault(start + i, {})[(T, start)] = logits[i]
+    return out
+
+
+def test_fixed_rows_give_every_position_the_same_bits_in_any_block(wide_pair):
+    with OffloadedModel.load(wide_pair / "target") as rt:
+        assert rt.dtype == torch.bfloat16
+        got = _rows_by_block(GraphedDecoder(rt, max_len=len(PROMPT) + 8, graphs=False, rows=4), (1, 2, 3, 4))
+        for pos, by_block in got.items():
+            first = next(iter(by_block.values()))
+            for key, logits in by_block.items():
+                assert torch.equal(logits, first), f"position {pos}: block {key} rounds apart"
+        assert len(got[0]) == len(got[5]) == 4 and len(got[6]) == 3  # (blocks of 3 stop at position 5)
+
+
+def test_fixed_rows_compute_the_model(wide_pair):
+    """float32: the padded forward computes what the unpadded one does (padding rows reach no real
+    row), the experts run on the real tokens only, and the features are the real rows'."""
+    with OffloadedModel.load(wide_pair / "target", dtype="float32", expert_cache_experts=4) as rt:
+        def run(rows):
+            rt.reset_cache()
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 8, graphs=False, rows=rows)
+            dec.tap_layers = [1]
+            dec.prefill(PROMPT)
+            a, fa = dec.forward(TOKENS[:3])
+            b = dec.decode(TOKENS[3])
+            c, fc = dec.forward(TOKENS[4:8])
+            st = rt.stats()["cache"]
+            return torch.cat([a, b, c]), torch.cat([fa, fc], 1), st["hits"] + st["misses"]
+
+        want, want_f, want_n = run(None)
+        got, got_f, got_n = run(4)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_f, want_f, rtol=1e-4, atol=1e-4)
+        assert got_f.shape == (1, 7, 1536)
+        assert got_n == want_n  # the same expert lookups: padding rows route nowhere
+
+
+def test_fixed_rows_limits(wide_pair):
+    with OffloadedModel.load(wide_pair / "target") as rt:
+        dec = GraphedDecoder(rt, max_len=len(PROMPT) + 3, graphs=False, rows=4)
+        assert dec.capacity == len(PROMPT) + 3 + 3
+        dec.prefill(PROMPT)
+        with pytest.raises(PdflashError, match="longer than this decoder's 4 fixed rows"):
+            dec.forward(TOKENS[:5])
+        with pytest.raises(PdflashError, match="positions"):
+            dec.forward(TOKENS[:4])  # room for 3 more
+        dec.forward(TOKENS[:3])  # the padding rows fit in the spare positions
+        with pytest.raises(PdflashError, match="at least 1"):
+            GraphedDecoder(rt, max_len=8, graphs=False, rows=0)
+
+
+def test_oracle_in_bf16_is_never_contradicted_and_speculation_is_lossless(wide_pair, monkeypatch):
+    """Oracle mode in bf16, block planner or fixed blocks: every forward after the prompt (the
+    reference's and the verify passes') runs the fixed rows, no divergence, no repair forward;
+    the output is plain greedy decoding through the same fixed rows. (On this small model the
+    rounding differences rarely flip an argmax; the bit-level property is the first test's.)"""
+    from pdflash.draft.offloaded import load_runtime_draft, speculative_on_runtime
+
+    calls = []
+    eager = GraphedDecoder._forward_eager
+    monkeypatch.setattr(GraphedDecoder, "_forward_eager",
+                        lambda self, tokens, last=True, pad=False: calls.append((len(tokens), pad)) or eager(self, tokens, last, pad))
+    n = 24
+    with OffloadedModel.load(wide_pair / "target", expert_cache_experts=8, block_tokens=4) as rt:
+        draft = load_runtime_draft(rt, wide_pair / "draft")
+        dec = GraphedDecoder(rt, max_len=len(PROMPT) + n, graphs=False, rows=draft.config.block_size)
+        plain = [int(dec.prefill(PROMPT).argmax())]
+        while len(plain) < n:
+            plain.append(int(dec.decode(plain[-1]).argmax()))
+        for block in ("auto", 2, 4):
+            rt.reset_cache()
+            res = speculative_on_runtime(rt, draft, PROMPT, n, block_size=block, acceptance=0.8, predictor="none",
+                                         eos_token_ids=[], seed=1)
+            assert res.verify_rows == draft.config.block_size
+            assert {pad for T, pad in calls if T != len(PROMPT)} == {True}, calls  # only the prefill runs unpadded
+            calls.clear()
+            assert res.oracle["oracle_divergences"] == 0 and res.oracle["oracle_refreshes"] == 0
+            assert res.token_ids == plain, f"block {block}"
+            if block != "auto":
+                assert res.stats.acceptance_length > 1.5  # the draws, not rounding, decide acceptance
+        rt.reset_cache()
+        res = speculative_on_runtime(rt, draft, PROMPT, n, block_size=4, predictor="none", eos_token_ids=[],
+                                     batch_invariant=True)  # the real draft, asked for fixed rows
+        assert res.verify_rows == 4 and res.token_ids == plain
+
+
+def test_generate_reports_and_checks_batch_invariant(run, wide_pair):
+    import json
+
+    code, out, err = run("generate", "hello", "--model", str(wide_pair / "target"), "--draft", str(wide_pair / "draft"),
+                         "--draft-acceptance", "0.9", "--max-new-tokens", "6", "--expert-cache-experts", "8", "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["verify_rows"] == 4 and rep["oracle_divergences"] == 0
+    code, out, err = run("generate", "hello", "--model", str(wide_pair / "target"), "--draft", str(wide_pair / "draft"),
+                         "--draft-acceptance", "0.9", "--max-new-tokens", "6", "--no-batch-invariant", "--json")
+    assert code == 0, err
+    assert json.loads(out)["verify_rows"] is None
+    code, out, err = run("generate", "hello", "--model", str(wide_pair / "target"), "--batch-invariant")
+    assert code == 2 and "--batch-invariant only applies to speculative decoding: add --draft DIR" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_fixed_rows(wide_pair):
+    """On a GPU, graphed: every position's logits are the same bits in any block (cuBLAS picks its
+    kernels by shape, so without fixed rows they are not), and the graphed steps compute what the
+    same fixed-rows segments compute eagerly."""
+    with OffloadedModel.load(wide_pair / "target", device="cuda", expert_cache_experts=8, block_tokens=4) as rt:
+        graphed = _rows_by_block(GraphedDecoder(rt, max_len=len(PROMPT) + 8, graphs=True, rows=4), (1, 2, 3, 4))
+        for pos, by_block in graphed.items():
+            first = next(iter(by_block.values()))
+            for key, logits in by_block.items():
+                assert torch.equal(logits, first), f"position {pos}: block {key} rounds apart"
+        rt.reset_cache()
+        eager = _rows_by_block(GraphedDecoder(rt, max_len=len(PROMPT) + 8, graphs=False, rows=4), (4,))
+        for pos in range(len(TOKENS)):
+            torch.testing.assert_close(graphed[pos][(4, pos - pos % 4)], eager[pos][(4, pos - pos % 4)], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_oracle_in_bf16_has_no_divergence(wide_pair):
+    from pdflash.draft.offloaded import load_runtime_draft, speculative_on_runtime
+
+    n = 32
+    with OffloadedModel.load(wide_pair / "target", device="cuda", expert_cache_experts=8, block_tokens=4) as rt:
+        draft = load_runtime_draft(rt, wide_pair / "draft")
+        for block in ("auto", 2, 4):
+            rt.reset_cache()
+            res = speculative_on_runtime(rt, draft, PROMPT, n, block_size=block, acceptance=0.8, predictor="none",
+                                         eos_token_ids=[], seed=1)
+            assert res.verify_rows == 4
+            assert res.oracle["oracle_divergences"] == 0 and res.oracle["oracle_refreshes"] == 0, block
