@@ -134,7 +134,7 @@ def speculative_options(
             verb = "applies" if len(used) == 1 else "apply"
             raise PdflashError(f"{', '.join(used)} only {verb} to speculative decoding: add --draft DIR", exit_code=2)
         return None
-    if block_size is not None and block_size < 1:
+    if isinstance(block_size, int) and block_size < 1:
         raise PdflashError(f"--block-size must be at least 1, got {block_size}", exit_code=2)
     check_predictor_name(predictor)
     if acceptance is not None:

@@ -117,6 +117,12 @@ def test_generate_with_draft_is_lossless_and_reports_speculation(run, mx_pair):
     assert code == 0, err
     off = json.loads(out)
     assert off["token_ids"] == plain["token_ids"] and off["copied_steps"] == 0
+    for spelled in ("auto", "AUTO"):  # the default, spelled out: the planner
+        code, out, err = _gen(run, mx_pair, "--json", "--draft", mx_pair / "draft", "--block-size", spelled,
+                              "--expert-cache-experts", 8)
+        assert code == 0, err
+        auto = json.loads(out)
+        assert auto["block_size"] == "auto" and auto["token_ids"] == plain["token_ids"] and "planner" in auto
 
 
 def test_oracle_acceptance_mode_is_labelled_everywhere(run, mx_pair):
