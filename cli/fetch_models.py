@@ -39,7 +39,7 @@ def fetch_models(
         str, typer.Option(help=f"Known target and draft pair: {', '.join(MODEL_SETS)}.")
     ] = "gpt-oss-20b",
     target: Annotated[
-        Optional[str], typer.Option(help="Target model repository on the Hub (owner/name), instead of the --models one; an empty string skips it.")
+        Optional[str], typer.Option("--target", "--model", help="Target model repository on the Hub (owner/name), instead of the --models one; an empty string skips it. --model is the same option.")
     ] = None,
     draft: Annotated[
         Optional[str], typer.Option(help="DFlash draft repository on the Hub (owner/name), instead of the --models one; an empty string skips it.")

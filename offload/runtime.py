@@ -208,6 +208,7 @@ class OffloadedModel:
         layout = fam.expert_layout(stored)
 
         reason = fam.cpu_unsupported_reason(layout, self.dtype)
+        asked = cpu_mode
         if cpu_mode == "auto":  # CPU device: all, unless a simulated link makes the placement meaningful
             cpu_mode = "all" if dev.type == "cpu" and link_gbps is None else "auto"
             if reason is not None:
@@ -215,7 +216,11 @@ class OffloadedModel:
         elif cpu_mode == "all" and reason is not None:
             raise PdflashError(f"--cpu-experts all: {reason}")
         if cpu_mode == "all" and (lookahead_depth or history_depth):
-            raise PdflashError("--cpu-experts all fetches nothing: drop --lookahead-depth / --history-depth")
+            if asked == "all":
+                raise PdflashError("--cpu-experts all fetches nothing: drop --lookahead-depth / --history-depth")
+            raise PdflashError("on the CPU device every expert is computed from host memory (--cpu-experts auto), so "
+                               "nothing is fetched to prefetch: drop --lookahead-depth / --history-depth, or give "
+                               "--link-gbps or --cpu-experts off to fetch experts into the cache")
         self.cpu_mode = cpu_mode
         self.cpu_reason = reason if cpu_mode == "off" else None
 

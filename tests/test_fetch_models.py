@@ -187,6 +187,12 @@ def test_local_dir(hub: HubServer, tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["target"] == str(dest / "target")
     assert hub.requests() == []
+    # --model names the target repository as --target does (the ecosystem's spelling)
+    args = [("--model" if a == "--target" else a) for a in repo_args(target, draft)]
+    assert "--model" in args
+    proc = run_cli(home, hub.url, *args, "--local-dir", str(dest), "--json", HF_HUB_OFFLINE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["target"] == str(dest / "target")
 
 
 def test_dropped_connection_resumes_with_range(hub: HubServer, tmp_path: Path):

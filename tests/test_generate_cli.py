@@ -113,6 +113,8 @@ def test_cpu_experts_bad_values(ck, run):
     line = _one_error_line(*run("generate", PROMPT, "--model", ck, "--cpu-experts", "all", "--lookahead-depth", 1,
                                 "--device", "cpu")[::2])
     assert "fetches nothing" in line
+    line = _one_error_line(*run("generate", PROMPT, "--model", ck, "--history-depth", 2, "--device", "cpu")[::2])
+    assert "every expert is computed from host memory (--cpu-experts auto)" in line and "--cpu-experts off" in line
     line = _one_error_line(*run("generate", PROMPT, "--model", ck, "--cpu-experts", "all", "--dtype", "float16",
                                 "--device", "cpu")[::2])
     assert "float16" in line
