@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from pdflash import PdflashError
@@ -40,15 +42,17 @@ def plan_budget(cfg: PriorityConfig) -> Budget:
         expert_bytes = fam.expert_layout(stored).expert_bytes
         L, E, K = fam.num_layers, fam.num_experts, fam.top_k
     total = L * E
+    need = min_cache_experts(E, K, block)
     if cfg.expert_cache_mib is not None:
         n = min(total, int(cfg.expert_cache_mib * 2**20 // expert_bytes))
         asked = f"--expert-cache-mib {cfg.expert_cache_mib:g}"
+        fix = f"--expert-cache-mib {math.ceil(need * expert_bytes / 2**20 * 10) / 10:g}"
     else:
         n = min(total, max(1, round(cfg.expert_cache_fraction * total)))
         asked = f"--expert-cache-fraction {cfg.expert_cache_fraction:g}"
-    need = min_cache_experts(E, K, block)
+        fix = f"--expert-cache-fraction {math.ceil(need / total * 100) / 100:g}"
     if n < need:
         raise PdflashError(f"{asked} gives {n} expert slots; a verify block of {block} tokens needs at least {need} "
-                           f"({need * expert_bytes / 2**20:.1f} MiB): raise the cache size")
+                           f"({need * expert_bytes / 2**20:.1f} MiB): give at least {fix}, or a smaller --block-size")
     allocated = total if "resident" in cfg.arms else n
     return Budget(L, E, K, expert_bytes, block, total, n, need, allocated)

@@ -256,8 +256,10 @@ def test_validate_rejects_before_loading(pair):
                         (dict(link_gbps=-1.0), "--link-gbps must be between"), (dict(expert_cache_fraction=0.0), "(0, 1]")]:
         with pytest.raises(PdflashError, match=message.replace("(", r"\(").replace("]", r"\]")):
             config(pair, **kw).validate()
-    with pytest.raises(PdflashError, match="a verify block of 4 tokens needs at least 8"):
+    with pytest.raises(PdflashError, match="a verify block of 4 tokens needs at least 8") as err:
         plan_budget(config(pair, expert_cache_fraction=0.1))
+    fix = float(str(err.value).split("give at least --expert-cache-fraction ")[1].split(",")[0])
+    assert plan_budget(config(pair, expert_cache_fraction=fix)).budget_experts >= 8  # the suggested size works
 
 
 def test_figure_without_matplotlib_says_so(monkeypatch, tmp_path):
