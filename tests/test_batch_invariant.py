@@ -178,3 +178,64 @@ def test_cuda_oracle_in_bf16_has_no_divergence(wide_pair):
                                          eos_token_ids=[], seed=1)
             assert res.verify_rows == 4
             assert res.oracle["oracle_divergences"] == 0 and res.oracle["oracle_refreshes"] == 0, block
+
+
+def _replaying_capture(self, bucket: int, T: int) -> list:
+    """``GraphedDecoder._capture`` for a CPU: the same segments, each "replay" running its
+    function again and publishing its outputs where the captured tensors would be. Lets the
+    CPU check the graphed step's own bookkeeping (static inputs, padding rows, experts on the real
+    rows, taps, logits) that CUDA replays."""
+    from types import SimpleNamespace
+
+    n, H = len(self.layers), self.model.config.hidden_size
+    ids, pos = self._static_inputs(T)
+    e_in = [torch.zeros((T, H), dtype=self.dtype) for _ in range(n)]
+    outs: list = [None] * (n + 1)
+
+    def seg0():
+        self.kv.positions, self.kv.visible = pos, bucket
+        x, pe, masks = self._embed(ids, pos, bucket)
+        x, flat, scores, indices = self._pre_experts(0, x, pe, masks)
+        outs[0] = {"pe": pe, "masks": masks, "x": x, "flat": flat, "scores": scores, "indices": indices}
+
+    def mid(i):
+        def seg():
+            prev = outs[i - 1]
+            x, flat, scores, indices = self._pre_experts(i, prev["x"] + e_in[i - 1].view_as(prev["x"]), prev["pe"],
+                                                         prev["masks"])
+            outs[i] = {"pe": prev["pe"], "masks": prev["masks"], "x": x, "flat": flat, "scores": scores, "indices": indices}
+        return seg
+
+    def head():
+        last = outs[n - 1]
+        outs[n] = {"logits": self._head(last["x"] + e_in[n - 1].view_as(last["x"]), last=T == 1 and self.rows is None)}
+
+    segs = [SimpleNamespace(replay=f) for f in [seg0] + [mid(i) for i in range(1, n)] + [head]]
+    return [segs, outs, e_in]
+
+
+@pytest.mark.parametrize("rows", [None, 4], ids=["per-block", "fixed-rows"])
+def test_graphed_step_bookkeeping_on_the_cpu(wide_pair, monkeypatch, rows):
+    """The graphed step (its segments replayed as above) gives the eager step's logits and
+    features, bit for bit, for blocks of every length, with and without fixed rows."""
+    monkeypatch.setattr(GraphedDecoder, "_capture", _replaying_capture)
+    with OffloadedModel.load(wide_pair / "target", expert_cache_experts=8, block_tokens=4) as rt:
+        def run(graphed):
+            rt.reset_cache()
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 10, graphs=False, rows=rows)
+            dec.graphs = graphed
+            dec.tap_layers = [0, 1]
+            dec.prefill(PROMPT)
+            logits, feats = [dec.decode(TOKENS[0])], []
+            for block in (TOKENS[1:4], TOKENS[4:5], TOKENS[5:7], [3, 9, 27]):
+                lg, f = dec.forward(block)
+                logits.append(lg)
+                feats.append(f)
+            st = rt.stats()["cache"]
+            return torch.cat(logits), torch.cat(feats, 1), st["hits"] + st["misses"], sorted(dec._steps)
+
+        want, want_f, want_n, _ = run(False)
+        got, got_f, got_n, steps = run(True)
+        assert torch.equal(got, want) and torch.equal(got_f, want_f) and got_n == want_n
+        assert got.shape[0] == 10 and got_f.shape[:2] == (1, 9)
+        assert steps == ([(len(PROMPT) + 13, 4)] if rows else [(len(PROMPT) + 10, T) for T in (1, 2, 3)])  # (keys, rows)
