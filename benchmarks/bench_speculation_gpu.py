@@ -104,7 +104,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
             refs: dict[int, list[int]] = {}
             # The verify path of the runs below: graphed on CUDA, with fixed rows in a 16-bit dtype
             # (oracle mode: draft/offloaded.py fixed_rows), where one reference serves every block length.
-            rows_fixed = fixed_rows(rt, draft.config.block_size, 1.0)
+            rows_fixed = fixed_rows(rt, draft.config.block_size, 1.0, args.batch_invariant)
             dec = verify_decoder(rt, len(prompt) + n, rows_fixed, graphs=graphs, at=len(prompt), blocks=range(1, trained + 1))
             for b in sorted(set(blocks) | {trained}):  # untimed: the reference of each block length
                 if rows_fixed and refs:
@@ -133,6 +133,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     ref = refs[trained if block == "auto" else block]
                     res = speculative_on_runtime(rt, draft, prompt, n, block_size=block, acceptance=float(p),
                                                  reference=ref, predictor=args.predictor, seed=args.seed + pi,
+                                                 batch_invariant=args.batch_invariant,
+                                                 planner_options={"home_block": args.home_block} if args.home_block else None,
                                                  eos_token_ids=[], graphs=graphs)
                     d = res.to_dict()
                     st = rt.stats()
@@ -239,8 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--predictor", default=DEFAULT_PREDICTOR,
                     help=f"Route-ahead predictor of the speculative arms (default: generate's, {DEFAULT_PREDICTOR}).")
+    ap.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
+                    help="Fixed rows for every verify pass (draft/offloaded.py fixed_rows); auto: in bf16 / fp16.")
+    ap.add_argument("--home-block", type=int, default=None,
+                    help="The planner's first drafted block length (default: the planner's own, 2).")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    args.batch_invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
     args.acceptance = [float(p) for p in args.acceptance.split(",") if p.strip()]
     args.blocks = [int(b) for b in args.blocks.split(",") if b.strip()]
     draft_preset = args.draft_preset or ("tiny" if args.preset == "tiny" else "gpt-oss-20b-DFlash")

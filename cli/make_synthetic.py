@@ -28,6 +28,7 @@ def make_synthetic(
     draft_preset: Annotated[str | None, typer.Option(help="Also write a synthetic DFlash draft fitted to this target: tiny, gpt-oss-20b-DFlash or Qwen3-Coder-30B-A3B-DFlash.")] = None,
     draft_dir: Annotated[Path | None, typer.Option(help="Directory of the draft checkpoint; the default is OUT_DIR/draft.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Write into a non-empty directory, replacing the checkpoint files there (by default such a directory is refused).")] = False,
+    draft_block_size: Annotated[int | None, typer.Option(help="With --draft-preset: the draft's trained block length instead of the preset's (e.g. 8 for a tiny draft shaped like gpt-oss-20b-DFlash's blocks).")] = None,
     layers: Annotated[int | None, typer.Option(help="Override the preset's number of decoder layers (a short model with real layer shapes).")] = None,
     experts: Annotated[int | None, typer.Option(help="Override the preset's experts per layer (at least its top-k).")] = None,
     vocab: Annotated[int | None, typer.Option(help="Override the preset's vocabulary (embedding and lm_head rows; the tokenizer uses at most this many).")] = None,
@@ -62,6 +63,10 @@ def make_synthetic(
     ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     p.hf_config(ids, quant=quant)  # a format the preset's family has no: fail before writing
     need = checkpoint_bytes(p, quant=quant, dtype=dtype) + (256 << 10)  # + tokenizer and config files
+    if draft_block_size is not None:
+        if draft_preset is None:
+            raise checks.usage("--draft-block-size applies to the draft: add --draft-preset")
+        checks.at_least("--draft-block-size", draft_block_size, 2)
     if draft_preset is not None:  # fail before writing the target when the draft cannot fit it
         dcfg = DFlashConfig.from_preset(draft_preset, TargetShape.from_config(p.hf_config(ids)))
         need += sum(math.prod(s) for s in draft_tensor_shapes(dcfg).values()) * _ITEMSIZE[dtype]
@@ -77,7 +82,7 @@ def make_synthetic(
                              progress=sys.stderr.isatty() and not json_out)
             if draft_preset is not None:
                 dcfg = write_synthetic_draft(dstage.path if separate_draft else stage.path / "draft", draft_preset,
-                                             target_dir=stage.path, seed=seed, dtype=dtype)
+                                             target_dir=stage.path, seed=seed, dtype=dtype, block_size=draft_block_size)
     except OSError as exc:
         why = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
         raise PdflashError(f"cannot write the checkpoint to {out_dir} ({why}); nothing was kept: free some space "

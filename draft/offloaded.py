@@ -60,10 +60,11 @@ def draft_block_size(draft_dir: str | Path, block_size: int | str | None) -> int
     return check_block_size(None if block_size == AUTO else block_size, trained)
 
 
-def make_planner(rt, max_block: int):
+def make_planner(rt, max_block: int, **options):
     """A :class:`~pdflash.draft.planner.BlockPlanner` over the runtime's cache, scheduler counters
     and shared cost model (``rt.cost``); remove its routing observer after the run
-    (``rt.remove_routing_observer(planner.on_routed)``)."""
+    (``rt.remove_routing_observer(planner.on_routed)``). ``options``: BlockPlanner keyword
+    arguments (benchmarks; e.g. ``home_block``)."""
     from pdflash.draft.planner import BlockPlanner
 
     fam = rt.family
@@ -74,7 +75,7 @@ def make_planner(rt, max_block: int):
     # per thread, and on the embedded pair (`make demo` setting) wall time gave the higher median
     # ratio to --no-draft in 4 of 4 alternating pairs of runs (docs/benchmarks.md).
     planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
-                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals)
+                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals, **options)
     rt.add_routing_observer(planner.on_routed)
     return planner
 
@@ -211,6 +212,7 @@ def speculative_on_runtime(
     graphs: bool | None = None,
     lookup: bool = True,
     batch_invariant: bool | None = None,
+    planner_options: dict | None = None,
 ) -> SpeculativeResult:
     """Speculative generation on ``rt``; ``graphs`` (default: on CUDA) runs the prefill and every
     verify block through a ``GraphedDecoder`` whose graphs for block lengths 1 .. B are captured
@@ -220,7 +222,8 @@ def speculative_on_runtime(
     to the checkpoint's. ``block_size`` "auto" lets the block planner pick each step's block
     length up to the draft's trained block size. ``batch_invariant`` (default: in oracle mode in
     a 16-bit dtype) runs every verify forward with the trained block's rows (:func:`fixed_rows`).
-    The warm-ups and the loop run with the runtime's decode threads (offload/threads.py)."""
+    ``planner_options`` are keyword arguments of the block planner (benchmarks). The warm-ups
+    and the loop run with the runtime's decode threads (offload/threads.py)."""
     with rt.decode_threads():
         eos = list(rt.eos_token_ids if eos_token_ids is None else eos_token_ids)
         prompt = [int(t) for t in input_ids]
@@ -254,7 +257,7 @@ def speculative_on_runtime(
         generator = None
         if temperature > 0:
             generator = torch.Generator(device=rt.device).manual_seed(seed)
-        planner = make_planner(rt, block) if auto else None
+        planner = make_planner(rt, block, **(planner_options or {})) if auto else None
 
         def moved_bytes() -> float:
             return float(rt.scheduler.link_totals()[0])

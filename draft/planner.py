@@ -17,8 +17,11 @@ noisy; on the embedded pair planners that followed their estimates lost to a fix
 sessions 10-11). For the same reason the draft's own per-proposal confidence does not shorten a drafted
 block: measured, verifying fewer proposals when it was low lost to verifying them all.
 
-- Cold start: two plain steps (the second prices steady plain decoding), then ``home_block`` (half
-  the draft's trained block) is the incumbent.
+- Cold start: two plain steps (the second prices steady plain decoding), then ``home_block`` (2,
+  the cheapest speculative block) is the incumbent; longer blocks follow when predicted ahead by
+  the margin. Half the trained block was the start before: on a link-bound target a first block
+  of 4 fetches about what 3.3 plain steps fetch whatever it commits, and at low acceptance that
+  one block cost more than the margins save (docs/benchmarks.md, session 13).
 - Acceptance per position: a Beta posterior mean, prior ``prior_mean`` / ``prior_weight``, over
   counts that decay by ``decay`` per verified block, so the estimate follows the text.
 - Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
@@ -175,7 +178,7 @@ class BlockPlanner:
         if max_block < 1:
             raise ValueError(f"max_block must be at least 1, got {max_block}")
         self.max_block = max_block
-        self.home_block = min(max_block, max(2, (max_block + 1) // 2)) if home_block is None else home_block
+        self.home_block = min(max_block, 2) if home_block is None else home_block
         if not 1 <= self.home_block <= max_block:
             raise ValueError(f"home_block must be in 1 .. {max_block}, got {self.home_block}")
         self.cost = cost

@@ -38,8 +38,11 @@ def write_synthetic_draft(
     target_dir: str | Path | None = None,
     seed: int = 0,
     dtype: torch.dtype | str | None = None,
+    block_size: int | None = None,
 ) -> DFlashConfig:
     """Write ``config.json`` + ``model.safetensors`` of a synthetic draft to ``out_dir``.
+
+    ``block_size`` overrides the preset's trained block length (the weights do not depend on it).
 
     dtype defaults to the preset's (float32 for tiny, bfloat16 for gpt-oss-20b-DFlash).
     Returns the config written.
@@ -48,6 +51,10 @@ def write_synthetic_draft(
 
     target = TargetShape.from_dir(target_dir) if target_dir is not None else None
     config = DFlashConfig.from_preset(preset, target)
+    if block_size is not None:
+        if block_size < 2:
+            raise PdflashError(f"a draft's block size must be at least 2, got {block_size}")
+        config.block_size = int(block_size)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise PdflashError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")

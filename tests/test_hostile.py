@@ -94,6 +94,8 @@ USAGE_CASES = [
     (("make-synthetic", "{tmp}/new", "--dtype", "int8"), "--dtype must be one of"),
     (("make-synthetic", "{tmp}/new", "--draft-preset", "bogus"), "unknown draft preset"),
     (("make-synthetic", "{tmp}/new", "--layers", "0"), "--layers must be at least 1"),
+    (("make-synthetic", "{tmp}/new", "--draft-block-size", "8"), "--draft-block-size applies to the draft"),
+    (("make-synthetic", "{tmp}/new", "--draft-preset", "tiny", "--draft-block-size", "1"), "--draft-block-size must be at least 2"),
     (("make-synthetic", "{tmp}/new", "--experts", "1"), "--experts must be at least 2"),
     (("make-synthetic", "{tmp}/new", "--vocab", "100"), "--vocab must be at least 262"),
     (("generate", "hi", "--model", T, "--batch-invariant"), "--batch-invariant only applies to speculative decoding"),
