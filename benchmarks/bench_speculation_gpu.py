@@ -79,6 +79,16 @@ def _moved(rt) -> float:
     return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
 
 
+def planner_options(args) -> dict | None:
+    """BlockPlanner keyword arguments of --home-block / --first-block (None: the defaults)."""
+    opts = {}
+    if args.home_block:
+        opts["home_block"] = args.home_block
+    if args.first_block == "home":
+        opts["first_by_cost"] = False
+    return opts or None
+
+
 def run_dtype(args, dtype: str, trained: int) -> list[dict]:
     from pdflash.draft import load_draft
     from pdflash.draft.offloaded import fixed_rows, oracle_reference, speculative_on_runtime, verify_decoder
@@ -134,7 +144,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     res = speculative_on_runtime(rt, draft, prompt, n, block_size=block, acceptance=float(p),
                                                  reference=ref, predictor=args.predictor, seed=args.seed + pi,
                                                  batch_invariant=args.batch_invariant,
-                                                 planner_options={"home_block": args.home_block} if args.home_block else None,
+                                                 planner_options=planner_options(args),
                                                  eos_token_ids=[], graphs=graphs)
                     d = res.to_dict()
                     st = rt.stats()
@@ -244,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
                     help="Fixed rows for every verify pass (draft/offloaded.py fixed_rows); auto: in bf16 / fp16.")
     ap.add_argument("--home-block", type=int, default=None,
-                    help="The planner's first drafted block length (default: the planner's own, 2).")
+                    help="The planner's home block: the longest first drafted block (default: half the trained block).")
+    ap.add_argument("--first-block", choices=["cost", "home"], default="cost",
+                    help="How the planner picks its first drafted block: by predicted cost (default) or the home block itself.")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.batch_invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]

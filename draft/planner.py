@@ -17,11 +17,14 @@ noisy; on the embedded pair planners that followed their estimates lost to a fix
 sessions 10-11). For the same reason the draft's own per-proposal confidence does not shorten a drafted
 block: measured, verifying fewer proposals when it was low lost to verifying them all.
 
-- Cold start: two plain steps (the second prices steady plain decoding), then ``home_block`` (2,
-  the cheapest speculative block) is the incumbent; longer blocks follow when predicted ahead by
-  the margin. Half the trained block was the start before: on a link-bound target a first block
-  of 4 fetches about what 3.3 plain steps fetch whatever it commits, and at low acceptance that
-  one block cost more than the margins save (docs/benchmarks.md, session 13).
+- Cold start: two plain steps (the second prices steady plain decoding), then the first drafted
+  length is the incumbent: of 2 .. ``home_block`` (half the draft's trained block), the one whose
+  verify pass is predicted to commit the most tokens per second under the prior acceptance. Too
+  little is known then for the route prediction below, so a block of B is taken to fetch what
+  the plain steps fetched times the union of B tokens' random routes (``distinct_experts``; an
+  upper bound where routing has locality). On a link-bound target, where a block of 4 fetches
+  about what 3.3 plain steps fetch, that is 2; where verify time hardly grows with B (the
+  embedded pair on a CPU), half the trained block (docs/benchmarks.md, session 13).
 - Acceptance per position: a Beta posterior mean, prior ``prior_mean`` / ``prior_weight``, over
   counts that decay by ``decay`` per verified block, so the estimate follows the text.
 - Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
@@ -163,6 +166,7 @@ class BlockPlanner:
         cache=None,
         link_counters: Callable[[], tuple[float, float]] | None = None,
         home_block: int | None = None,
+        first_by_cost: bool = True,
         switch_margin: float = 1.15,
         plain_margin: float = 1.3,
         floor: float = 0.7,
@@ -178,9 +182,10 @@ class BlockPlanner:
         if max_block < 1:
             raise ValueError(f"max_block must be at least 1, got {max_block}")
         self.max_block = max_block
-        self.home_block = min(max_block, 2) if home_block is None else home_block
+        self.home_block = min(max_block, max(2, (max_block + 1) // 2)) if home_block is None else home_block
         if not 1 <= self.home_block <= max_block:
             raise ValueError(f"home_block must be in 1 .. {max_block}, got {self.home_block}")
+        self.first_by_cost = first_by_cost  # False: the first drafted block is home_block itself
         self.cost = cost
         self.cache = cache
         self.link_counters = link_counters
@@ -205,6 +210,7 @@ class BlockPlanner:
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
         self._plain_steady = RecentMedian()  # measured plain steps that followed a plain step
+        self._plain_fetched = Ewma(cost.alpha)  # experts fetched per plain step
         self._prev_block: int | None = None
         self._forced_plain = 0  # plain steps still to run for a re-measurement
         self._window: deque[tuple[int, float]] = deque(maxlen=floor_window)  # (committed, seconds) of drafted steps
@@ -344,6 +350,24 @@ class BlockPlanner:
         ratio = self._realized_ratio()
         return self.remeasure_unless is not None and ratio is not None and ratio > self.remeasure_unless
 
+    def _first_block(self, limit: int) -> int:
+        """The first drafted length (see the module's docstring): by expected tokens per predicted
+        verify second, the draft's time left out (it is not measured before the first block)."""
+        top = min(self.home_block, limit)
+        plain_fetch = self._plain_fetched.value
+        if plain_fetch is None or not self.first_by_cost:
+            return top
+        probs = self.acceptance.conditional()
+        one = distinct_experts(1, self.num_experts, self.top_k)
+        best, best_rate = top, None
+        for block in range(2, top + 1):
+            fetch = plain_fetch * distinct_experts(block, self.num_experts, self.top_k) / one
+            verify = self.cost.step_seconds("verify", block, fetch)
+            rate = expected_committed(probs, block) / verify if verify else None
+            if rate is not None and (best_rate is None or rate > best_rate):
+                best, best_rate = block, rate
+        return best
+
     def _best_speculative(self, limit: int) -> Choice:
         return self._fastest(self._candidates(2, limit)) or self._candidate(min(self.home_block, limit))
 
@@ -370,7 +394,7 @@ class BlockPlanner:
             best = self._candidate(1)
         else:
             if self._incumbent is None:
-                self._incumbent = self.home_block
+                self._incumbent = self._first_block(limit)
             if self._incumbent > 1 and self._below_floor():
                 self._incumbent = 1  # held until a probe pays
                 self._hold_plain = True
@@ -428,7 +452,8 @@ class BlockPlanner:
             plain = self._plain_steady.value
             if self._probe and self._hold_plain and seconds > 0 and (not plain or committed / seconds >= 1.0 / plain):
                 self._hold_plain = False  # a probe that paid: the predictions decide again
-        elif block == 1 and self._prev_block == 1:
+        steady = not (self._drafting or block > 1) and block == 1 and self._prev_block == 1
+        if steady:
             self._plain_steady.add(seconds)
         self._prev_block = block
         counters = self._bytes_now()
@@ -436,6 +461,8 @@ class BlockPlanner:
         if counters is not None:
             fetched = max(0.0, counters[0] - self._step_bytes0) / self.cost.expert_bytes
             self.cost.observe_link(*counters)
+            if steady:
+                self._plain_fetched.add(fetched)
         choice = self._stage if self._stage is not None and self._stage.block == block else None
         self.cost.observe_forward("verify", block, max(0.0, seconds - draft_seconds), fetched)
         if self.cache is not None:

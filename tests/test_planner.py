@@ -83,14 +83,13 @@ def test_acceptance_model_conditional_and_decay():
 
 def test_cold_start_measures_plain_then_runs_the_home_block():
     p = planner(link_gbps=2)
-    assert p.home_block == 2 and planner(link_gbps=2, home_block=4).home_block == 4
+    assert p.home_block == 4
     assert [step(p, seconds=0.03), step(p, seconds=0.01)] == [1, 1]  # the second prices steady plain decoding
     assert p._plain_steady.value == pytest.approx(0.01)
-    assert step(p, accepted=1) == 2  # then the cheapest speculative block
-    assert p.cost.measured_forward("draft") == {2: pytest.approx(0.001)}
+    assert step(p, accepted=1) == 4  # then half the draft's trained block
+    assert p.cost.measured_forward("draft") == {4: pytest.approx(0.001)}
     rep = p.to_dict()
-    assert rep["block_histogram"] == {"1": 2, "2": 1} and rep["home_block"] == 2
-    assert planner(link_gbps=2, max_block=1).home_block == 1
+    assert rep["block_histogram"] == {"1": 2, "4": 1} and rep["home_block"] == 4
 
 
 def test_slow_link_and_low_acceptance_choose_plain_decoding():
@@ -108,7 +107,7 @@ def test_cheap_link_and_high_acceptance_choose_long_blocks():
 def test_noise_level_differences_keep_the_incumbent():
     """A block length predicted a few percent faster than the one running does not move the
     planner; one ahead by more than switch_margin does."""
-    p = planner(link_gbps=20, home_block=4)  # the cold start's block is measured cheap below: keep it off the far side
+    p = planner(link_gbps=20)
     teach(p, accept_rate=0.6)
     for _ in range(2):
         step(p, seconds=p._plain_steady.value)
@@ -215,13 +214,13 @@ def test_own_clock_replaces_the_callers_step_times():
     assert p.last_measured_seconds == pytest.approx(0.004)
     assert p.cost.measured_forward("verify") == {1: pytest.approx(0.004)}
     p.begin_step()
-    assert p.plan_draft(8) == 2
+    assert p.plan_draft(8) == 4
     now[0] += 0.001
-    p.after_draft(2, draft_seconds=5.0)
+    p.after_draft(4, draft_seconds=5.0)
     now[0] += 0.006
-    p.end_step(2, 1, 2, seconds=9.0, draft_seconds=5.0)
-    assert p.cost.measured_forward("draft") == {2: pytest.approx(0.001)}
-    assert p.cost.measured_forward("verify")[2] == pytest.approx(0.006)
+    p.end_step(4, 3, 4, seconds=9.0, draft_seconds=5.0)
+    assert p.cost.measured_forward("draft") == {4: pytest.approx(0.001)}
+    assert p.cost.measured_forward("verify")[4] == pytest.approx(0.006)
     assert p.to_dict()["step_clock"] == "<lambda>"
 
 
@@ -246,7 +245,7 @@ def test_a_drafted_step_is_never_a_plain_step():
     for _ in range(2):
         step(p, seconds=0.01)
     steady = list(p._plain_steady.samples)
-    assert step(p, accepted=0, seconds=0.03) == 2
+    assert step(p, accepted=0, seconds=0.03) == 4
     assert p._plain_steady.samples == steady  # its draft time does not price plain decoding
     assert list(p._window) == [(1, 0.03)]
 
@@ -264,3 +263,28 @@ def test_repeat_index_sees_an_earlier_occurrence_only():
     t += [4, 5, 1, 2, 3]
     assert r.repeating(t)
     assert not RepeatIndex([7, 7]).repeating([7, 7])
+
+
+@pytest.mark.parametrize("link_gbps, first, by_cost", [(0.2, 2, True), (1000, 4, True), (0.2, 4, False)],
+                         ids=["link-bound", "compute-bound", "home-block-itself"])
+def test_first_drafted_block_follows_what_extra_experts_cost(link_gbps, first, by_cost):
+    """After the cold start's plain steps (each routing 4 random experts per layer, all fetched),
+    the first drafted block is the shortest when every extra expert of a block costs link time
+    (5 ms per expert here against 5 ms of compute), and half the trained block when fetches are
+    nearly free."""
+    import random
+
+    rng = random.Random(0)
+    moved = [0.0, 0.0]  # the scheduler's counters: bytes, link-busy seconds
+    p = planner(link_gbps=link_gbps, link_counters=lambda: tuple(moved), first_by_cost=by_cost)
+    for _ in range(2):
+        p.begin_step()
+        assert p.plan_draft(8) == 1
+        for layer in range(L):
+            p.on_routed(layer, rng.sample(range(E), K))
+        fetched = L * K
+        moved[0] += fetched * EXPERT_BYTES
+        moved[1] += fetched * EXPERT_BYTES / (link_gbps * 1e9)
+        p.end_step(1, 0, 1, 0.005 + fetched * p.cost.seconds_per_expert_fetch())
+    assert p.home_block == 4 and p._plain_fetched.value == L * K
+    assert step(p, accepted=1) == first
