@@ -452,7 +452,7 @@ class BlockPlanner:
             plain = self._plain_steady.value
             if self._probe and self._hold_plain and seconds > 0 and (not plain or committed / seconds >= 1.0 / plain):
                 self._hold_plain = False  # a probe that paid: the predictions decide again
-        steady = not (self._drafting or block > 1) and block == 1 and self._prev_block == 1
+        steady = not self._drafting and block == 1 and self._prev_block == 1  # a plain step after a plain step
         if steady:
             self._plain_steady.add(seconds)
         self._prev_block = block
