@@ -14,6 +14,7 @@ from pdflash import PdflashError
 
 USAGE = 2
 SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+CPU_THREADS_MAX = 256  # PF_CPU_MAX_THREADS of native/pf_cpu.h (a test keeps them equal)
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -58,6 +59,11 @@ def device(value: str, allow_auto: bool = True) -> None:
     if not DEVICE_RE.match(value) or (value == "auto" and not allow_auto):
         choices = "auto, cpu, cuda or cuda:N" if allow_auto else "cpu, cuda or cuda:N"
         raise usage(f"--device must be {choices}, got {value!r}")
+
+
+def cpu_threads(value: int | None) -> None:
+    if value is not None and not 1 <= value <= CPU_THREADS_MAX:
+        raise usage(f"--cpu-threads must be between 1 and {CPU_THREADS_MAX}, got {value}")
 
 
 def choice(flag: str, value: str | None, choices) -> None:

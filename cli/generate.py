@@ -47,7 +47,7 @@ def _read_prompt(prompt: str) -> str:
 
 
 def _check_options(*, expert_cache_mib, expert_cache_experts, device, dtype, temperature, seed, link_gbps,
-                   eviction, block_size) -> None:
+                   eviction, block_size, cpu_threads=None) -> None:
     """Option values that are wrong by themselves: bad usage (exit 2), before anything is read."""
     from pdflash.cli import checks
     from pdflash.offload.cache import EVICTION_POLICIES
@@ -63,6 +63,7 @@ def _check_options(*, expert_cache_mib, expert_cache_experts, device, dtype, tem
     checks.seed(seed)
     checks.link_gbps(link_gbps)
     checks.choice("--eviction", eviction, EVICTION_POLICIES)
+    checks.cpu_threads(cpu_threads)
     from pdflash.draft.offloaded import parse_block_size
 
     block = parse_block_size(block_size)  # "auto" or a whole number (else bad usage)
@@ -361,7 +362,7 @@ def generate(
 
     _check_options(expert_cache_mib=expert_cache_mib, expert_cache_experts=expert_cache_experts, device=device,
                    dtype=dtype, temperature=temperature, seed=seed, link_gbps=link_gbps, eviction=eviction,
-                   block_size=block_size)
+                   block_size=block_size, cpu_threads=cpu_threads)
     if no_draft and draft is not None:
         raise PdflashError("--draft and --no-draft contradict each other; give one", exit_code=2)
     if model is None:

@@ -526,3 +526,10 @@ def test_prewake_checks_its_argument_and_calls_after_it_compute_the_same():
         assert k.last_timing()["phases"]["gate_up"]["threads"] >= 1
     with pytest.raises(CpuExpertError, match="closed"):
         k.prewake(10)
+
+
+def test_the_cli_bound_on_cpu_threads_is_the_kernels():
+    from pdflash.cli.checks import CPU_THREADS_MAX
+    from pdflash.native import _load
+
+    assert CPU_THREADS_MAX == _load()[1].PF_CPU_MAX_THREADS

@@ -75,6 +75,7 @@ USAGE_CASES = [
     (("generate", PROMPT, "--draft", D, "--no-draft"), "--draft and --no-draft contradict"),
     (GEN + ("--draft", D, "--block-size", "0"), "--block-size must be at least 1"),
     (GEN + ("--draft", D, "--block-size", "-1"), "--block-size must be at least 1"),
+    (GEN + ("--cpu-threads", "100000"), "--cpu-threads must be between 1 and 256"),
     (GEN + ("--draft", D, "--block-size", "2.5"), "--block-size must be auto or a whole number"),
     (GEN + ("--block-size", "2"), "--block-size only applies to speculative decoding"),
     (GEN + ("--draft", D, "--draft-acceptance", "1.5"), "--draft-acceptance must be between 0 and 1"),
