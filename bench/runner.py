@@ -117,7 +117,7 @@ class PriorityBench:
     def prepare(self) -> None:
         """Untimed per-prompt work: the greedy reference (oracle-acceptance mode) and the oracle
         arm's recorded verify experts."""
-        from pdflash.draft.offloaded import fixed_rows, oracle_reference, verify_decoder
+        from pdflash.draft.offloaded import oracle_reference, verify_decoder
         from pdflash.offload.prompt import check_context
 
         rt, cfg = self.rt, self.cfg
@@ -127,9 +127,8 @@ class PriorityBench:
             ref = None
             if cfg.draft_acceptance is not None:  # from the verify path's arithmetic (draft/oracle.py)
                 self.configure("on-demand")
-                rows = fixed_rows(rt, self.draft.config.block_size, cfg.draft_acceptance)
-                decoder = verify_decoder(rt, len(prompt) + cfg.max_new_tokens, rows, at=len(prompt),
-                                         blocks=range(1, self.budget.block_size + 1))
+                decoder = verify_decoder(rt, self.draft, len(prompt) + cfg.max_new_tokens, cfg.draft_acceptance,
+                                         at=len(prompt), blocks=range(1, self.budget.block_size + 1))
                 ref = oracle_reference(rt, prompt, cfg.max_new_tokens, self.budget.block_size, decoder=decoder)
             self.references.append(ref)
             plan = None
@@ -180,7 +179,7 @@ class PriorityBench:
     def _speculate_oracle(self, pi: int, on_step):
         """The oracle arm: ``speculative_generate`` with the arguments ``speculative_on_runtime``
         gives it, the route-ahead predictor replaced by the recorded verify experts."""
-        from pdflash.draft.offloaded import fixed_rows, verify_decoder
+        from pdflash.draft.offloaded import verify_decoder
         from pdflash.draft.route_ahead import RouteAhead, window_for_cache
         from pdflash.draft.speculative import make_oracle, speculative_generate
 
@@ -196,8 +195,7 @@ class PriorityBench:
         ra.predictor = _replay_predictor(self.oracle_plans[pi])
         ra.report.predictor = ra.predictor.name
         # the verify path speculative_on_runtime takes (graphed on CUDA, fixed rows in bf16 oracle mode)
-        decoder = verify_decoder(rt, len(prompt) + cfg.max_new_tokens,
-                                 fixed_rows(rt, self.draft.config.block_size, cfg.draft_acceptance),
+        decoder = verify_decoder(rt, self.draft, len(prompt) + cfg.max_new_tokens, cfg.draft_acceptance,
                                  at=len(prompt), blocks=sorted({1, b.block_size}))
         try:
             return speculative_generate(rt.model, self.draft, prompt, cfg.max_new_tokens, block_size=b.block_size,

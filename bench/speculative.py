@@ -186,15 +186,15 @@ def run(args) -> dict:
         prompts = _encode(rt, args.prompts)
         arms = ["plain"] + [f"spec:{p}" for p in args.predictors.split(",")]
         _log(f"{len(prompts)} prompts x {args.repeats} repeats x arms {arms}; cache {slots}/{total} experts")
-        from pdflash.draft.offloaded import fixed_rows, oracle_reference, verify_decoder
+        from pdflash.draft.offloaded import oracle_reference, verify_decoder
 
         references, plain_tokens = [], []
         for p in prompts:  # warm-up: kernels, allocator, graphs; the oracle's reference from the verify path
             rt.reset_cache()
             plain_tokens.append(_run_plain(rt, p, args.max_new_tokens)["token_ids"])
             rt.reset_cache()
-            dec = verify_decoder(rt, len(p) + args.max_new_tokens, fixed_rows(rt, draft.config.block_size, args.acceptance),
-                                 at=len(p), blocks=range(1, max_block + 1))
+            dec = verify_decoder(rt, draft, len(p) + args.max_new_tokens, args.acceptance, at=len(p),
+                                 blocks=range(1, max_block + 1))
             references.append(oracle_reference(rt, p, args.max_new_tokens, max_block, decoder=dec))
         rt.reset_cache()
         _run_spec(rt, draft, prompts[0], min(16, args.max_new_tokens), references[0][:16], args, arms[-1][5:])

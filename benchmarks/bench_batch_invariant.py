@@ -5,7 +5,7 @@
 
 For every prompt, P and block setting, two speculative runs in oracle-acceptance mode (in random
 order, each from an empty expert cache and the cost model's priors): every verify pass with the
-draft's trained block length of rows (``batch_invariant=True``, draft/offloaded.py fixed_rows),
+draft's trained block length of rows (``batch_invariant=True``, draft/offloaded.py verify_decoder),
 and each block with its own length (``False``). Each run computes its own reference through its
 own verify path (untimed). Reported per run: the oracle's divergences and refresh forwards, the
 acceptance length against what the draws promise for the block lengths used (1 + P + ... +

@@ -91,7 +91,7 @@ def planner_options(args) -> dict | None:
 
 def run_dtype(args, dtype: str, trained: int) -> list[dict]:
     from pdflash.draft import load_draft
-    from pdflash.draft.offloaded import fixed_rows, oracle_reference, speculative_on_runtime, verify_decoder
+    from pdflash.draft.offloaded import oracle_reference, speculative_on_runtime, verify_decoder
     from pdflash.offload.generate import generate
     from pdflash.offload.runtime import OffloadedModel
 
@@ -113,12 +113,13 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         for pi, prompt in enumerate(prompts):
             refs: dict[int, list[int]] = {}
             # The verify path of the runs below: graphed on CUDA, with fixed rows in a 16-bit dtype
-            # (oracle mode: draft/offloaded.py fixed_rows), where one reference serves every block length.
-            rows_fixed = fixed_rows(rt, draft.config.block_size, 1.0, args.batch_invariant)
-            dec = verify_decoder(rt, len(prompt) + n, rows_fixed, graphs=graphs, at=len(prompt), blocks=range(1, trained + 1))
-            for b in sorted(set(blocks) | {trained}):  # untimed: the reference of each block length
-                if rows_fixed and refs:
-                    refs[b] = next(iter(refs.values()))
+            # (oracle mode: draft/offloaded.py verify_decoder), where one reference serves every block length.
+            dec = verify_decoder(rt, draft, len(prompt) + n, 1.0, batch_invariant=args.batch_invariant, graphs=graphs,
+                                 at=len(prompt), blocks=range(1, trained + 1))
+            one = dec is not None and dec.rows is not None
+            for b in sorted(set(blocks) | {trained}, reverse=True):  # untimed: the reference of each block length
+                if one and refs:
+                    refs[b] = refs[trained]
                     continue
                 rt.reset_cache()
                 refs[b] = oracle_reference(rt, prompt, n, b, decoder=dec)
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predictor", default=DEFAULT_PREDICTOR,
                     help=f"Route-ahead predictor of the speculative arms (default: generate's, {DEFAULT_PREDICTOR}).")
     ap.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
-                    help="Fixed rows for every verify pass (draft/offloaded.py fixed_rows); auto: in bf16 / fp16.")
+                    help="Fixed rows for every verify pass (draft/offloaded.py verify_decoder); auto: in bf16 / fp16.")
     ap.add_argument("--home-block", type=int, default=None,
                     help="The planner's home block: the longest first drafted block (default: half the trained block).")
     ap.add_argument("--first-block", choices=["cost", "home"], default="cost",

@@ -14,7 +14,7 @@ on the same runtime and the same target path as the verify passes (:func:`oracle
 part of the result's timings); the runtime's cache and statistics are then reset (and an
 all-resident cache preloaded again), so the reported figures cover the speculative run alone.
 
-Batch-invariant verify (:func:`fixed_rows`): every verify forward, and the reference's, runs the
+Batch-invariant verify (:func:`verify_decoder`): every verify forward, and the reference's, runs the
 draft's trained block length of rows (offload/graphs.py, fixed rows), so a position's logits do
 not depend on the block it was verified in. On by default in oracle mode in a 16-bit dtype: there
 the reference and the verify passes must round alike, or the oracle's draws are refused for
@@ -149,22 +149,20 @@ def speculative_options(
             "batch_invariant": batch_invariant}
 
 
-def fixed_rows(rt, trained_block: int, acceptance: float | None, batch_invariant: bool | None = None) -> int | None:
-    """Rows of every verify forward with batch-invariant verify, or None (each block its own
-    length). ``batch_invariant`` None: on in oracle-acceptance mode in a 16-bit dtype."""
-    if batch_invariant is None:
-        batch_invariant = acceptance is not None and rt.dtype in (torch.bfloat16, torch.float16)
-    return int(trained_block) if batch_invariant else None
-
-
-def verify_decoder(rt, max_len: int, rows: int | None, *, graphs: bool | None = None, at: int | None = None,
+def verify_decoder(rt, draft: DFlashDraftModel, max_len: int, acceptance: float | None, *,
+                   batch_invariant: bool | None = None, graphs: bool | None = None, at: int | None = None,
                    blocks: Sequence[int] = ()):
     """The ``GraphedDecoder`` verify passes (and the oracle's reference) go through, or None for
-    the library model's own forward: graphed on CUDA (``graphs``), eager elsewhere when ``rows``
-    fixes the rows. Shared per runtime, so a reference and the runs that follow it use one
-    decoder. Graphs for blocks of ``blocks`` tokens at ``at`` positions are captured now."""
+    the library model's own forward: graphed on CUDA (``graphs``); with batch-invariant verify
+    (``batch_invariant``, by default on in oracle-acceptance mode in a 16-bit dtype) every step
+    runs ``draft``'s trained block length of rows (``decoder.rows``), eager where not graphed.
+    Shared per runtime, so a reference and the runs that follow it use one decoder. Graphs for
+    blocks of ``blocks`` tokens at ``at`` positions are captured now."""
     from pdflash.offload.graphs import GraphedDecoder
 
+    if batch_invariant is None:
+        batch_invariant = acceptance is not None and rt.dtype in (torch.bfloat16, torch.float16)
+    rows = int(draft.config.block_size) if batch_invariant else None
     if graphs is None:
         graphs = rt.device.type == "cuda"
     if not graphs and rows is None:
@@ -221,7 +219,7 @@ def speculative_on_runtime(
     continuation when already known, which skips the reference run). ``eos_token_ids`` defaults
     to the checkpoint's. ``block_size`` "auto" lets the block planner pick each step's block
     length up to the draft's trained block size. ``batch_invariant`` (default: in oracle mode in
-    a 16-bit dtype) runs every verify forward with the trained block's rows (:func:`fixed_rows`).
+    a 16-bit dtype) runs every verify forward with the trained block's rows (:func:`verify_decoder`).
     ``planner_options`` are keyword arguments of the block planner (benchmarks). The warm-ups
     and the loop run with the runtime's decode threads (offload/threads.py)."""
     with rt.decode_threads():
@@ -230,9 +228,9 @@ def speculative_on_runtime(
         check_context(rt.config, len(prompt), max_new_tokens)
         auto = parse_block_size(block_size) == AUTO
         block = check_block_size(None if auto else block_size, draft.config.block_size)
-        rows = fixed_rows(rt, draft.config.block_size, acceptance, batch_invariant)
         lengths = range(1, block + 1) if auto else sorted({1, block})
-        decoder = verify_decoder(rt, len(prompt) + max_new_tokens, rows, graphs=graphs, at=len(prompt), blocks=lengths)
+        decoder = verify_decoder(rt, draft, len(prompt) + max_new_tokens, acceptance, batch_invariant=batch_invariant,
+                                 graphs=graphs, at=len(prompt), blocks=lengths)
         if decoder is None:  # each verify length's first-call setup, before the prompt (as plain decoding warms its one)
             warm_linears([rt.model], lengths)
         draft.warm_up(range(2, block + 1) if auto else [block])
@@ -268,7 +266,7 @@ def speculative_on_runtime(
                 generator=generator, eos_token_ids=eos, route_ahead=route_ahead, oracle=oracle, on_step=on_step,
                 planner=planner, moved_bytes=moved_bytes, decoder=decoder, lookup=lookup,
             )
-            res.verify_rows = rows
+            res.verify_rows = decoder.rows if decoder is not None else None
             return res
         finally:
             if route_ahead is not None:

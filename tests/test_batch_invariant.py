@@ -1,4 +1,4 @@
-"""Batch-invariant verify (offload/graphs.py, fixed rows; draft/offloaded.py fixed_rows).
+"""Batch-invariant verify (offload/graphs.py, fixed rows; draft/offloaded.py verify_decoder).
 
 The target here is the tiny preset widened to hidden 1536: at that width this CPU's bf16 matrix
 products round a single-token forward differently from a block's (measured: logits apart by
