@@ -17,12 +17,14 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 
 - ``plain``: graphed plain decoding (``generate(..., cuda_graphs=True)``; eager on CPU);
 - ``auto@P``: speculative decoding, block planner, oracle acceptance P, route-ahead by ``--predictor`` (default: generate's, none);
+- ``auto-real@P`` (with ``--probes shadow,real`` or ``real``): the planner with every probe a verified block, no shadow probes;
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
 token, acceptance length, block lengths chosen, bytes over the link per committed token, oracle
-divergences / refreshes (0 expected), the planner's mean predicted and measured step time, and
-whether the tokens equal plain decoding's. The summary gives per dtype and arm the median tokens/s
+divergences / refreshes (0 expected), the planner's mean predicted and measured step time and
+probes, the drafting share (:func:`drafting_share`: what the steps that ran the draft cost beyond
+plain decoding, as a share of the run), and whether the tokens equal plain decoding's. The summary gives per dtype and arm the median tokens/s
 and the median same-prompt ratio to ``plain``, and checks the targets of auto against plain:
 P = 0.9 >= 1.6x, P = 0.7 >= 1.2x, P = 0.3 >= 0.97x. One JSON object goes to --out, a markdown
 table to stderr.
@@ -79,14 +81,33 @@ def _moved(rt) -> float:
     return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
 
 
-def planner_options(args) -> dict | None:
-    """BlockPlanner keyword arguments of --home-block / --first-block (None: the defaults)."""
+def planner_options(args, real_probes: bool = False) -> dict | None:
+    """BlockPlanner keyword arguments of --home-block / --first-block and of the arm's probes
+    (``real_probes``: the "auto-real" arm) (None: the defaults)."""
     opts = {}
     if args.home_block:
         opts["home_block"] = args.home_block
     if args.first_block == "home":
         opts["first_by_cost"] = False
+    if real_probes:
+        opts["shadow_probes"] = False
     return opts or None
+
+
+def drafting_share(steps) -> float | None:
+    """What the steps that ran the draft (verified blocks and shadow probes) cost beyond plain
+    decoding, as a share of the run's step time: each such step's time less its committed tokens
+    at the run's median plain step (the steps that ran neither). Negative: drafting gained. It
+    leaves out the run-to-run noise of the plain steps themselves, which a ratio of two runs keeps."""
+    def seconds(s):
+        return s.draft_seconds + s.verify_seconds
+
+    plain = [seconds(s) for s in steps if s.block_size == 1 and not s.shadow_block]
+    total = sum(seconds(s) for s in steps)
+    if not plain or total <= 0:
+        return None
+    per_token = statistics.median(plain)
+    return sum(seconds(s) - len(s.committed) * per_token for s in steps if s.block_size > 1 or s.shadow_block) / total
 
 
 def run_dtype(args, dtype: str, trained: int) -> list[dict]:
@@ -109,7 +130,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         draft = load_draft(args.checkpoint_dir / "draft", rt.model)
         prompts = _encode(rt, args.prompts)
         n = args.tokens
-        arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in ["auto"] + [f"B{b}" for b in blocks]]
+        autos = [{"shadow": "auto", "real": "auto-real"}[k] for k in args.probes]
+        arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in autos + [f"B{b}" for b in blocks]]
         for pi, prompt in enumerate(prompts):
             refs: dict[int, list[int]] = {}
             # The verify path of the runs below: graphed on CUDA, with fixed rows in a 16-bit dtype
@@ -140,13 +162,14 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     plain_tokens = res.token_ids
                 else:
                     kind, p = arm.split("@")
-                    block = "auto" if kind == "auto" else int(kind[1:])
+                    block = "auto" if kind.startswith("auto") else int(kind[1:])
                     ref = refs[trained if block == "auto" else block]
+                    steps: list = []
                     res = speculative_on_runtime(rt, draft, prompt, n, block_size=block, acceptance=float(p),
                                                  reference=ref, predictor=args.predictor, seed=args.seed + pi,
                                                  batch_invariant=args.batch_invariant,
-                                                 planner_options=planner_options(args),
-                                                 eos_token_ids=[], graphs=graphs)
+                                                 planner_options=planner_options(args, kind == "auto-real"),
+                                                 eos_token_ids=[], graphs=graphs, on_step=steps.append)
                     d = res.to_dict()
                     st = rt.stats()
                     row = {k: d.get(k) for k in ("tokens_per_second", "token_ids", "acceptance_length", "block_histogram",
@@ -154,9 +177,10 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                                                   "acceptance_per_position", "draft_ms", "verify_ms", "verify_steps")}
                     row["hit_rate"] = st["cache"]["hit_rate"]
                     row["same_tokens_as_reference"] = res.token_ids == ref
+                    row["drafting_share"] = drafting_share(steps)
                     if res.planner is not None:
                         row["planner"] = {k: res.planner[k] for k in ("predicted_step_ms", "measured_step_ms",
-                                                                       "step_time_abs_error_ms", "probes")}
+                                                                       "step_time_abs_error_ms", "probes", "shadow_probes")}
                         row["cost"] = res.planner["cost"]
                 results[arm] = row
                 _log(f"[{dtype}] prompt {pi} {arm}: {row['tokens_per_second'] or 0:.2f} tok/s"
@@ -200,6 +224,8 @@ def summarise(rows: list[dict]) -> dict:
                     "bytes_per_committed_token": statistics.median(bpt) if bpt else None,
                     "oracle_refreshes": sum(r.get("oracle_refreshes") or 0 for r in rs),
                     "oracle_divergences": sum(r.get("oracle_divergences") or 0 for r in rs),
+                    "drafting_share": statistics.median(ds) if (ds := [r["drafting_share"] for r in rs
+                                                                      if r.get("drafting_share") is not None]) else None,
                 })
             else:
                 bpt = [r["bytes_per_token"] for r in rs]
@@ -220,8 +246,8 @@ def markdown(summary: dict) -> str:
 
     lines = []
     for dtype, s in summary.items():
-        lines += [f"**{dtype}**", "", "| arm | tok/s | vs plain (median, range) | accept len | blocks (B:steps) | MB / committed token | repairs |",
-                  "|---|---:|---:|---:|---|---:|---:|"]
+        lines += [f"**{dtype}**", "", "| arm | tok/s | vs plain (median, range) | accept len | blocks (B:steps) | MB / committed token | repairs | drafting share |",
+                  "|---|---:|---:|---:|---|---:|---:|---:|"]
         for arm, a in s["arms"].items():
             rng = a["vs_plain_range"]
             mb = a.get("bytes_per_committed_token", a.get("bytes_per_token"))
@@ -229,7 +255,8 @@ def markdown(summary: dict) -> str:
                 f"| {arm} | {f(a['tokens_per_second'])} | {f(a['vs_plain'])}x"
                 f" ({'-' if rng is None else f'{rng[0]:.2f}-{rng[1]:.2f}'}) | {f(a.get('acceptance_length'))}"
                 f" | {' '.join(f'{b}:{c}' for b, c in (a.get('block_histogram') or {}).items()) or '-'}"
-                f" | {f(None if mb is None else mb / 1e6)} | {a.get('oracle_refreshes', '-')} |")
+                f" | {f(None if mb is None else mb / 1e6)} | {a.get('oracle_refreshes', '-')}"
+                f" | {f(a.get('drafting_share'), '+.1%')} |")
         for name, c in s["targets"].items():
             lines.append(f"\ntarget {name}: {c['vs_plain']:.2f}x against >= {c['target']}x: {'met' if c['met'] else 'NOT met'}")
         lines.append("")
@@ -258,11 +285,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="The planner's home block: the longest first drafted block (default: half the trained block).")
     ap.add_argument("--first-block", choices=["cost", "home"], default="cost",
                     help="How the planner picks its first drafted block: by predicted cost (default) or the home block itself.")
+    ap.add_argument("--probes", default="shadow",
+                    help="Comma-separated kinds of the planner's probes while plain decoding leads, one auto arm "
+                         "each: shadow (arm auto: drafted and checked against the committed tokens, the default), "
+                         "real (arm auto-real: drafted and verified as a block).")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.batch_invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
     args.acceptance = [float(p) for p in args.acceptance.split(",") if p.strip()]
     args.blocks = [int(b) for b in args.blocks.split(",") if b.strip()]
+    args.probes = list(dict.fromkeys(k.strip() for k in args.probes.split(",") if k.strip()))
+    if not args.probes or not set(args.probes) <= {"shadow", "real"}:
+        ap.error("--probes takes shadow, real or shadow,real")
     draft_preset = args.draft_preset or ("tiny" if args.preset == "tiny" else "gpt-oss-20b-DFlash")
     if not 1 <= args.prompts <= len(PROMPTS):
         ap.error(f"--prompts must be between 1 and {len(PROMPTS)}")

@@ -287,7 +287,9 @@ def _planner_rows(planner: dict | None) -> list[tuple[str, str]]:
     unit = "ms" if planner["step_clock"] == "wall" else f"ms of {planner['step_clock']}"
     return [("step time predicted / measured",
              f"{planner['predicted_step_ms']:.1f} / {planner['measured_step_ms']:.1f} {unit} "
-             f"(mean abs error {planner['step_time_abs_error_ms']:.1f} ms, {planner['predicted_steps']} steps)")]
+             f"(mean abs error {planner['step_time_abs_error_ms']:.1f} ms, {planner['predicted_steps']} steps)"),
+            ("planner probes", f"{planner['probes']} ({planner['shadow_probes']} shadow: drafted, checked against "
+                               "the committed tokens, not verified)")]
 
 
 def _moved(rt) -> float:
@@ -407,6 +409,7 @@ def generate(
             rate["prefetched"] = step.route_ahead_submitted
             hist = rate.setdefault("blocks", {})
             hist[step.block_size] = hist.get(step.block_size, 0) + 1
+            rate["shadow"] = rate.get("shadow", 0) + (1 if step.shadow_block else 0)
             if step.predicted_seconds is not None:
                 rate["predicted_s"] = rate.get("predicted_s", 0.0) + step.predicted_seconds
                 rate["measured_s"] = rate.get("measured_s", 0.0) + step.planner_measured_seconds
@@ -430,7 +433,8 @@ def generate(
             if rate.get("verifies"):
                 fields += [("accept len", f"{rate['committed'] / rate['verifies']:.2f}"),
                            ("route-ahead this step", str(rate["prefetched"])),
-                           ("blocks (B:steps)", _histogram_text(rate["blocks"])),
+                           ("blocks (B:steps)", _histogram_text(rate["blocks"])
+                            + (f", {rate['shadow']} shadow probes" if rate["shadow"] else "")),
                            ("MB / committed tok", "n/a" if rate["committed"] == rate["committed0"] else
                             f"{(_moved(rt) - rate['bytes0']) / (rate['committed'] - rate['committed0']) / 1e6:.2f}")]
                 if rate.get("measured_s"):

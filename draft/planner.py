@@ -24,7 +24,9 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   the plain steps fetched times the union of B tokens' random routes (``distinct_experts``; an
   upper bound where routing has locality). On a link-bound target, where a block of 4 fetches
   about what 3.3 plain steps fetch, that is 2; where verify time hardly grows with B (the
-  embedded pair on a CPU), half the trained block (docs/benchmarks.md, session 13).
+  embedded pair on a CPU), half the trained block (docs/benchmarks.md, session 13). Where that
+  block is not predicted to beat plain decoding by ``switch_margin`` and shadow probes are
+  possible (below), plain decoding stays the incumbent and the first block is a shadow probe.
 - Acceptance per position: a Beta posterior mean, prior ``prior_mean`` / ``prior_weight``, over
   counts that decay by ``decay`` per verified block, so the estimate follows the text.
 - Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
@@ -49,6 +51,16 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   ``max_probe_interval``, while plain stays ahead); when the last committed tokens repeat an
   earlier stretch of the sequence, the probe comes early (at most every ``min_repeat_gap`` plain
   steps, a gap that doubles after each such probe whose proposals were all refused).
+- Shadow probes: where the caller can compare proposals with what is committed (greedy decoding:
+  ``plan_draft(..., can_shadow=True)``), a periodic probe drafts B positions (at least
+  ``home_block``: one draft pass measures every position it drafts) but verifies only the
+  step's own token, a plain step (:attr:`BlockPlanner.shadow_block`); the proposals
+  (:meth:`BlockPlanner.shadow_proposals`) are then checked against the tokens the next steps
+  commit, and their accepted prefix is recorded as a verified block's would be. It costs the
+  draft's forward and no verify block: on a link-bound target a block of 2 fetches about 1.9 times
+  a plain step's experts, which a probe at low acceptance pays for and a shadow probe does not.
+  Probes on a repetition hint and while the floor holds plain decoding stay real: the first is
+  likely to pay at once, the second must show a block that pays, not an acceptance.
 """
 
 from __future__ import annotations
@@ -122,6 +134,7 @@ class Choice:
 class PlannerReport:
     histogram: dict[int, int] = field(default_factory=dict)  # chosen B -> steps
     probes: int = 0  # drafts run only to keep measuring acceptance
+    shadow_probes: int = 0  # of those, drafted and checked against later committed tokens, not verified
     predicted_seconds: float = 0.0  # summed over steps that had a prediction
     measured_seconds: float = 0.0  # the same steps, measured
     predicted_steps: int = 0
@@ -135,6 +148,7 @@ class PlannerReport:
         return {
             "block_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
             "probes": self.probes,
+            "shadow_probes": self.shadow_probes,
             "predicted_step_ms": 1e3 * self.predicted_seconds / n if n else None,
             "measured_step_ms": 1e3 * self.measured_seconds / n if n else None,
             "step_time_abs_error_ms": 1e3 * self.abs_error_seconds / n if n else None,
@@ -167,6 +181,7 @@ class BlockPlanner:
         link_counters: Callable[[], tuple[float, float]] | None = None,
         home_block: int | None = None,
         first_by_cost: bool = True,
+        shadow_probes: bool = True,
         switch_margin: float = 1.15,
         plain_margin: float = 1.3,
         floor: float = 0.7,
@@ -186,6 +201,10 @@ class BlockPlanner:
         if not 1 <= self.home_block <= max_block:
             raise ValueError(f"home_block must be in 1 .. {max_block}, got {self.home_block}")
         self.first_by_cost = first_by_cost  # False: the first drafted block is home_block itself
+        self.shadow_probes = shadow_probes  # False: every probe verifies its block
+        self.shadow_block = 0  # this step's shadow probe: positions to draft and not verify (0: none)
+        self._shadow: list[int] = []  # a shadow probe's proposals, checked against committed tokens
+        self._shadow_accepted = 0  # how many of them the committed tokens matched so far
         self.cost = cost
         self.cache = cache
         self.link_counters = link_counters
@@ -205,7 +224,7 @@ class BlockPlanner:
         self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1), prior_mean=0.6, prior_weight=4.0, decay=0.9)
         self._incumbent: int | None = None  # the block length being run (None during the cold start)
         self._spec_run = 0  # speculative steps in a row
-        self._plain_run = 0  # plain steps in a row
+        self._plain_run = 0  # plain steps in a row since the last drafted one (a shadow probe counts as drafted)
         self._history: deque[tuple[int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (tokens, layer -> experts) per step
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
@@ -350,13 +369,15 @@ class BlockPlanner:
         ratio = self._realized_ratio()
         return self.remeasure_unless is not None and ratio is not None and ratio > self.remeasure_unless
 
-    def _first_block(self, limit: int) -> int:
+    def _first_block(self, limit: int) -> tuple[int, bool]:
         """The first drafted length (see the module's docstring): by expected tokens per predicted
-        verify second, the draft's time left out (it is not measured before the first block)."""
+        verify second, the draft's time left out (it is not measured before the first block); and
+        whether that rate is predicted to beat plain decoding's by ``switch_margin``, as a switch
+        from plain decoding must (True when nothing is predicted)."""
         top = min(self.home_block, limit)
         plain_fetch = self._plain_fetched.value
         if plain_fetch is None or not self.first_by_cost:
-            return top
+            return top, True
         probs = self.acceptance.conditional()
         one = distinct_experts(1, self.num_experts, self.top_k)
         best, best_rate = top, None
@@ -366,7 +387,8 @@ class BlockPlanner:
             rate = expected_committed(probs, block) / verify if verify else None
             if rate is not None and (best_rate is None or rate > best_rate):
                 best, best_rate = block, rate
-        return best
+        plain = self._plain_steady.value
+        return best, best_rate is None or not plain or best_rate * plain > self.switch_margin
 
     def _best_speculative(self, limit: int) -> Choice:
         return self._fastest(self._candidates(2, limit)) or self._candidate(min(self.home_block, limit))
@@ -380,21 +402,28 @@ class BlockPlanner:
         c = self._bytes_now()
         self._step_bytes0 = c[0] if c is not None else 0.0
 
-    def plan_draft(self, limit: int, repeating: bool = False) -> int:
+    def plan_draft(self, limit: int, repeating: bool = False, can_shadow: bool = False) -> int:
         """The block length to draft and verify now (<= ``limit`` <= max_block), or 1 for a
         plain step. ``repeating``: the last committed tokens already occurred earlier in the
         sequence (text that copies itself is where a draft is most often right); during a plain
         stretch it brings the next probe forward (at most every ``min_repeat_gap`` plain steps,
-        doubling after each such probe that accepted nothing)."""
+        doubling after each such probe that accepted nothing). ``can_shadow``: the caller passes
+        the committed tokens to :meth:`end_step` and a plain step may draft
+        :attr:`shadow_block` positions (greedy decoding), see the module's docstring."""
         self._stage = None
         self._probe = self._repeat_probe = self._drafting = False
+        self.shadow_block = 0
         measured = self.cost.measured_forward("verify")
         if limit <= 1 or self._forced_plain > 0 or 1 not in measured or self._plain_steady.value is None:
             self._forced_plain = max(0, self._forced_plain - 1)  # a re-measurement, or the cold start
             best = self._candidate(1)
         else:
+            shadow_first = 0
             if self._incumbent is None:
-                self._incumbent = self._first_block(limit)
+                first, ahead = self._first_block(limit)
+                if not ahead and can_shadow and self.shadow_probes:
+                    shadow_first = first  # predicted behind plain decoding: look before drafting for real
+                self._incumbent = 1 if shadow_first else first
             if self._incumbent > 1 and self._below_floor():
                 self._incumbent = 1  # held until a probe pays
                 self._hold_plain = True
@@ -402,11 +431,21 @@ class BlockPlanner:
             best = self._candidate(1) if self._hold_plain else self._decide(limit)
             if best.block != min(self._incumbent, limit):
                 self._incumbent = best.block
-            if best.block == 1 and self._plain_run + 1 >= self._probe_interval:
+            shadow = can_shadow and self.shadow_probes and not self._hold_plain
+            if best.block == 1 and shadow_first:
                 self.report.probes += 1
+                self.report.shadow_probes += 1
+                self.shadow_block = max(shadow_first, min(self.home_block, limit))
+            elif best.block == 1 and self._plain_run + 1 >= self._probe_interval and not (shadow and self._shadow):
+                self.report.probes += 1  # (a shadow probe still being checked delays the next one)
                 self._probe_interval = min(self.max_probe_interval, 2 * self._probe_interval)
-                self._probe = True
-                best = self._best_speculative(limit)
+                spec = self._best_speculative(limit)
+                if shadow:
+                    self.report.shadow_probes += 1
+                    self.shadow_block = max(spec.block, min(self.home_block, limit))  # drafted, then a plain step
+                else:
+                    self._probe = True
+                    best = spec
             elif best.block == 1 and repeating and self._plain_run + 1 >= self._repeat_gap:
                 self.report.probes += 1  # the text repeats itself: look now, the interval unchanged
                 self._probe = self._repeat_probe = True
@@ -417,7 +456,7 @@ class BlockPlanner:
                 best = self._candidate(1)
         self._stage = best
         if best.block == 1:
-            self._plain_run += 1
+            self._plain_run = 0 if self.shadow_block else self._plain_run + 1  # a probe ends the plain run
             self._spec_run = 0
             return 1
         if self._incumbent and self._incumbent > 1:
@@ -426,6 +465,26 @@ class BlockPlanner:
         self._spec_run += 1
         self._drafting = True
         return best.block
+
+    def shadow_proposals(self, proposals: Sequence[int]) -> None:
+        """The shadow probe's proposals (this step's ``shadow_block - 1``), to be checked against
+        the tokens committed from this step on."""
+        self._shadow = [int(t) for t in proposals]
+        self._shadow_accepted = 0
+
+    def _check_shadow(self, tokens: Sequence[int]) -> None:
+        """Committed ``tokens`` against the shadow probe's proposals still open; its accepted
+        prefix is recorded once a token differs or every proposal matched."""
+        for t in tokens:
+            if int(t) != self._shadow[self._shadow_accepted]:
+                break
+            self._shadow_accepted += 1
+            if self._shadow_accepted == len(self._shadow):
+                break
+        else:
+            return  # every token matched and proposals remain: the next steps decide
+        self.acceptance.record(len(self._shadow), self._shadow_accepted)
+        self._shadow = []
 
     def after_draft(self, drafted: int, draft_seconds: float) -> None:
         """The draft of ``drafted`` positions took ``draft_seconds`` (the planner's own clock
@@ -439,10 +498,12 @@ class BlockPlanner:
         """The choice the step is running."""
         return self._stage
 
-    def end_step(self, block: int, accepted: int, committed: int, seconds: float, draft_seconds: float = 0.0) -> None:
+    def end_step(self, block: int, accepted: int, committed: int, seconds: float, draft_seconds: float = 0.0,
+                 tokens: Sequence[int] = ()) -> None:
         """The step verified ``block`` tokens, accepted ``accepted`` proposals, committed
-        ``committed`` tokens and took ``seconds`` (draft + verify; with a ``clock`` the planner's
-        own measurements replace ``seconds`` and ``draft_seconds``)."""
+        ``committed`` tokens (``tokens``, what a shadow probe's proposals are checked against) and
+        took ``seconds`` (draft + verify; with a ``clock`` the planner's own measurements replace
+        ``seconds`` and ``draft_seconds``)."""
         if self.clock is not None:
             seconds = self.clock() - self._t0
             draft_seconds = self._draft_clock
@@ -452,7 +513,8 @@ class BlockPlanner:
             plain = self._plain_steady.value
             if self._probe and self._hold_plain and seconds > 0 and (not plain or committed / seconds >= 1.0 / plain):
                 self._hold_plain = False  # a probe that paid: the predictions decide again
-        steady = not self._drafting and block == 1 and self._prev_block == 1  # a plain step after a plain step
+        # a plain step after a plain step (a shadow probe's step also ran the draft)
+        steady = not self._drafting and not self.shadow_block and block == 1 and self._prev_block == 1
         if steady:
             self._plain_steady.add(seconds)
         self._prev_block = block
@@ -470,6 +532,8 @@ class BlockPlanner:
             self._extra.setdefault(block, Ewma(self.cost.alpha)).add(fetched - pred_missing)
         if block > 1:
             self.acceptance.record(block - 1, accepted)
+        if self._shadow and tokens:
+            self._check_shadow(tokens)
         if self._repeat_probe:  # repetition that the draft did not follow: trust the hint less
             self._repeat_gap = self.min_repeat_gap if accepted else min(64, 2 * self._repeat_gap)
         self._history.append((committed, self._current))

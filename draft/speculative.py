@@ -344,6 +344,7 @@ class StepInfo:
     route_ahead_submitted: int  # (layer, expert) pairs sent to the prefetcher this step
     predicted_seconds: float | None = None  # the block planner's prediction of this step (auto)
     planner_measured_seconds: float | None = None  # the same step in the planner's clock
+    shadow_block: int = 0  # a shadow probe: positions drafted but not verified (block_size is 1)
 
 
 @dataclass
@@ -535,23 +536,25 @@ def speculative_generate(
             limit = min(b_max, max_new_tokens - len(generated))  # one verify commits at most b tokens
             if planner is not None:
                 planner.begin_step()
-                b = planner.plan_draft(limit, repeats.repeating(tokens))
+                b = planner.plan_draft(limit, repeats.repeating(tokens), can_shadow=greedy)
             else:
                 b = limit
             n = b - 1
-            plain_step = planner is not None and n == 0  # no draft, no route-ahead: plain decoding
-            # 1. draft (a block of b)
+            plain_step = planner is not None and n == 0  # no proposals, no route-ahead: plain decoding
+            shadow = planner.shadow_block if plain_step else 0  # a probe drafted but not verified
+            drafted = shadow or b
+            # 1. draft (a block of `drafted`)
             t_draft = time.perf_counter()
             refresh_before = oracle.refresh_seconds if oracle else 0.0
             if route_ahead is not None and not plain_step:
                 route_ahead.begin_step()
             proposals = torch.empty(0, dtype=torch.long, device=device)
             draft_probs = None
-            if n:
+            if drafted > 1:
                 context = torch.cat(pending, dim=1) if len(pending) > 1 else pending[0]
                 pending = []
-                hidden = draft(draft.block_ids(tokens[-1], b, device), start, context=context)  # [1, b, H]
-                if route_ahead is not None:
+                hidden = draft(draft.block_ids(tokens[-1], drafted, device), start, context=context)  # [1, drafted, H]
+                if route_ahead is not None and not plain_step:
                     route_ahead.after_draft(hidden)
                 if greedy:
                     proposals = draft.propose(hidden[0, 1:])  # [n]
@@ -559,17 +562,24 @@ def speculative_generate(
                     draft_probs = _probs(draft.head(hidden[:, 1:])[0], temperature)  # [n, V]
                     proposals = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
                 if oracle is not None:
-                    proposals = torch.tensor(oracle.propose(tokens, n), dtype=torch.long, device=device)
+                    proposals = torch.tensor(oracle.propose(tokens, drafted - 1), dtype=torch.long, device=device)
                 elif greedy and lookup:  # the text copies itself: what followed last time leads the block
-                    copied = repeats.continuation(tokens, n)
+                    copied = repeats.continuation(tokens, drafted - 1)
                     if copied and copied[0] != int(proposals[0]):
                         proposals = torch.cat((torch.tensor(copied, dtype=torch.long, device=device),
                                                proposals[len(copied):]))
-                        stats.copied_steps += 1
+                        stats.copied_steps += 0 if shadow else 1
+                if shadow:  # checked against the tokens committed from here on; this step verifies none
+                    checked = proposals.tolist()
+                    if oracle is not None:  # the draws refuse what follows their accepted run
+                        lim = oracle.limit()
+                        checked = checked[:lim] + [-1] * (len(checked) - lim)
+                    planner.shadow_proposals(checked)
+                    proposals = proposals[:0]
             _sync(device)
             draft_s = time.perf_counter() - t_draft - ((oracle.refresh_seconds - refresh_before) if oracle else 0.0)
-            if planner is not None and n:
-                planner.after_draft(b, draft_s)
+            if planner is not None and drafted > 1:
+                planner.after_draft(drafted, draft_s)
 
             # 2. verify
             t_verify = time.perf_counter()
@@ -603,7 +613,7 @@ def speculative_generate(
             if planner is not None:
                 choice = planner.current()
                 predicted = choice.predicted_seconds if choice is not None else None
-                planner.end_step(b, n_acc, len(new), draft_s + verify_s, draft_s if not plain_step else 0.0)
+                planner.end_step(b, n_acc, len(new), draft_s + verify_s, draft_s if drafted > 1 else 0.0, tokens=new)
                 planner_measured = planner.last_measured_seconds
             stats.draft_seconds += draft_s
             stats.verify_seconds += verify_s
@@ -620,7 +630,7 @@ def speculative_generate(
                     step=step, block_size=b, accepted=n_acc, committed=new, generated=len(generated),
                     draft_seconds=draft_s, verify_seconds=verify_s,
                     route_ahead_submitted=route_ahead.submitted_last_step if route_ahead and not plain_step else 0,
-                    predicted_seconds=predicted, planner_measured_seconds=planner_measured,
+                    predicted_seconds=predicted, planner_measured_seconds=planner_measured, shadow_block=shadow,
                 ))
         _sync(device)
         stats.decode_seconds = time.perf_counter() - t_decode - (

@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_speculation_gpu.py"
 
 
@@ -15,10 +17,10 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "10", "--prompts", "1", "--dtypes", "bfloat16,float32", "--acceptance", "0.9,0.3",
-                     "--blocks", "2,8", "--out", str(out)]) == 0
+                     "--blocks", "2,8", "--probes", "shadow,real", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["summary"]) == {"bfloat16", "float32"}
-    arms = {"plain", "auto@0.9", "B2@0.9", "auto@0.3", "B2@0.3"}  # 8 exceeds the tiny draft's 4: dropped
+    arms = {"plain", "auto@0.9", "auto-real@0.9", "B2@0.9", "auto@0.3", "auto-real@0.3", "B2@0.3"}  # 8 exceeds the tiny draft's 4
     for dtype, s in res["summary"].items():
         assert set(s["arms"]) == arms and set(s["targets"]) == {"auto@0.9", "auto@0.3"}
         assert s["arms"]["plain"]["vs_plain"] == 1.0
@@ -30,7 +32,32 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
             assert sum(r["block_histogram"].values()) == r["verify_steps"]
         if r["arm"].startswith("auto"):
             assert "predicted_step_ms" in r["planner"]
+            if r["arm"].startswith("auto-real"):
+                assert r["planner"]["shadow_probes"] == 0
+            assert "drafting_share" in r
     assert "target auto@0.9" in res["markdown"]
+    with pytest.raises(SystemExit):
+        mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--probes", "fake",
+                  "--out", str(out)])
+
+
+def test_drafting_share_prices_drafted_steps_at_the_runs_plain_step():
+    """Plain steps of 10 ms; a verified block committing 2 tokens in 15 ms gains 5 ms, a shadow
+    probe (1 token in 13 ms) costs 3 ms: (-5 + 3) / 58 ms of run."""
+    from types import SimpleNamespace as S
+
+    spec = importlib.util.spec_from_file_location("bench_speculation_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def step(block, committed, draft, verify, shadow=0):
+        return S(block_size=block, committed=[0] * committed, draft_seconds=draft, verify_seconds=verify,
+                 shadow_block=shadow)
+
+    steps = [step(1, 1, 0.0, 0.010), step(1, 1, 0.0, 0.009), step(1, 1, 0.0, 0.011), step(2, 2, 0.003, 0.012),
+             step(1, 1, 0.003, 0.010, shadow=4)]
+    assert mod.drafting_share(steps) == pytest.approx((-0.005 + 0.003) / 0.058)
+    assert mod.drafting_share(steps[3:4]) is None  # no plain step to price it by
 
 
 def test_paired_bench_runs_every_arm_each_round_and_refuses_bad_arms(load_script, tiny_pair, tmp_path, capsys):

@@ -288,3 +288,90 @@ def test_first_drafted_block_follows_what_extra_experts_cost(link_gbps, first, b
         p.end_step(1, 0, 1, 0.005 + fetched * p.cost.seconds_per_expert_fetch())
     assert p.home_block == 4 and p._plain_fetched.value == L * K
     assert step(p, accepted=1) == first
+
+
+def shadow_step(p, committed, limit=8, seconds=0.01):
+    """One greedy step through the planner with shadow probes allowed: the block it chose, and the
+    shadow probe's length (0: none). A shadow probe's proposals are ``committed`` tokens' worth of
+    what the caller later commits; ``committed`` is this step's committed tokens."""
+    p.begin_step()
+    b = p.plan_draft(limit, can_shadow=True)
+    shadow = p.shadow_block
+    if b > 1 or shadow:
+        p.after_draft(max(b, shadow), 0.001)
+    p.end_step(b, len(committed) - 1, len(committed), seconds, draft_seconds=0.001 if b > 1 or shadow else 0.0,
+               tokens=committed)
+    return b, shadow
+
+
+def test_a_periodic_probe_becomes_a_shadow_probe_that_verifies_no_block():
+    """Plain decoding leads; the probe drafts (at least home_block positions) but the step verifies
+    one token. Its proposals are checked against the tokens committed next, over as many steps as
+    they take, and the accepted prefix is recorded like a verified block's."""
+    p = planner(link_gbps=0.1, probe_every=3)
+    teach(p, accept_rate=0.2)
+    p._incumbent = 1
+    before = list(p.acceptance.reached), list(p.acceptance.accepted)
+    assert [shadow_step(p, [i]) for i in range(2)] == [(1, 0), (1, 0)]
+    p.begin_step()
+    assert p.plan_draft(8, can_shadow=True) == 1
+    assert p.shadow_block == p.home_block == 4  # the best block is 2 here; one pass measures 3 positions
+    assert p.report.probes == p.report.shadow_probes == 1 and p._plain_run == 0
+    p.after_draft(4, 0.001)
+    p.shadow_proposals([10, 11, 12])
+    steady = p._plain_steady.count
+    p.end_step(1, 0, 1, 0.01, draft_seconds=0.001, tokens=[10])
+    assert p._plain_steady.count == steady  # a step that ran the draft does not price plain decoding
+    assert (list(p.acceptance.reached), list(p.acceptance.accepted)) == before  # 10 matched, 11 and 12 open
+    shadow_step(p, [11])
+    shadow_step(p, [99])  # position 3 refused
+    expect = AcceptanceModel(3, prior_mean=0.6, prior_weight=4.0, decay=0.9)
+    expect.reached, expect.accepted = [list(x) for x in before]
+    expect.record(3, 2)
+    assert p.acceptance.conditional() == pytest.approx(expect.conditional())
+    assert p._shadow == [] and p.report.histogram.get(4) is None  # no block of 4 was verified
+
+
+def test_a_shadow_probe_resolves_when_every_proposal_matched():
+    p = planner(link_gbps=0.1)
+    p.shadow_proposals([5, 6])
+    p.begin_step()
+    p.end_step(2, 1, 2, 0.01, tokens=[5, 6, 7])  # a verified block committing past the proposals
+    assert p._shadow == []
+    # the block's record of position 1, decayed, then the shadow's of positions 1 and 2
+    assert p.acceptance.reached[:2] == [pytest.approx(1.9), pytest.approx(1.0)]
+    assert p.acceptance.accepted[:2] == [pytest.approx(1.9), pytest.approx(1.0)]
+
+
+def test_without_shadow_permission_probes_verify_their_block():
+    """Sampling (no comparison with committed tokens) and the floor's hold keep probes real."""
+    p = planner(link_gbps=0.1, probe_every=3)
+    teach(p, accept_rate=0.2)
+    p._incumbent = 1
+    assert [step(p, accepted=0, seconds=lambda b: 0.01 if b == 1 else 0.05) for _ in range(3)][-1] > 1
+    q = planner(link_gbps=0.1, probe_every=3)
+    teach(q, accept_rate=0.2)
+    q._incumbent, q._hold_plain = 1, True
+    assert [shadow_step(q, [i])[0] for i in range(3)][-1] > 1 and q.report.shadow_probes == 0
+
+
+def test_cold_start_shadow_probes_where_the_first_block_is_not_predicted_to_pay():
+    """Link-bound: the first block (2) is predicted below plain decoding's rate plus the switch
+    margin under the prior acceptance, so plain decoding stays and the first look is a shadow probe
+    of home_block positions. Compute-bound: the first block is drafted and verified as before."""
+    import random
+
+    for link_gbps, expect in ((0.2, (1, 4)), (1000, (4, 0))):
+        rng = random.Random(0)
+        moved = [0.0, 0.0]
+        p = planner(link_gbps=link_gbps, link_counters=lambda: tuple(moved))
+        for _ in range(2):
+            p.begin_step()
+            assert p.plan_draft(8, can_shadow=True) == 1 and p.shadow_block == 0
+            for layer in range(L):
+                p.on_routed(layer, rng.sample(range(E), K))
+            moved[0] += L * K * EXPERT_BYTES
+            moved[1] += L * K * EXPERT_BYTES / (link_gbps * 1e9)
+            p.end_step(1, 0, 1, 0.005 + L * K * p.cost.seconds_per_expert_fetch(), tokens=[1])
+        assert shadow_step(p, [1]) == expect, link_gbps
+        assert p.report.shadow_probes == (1 if expect[1] else 0)

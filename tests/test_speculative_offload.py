@@ -92,6 +92,33 @@ def test_auto_block_size_is_lossless(checkpoint, slots):
             assert not rt.stats()["errors"]
 
 
+def test_shadow_probes_are_lossless_and_measure_what_the_draws_accept(checkpoint):
+    """A planner held in plain decoding (a switch margin no block can beat) that probes every
+    other step: every probe drafts and verifies nothing, the output is plain greedy decoding, and
+    the acceptance it records follows the oracle's draws (all refused / all accepted) and, without
+    an oracle, the draft's own proposals."""
+    with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=12, block_tokens=BLOCK,
+                             link_gbps=0.05) as rt:  # link-bound: the first block is not predicted to pay
+        want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
+        draft = load_draft(checkpoint / "draft", rt.model)
+        opts = {"switch_margin": 1e9, "probe_every": 2, "max_probe_interval": 2, "min_repeat_gap": 10**6}
+        first = {}
+        for acceptance in (0.0, 1.0, None):
+            rt.reset_cache()
+            steps = []
+            res = speculative_on_runtime(rt, draft, PROMPT, NEW, block_size="auto", predictor="none",
+                                         acceptance=acceptance, reference=want, eos_token_ids=[],
+                                         planner_options=opts, on_step=steps.append)
+            assert res.token_ids == want, acceptance
+            plan = res.planner
+            assert plan["block_histogram"] == {"1": res.stats.verify_steps}
+            assert plan["shadow_probes"] == plan["probes"] >= 3
+            assert sum(1 for s in steps if s.shadow_block) == plan["shadow_probes"]
+            assert all(s.block_size == 1 and s.accepted == 0 for s in steps)
+            first[acceptance] = plan["acceptance_conditional"][0]
+        assert first[0.0] < 0.3 and first[1.0] > 0.8  # from the prior 0.6, weight 4
+
+
 def test_runtime_helper_oracle_mode_reports_only_the_speculative_run(checkpoint):
     block = draft_block_size(checkpoint / "draft", None)
     with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=12, block_tokens=block) as rt:
