@@ -53,10 +53,10 @@ stress-asan: native/stress/stress_asan native/stress/stress_asan_cudart.so
 stress-tsan: native/stress/stress_tsan native/stress/stress_tsan_cudart.so
 	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/stress_tsan --fake-cudart ./native/stress/stress_tsan_cudart.so
 
-native/stress/cpu_stress_asan: $(CPU_STRESS_SRC) native/pf_cpu.h native/stress/check.h
+native/stress/cpu_stress_asan: $(CPU_STRESS_SRC) native/pf_cpu.h native/pf_simd.h native/stress/check.h
 	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(CPU_STRESS_SRC) -lm
 
-native/stress/cpu_stress_tsan: $(CPU_STRESS_SRC) native/pf_cpu.h native/stress/check.h
+native/stress/cpu_stress_tsan: $(CPU_STRESS_SRC) native/pf_cpu.h native/pf_simd.h native/stress/check.h
 	$(CC) $(SAN_FLAGS) -fsanitize=thread -Inative -o $@ $(CPU_STRESS_SRC) -lm
 
 cpu-stress-asan: native/stress/cpu_stress_asan
@@ -65,10 +65,10 @@ cpu-stress-asan: native/stress/cpu_stress_asan
 cpu-stress-tsan: native/stress/cpu_stress_tsan
 	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/cpu_stress_tsan
 
-native/stress/draft_stress_asan: $(DRAFT_STRESS_SRC) native/pf_draft.h native/pf_cpu.h native/stress/check.h
+native/stress/draft_stress_asan: $(DRAFT_STRESS_SRC) native/pf_draft.h native/pf_cpu.h native/pf_simd.h native/stress/check.h
 	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(DRAFT_STRESS_SRC) -lm
 
-native/stress/draft_stress_tsan: $(DRAFT_STRESS_SRC) native/pf_draft.h native/pf_cpu.h native/stress/check.h
+native/stress/draft_stress_tsan: $(DRAFT_STRESS_SRC) native/pf_draft.h native/pf_cpu.h native/pf_simd.h native/stress/check.h
 	$(CC) $(SAN_FLAGS) -fsanitize=thread -Inative -o $@ $(DRAFT_STRESS_SRC) -lm
 
 draft-stress-asan: native/stress/draft_stress_asan

@@ -20,6 +20,7 @@
  */
 #define _GNU_SOURCE
 #include "pf_cpu.h"
+#include "pf_simd.h"
 
 #include <errno.h>
 #include <math.h>
@@ -28,13 +29,6 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <time.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#define PF_X86 1
-#include <immintrin.h>
-#else
-#define PF_X86 0
-#endif
 
 #define ALIGN 64
 #define MX_UNIT 4   /* rows per MXFP4 unit */
@@ -63,15 +57,8 @@ static void init_scale(void) {
     for (int s = 0; s < 256; s++) SCALE[s] = ldexpf(1.0f, (s == 255 ? 254 : s) - 127);
 }
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static inline float load_elem(const void *p, int fmt, size_t i) {
-    return fmt == PF_CPU_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return fmt == PF_CPU_BF16 ? pf_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* position of element j of an MXFP4-ordered row: [even | odd] within each group of 32 */
@@ -149,7 +136,7 @@ static void dense_cols_scalar(const void *w, int fmt, int in, int ncols, int c0,
             size_t base = (size_t)k * ncols;
             if (fmt == PF_CPU_BF16) {
                 const uint16_t *wr = (const uint16_t *)w + base;
-                for (int c = c0; c < c1; c++) yt[c] += xk * bf16_to_f32(wr[c]);
+                for (int c = c0; c < c1; c++) yt[c] += xk * pf_bf16_to_f32(wr[c]);
             } else {
                 const float *wr = (const float *)w + base;
                 for (int c = c0; c < c1; c++) yt[c] += xk * wr[c];

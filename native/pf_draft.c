@@ -10,18 +10,12 @@
 #define _GNU_SOURCE
 #include "pf_draft.h"
 #include "pf_cpu.h"
+#include "pf_simd.h"
 
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#define PF_X86 1
-#include <immintrin.h>
-#else
-#define PF_X86 0
-#endif
 
 #define MAX_HEAD_DIM 1024
 
@@ -34,15 +28,8 @@ typedef struct kernels {
     void (*axpy)(float *y, float a, const float *x, int n); /* y += a x */
 } kernels;
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline float weight_at(const void *w, int bf, size_t i) {
-    return bf ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+    return bf ? pf_bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
 
 /* ---- portable ------------------------------------------------------------------------ */
