@@ -182,25 +182,7 @@ PRESETS: dict[str, ModelPreset] = {
         fp8_block=128,
         dense_intermediate_size=6144,
     ),
-    # Qwen/Qwen3-Coder-30B-A3B-Instruct: the same shape, a 256k context (rope theta 1e7).
-    "qwen3-coder-30b-a3b": ModelPreset(
-        name="qwen3-coder-30b-a3b",
-        family="qwen3_moe",
-        num_hidden_layers=48,
-        num_local_experts=128,
-        num_experts_per_tok=8,
-        hidden_size=2048,
-        intermediate_size=768,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        sliding_window=0,
-        vocab_size=151936,
-        tokenizer_vocab=1024,
-        max_position_embeddings=262144,
-        rope_theta=10000000.0,
-        rms_norm_eps=1e-6,
-        fp8_block=128,
-        dense_intermediate_size=6144,
-    ),
 }
+# Qwen/Qwen3-Coder-30B-A3B-Instruct: the same shape, a 256k context (rope theta 1e7).
+PRESETS["qwen3-coder-30b-a3b"] = replace(PRESETS["qwen3-30b-a3b"], name="qwen3-coder-30b-a3b",
+                                         max_position_embeddings=262144, rope_theta=10000000.0)
