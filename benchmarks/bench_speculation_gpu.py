@@ -94,19 +94,23 @@ def planner_options(args, real_probes: bool = False) -> dict | None:
     return opts or None
 
 
-def drafting_share(steps) -> float | None:
+def drafting_share(steps, least: int = 8) -> float | None:
     """What the steps that ran the draft (verified blocks and shadow probes) cost beyond plain
     decoding, as a share of the run's step time: each such step's time less its committed tokens
-    at the run's median plain step (the steps that ran neither). Negative: drafting gained. It
-    leaves out the run-to-run noise of the plain steps themselves, which a ratio of two runs keeps."""
+    at the run's median steady plain step (one that ran no draft and followed such a step).
+    Negative: drafting gained. It leaves out the run-to-run noise of the plain steps themselves,
+    which a ratio of two runs keeps; None for a run of fewer than ``least`` steady plain steps."""
     def seconds(s):
         return s.draft_seconds + s.verify_seconds
 
-    plain = [seconds(s) for s in steps if s.block_size == 1 and not s.shadow_block]
+    def plain(s):
+        return s.block_size == 1 and not s.shadow_block
+
+    steady = [seconds(b) for a, b in zip(steps, steps[1:]) if plain(a) and plain(b)]
     total = sum(seconds(s) for s in steps)
-    if not plain or total <= 0:
+    if len(steady) < least or total <= 0:
         return None
-    per_token = statistics.median(plain)
+    per_token = statistics.median(steady)
     return sum(seconds(s) - len(s.committed) * per_token for s in steps if s.block_size > 1 or s.shadow_block) / total
 
 

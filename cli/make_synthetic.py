@@ -29,6 +29,8 @@ def make_synthetic(
     draft_dir: Annotated[Path | None, typer.Option(help="Directory of the draft checkpoint; the default is OUT_DIR/draft.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Write into a non-empty directory, replacing the checkpoint files there (by default such a directory is refused).")] = False,
     draft_block_size: Annotated[int | None, typer.Option(help="With --draft-preset: the draft's trained block length instead of the preset's (e.g. 8 for a tiny draft shaped like gpt-oss-20b-DFlash's blocks).")] = None,
+    draft_layers: Annotated[int | None, typer.Option(help="With --draft-preset: the draft's number of layers instead of the preset's.")] = None,
+    draft_intermediate: Annotated[int | None, typer.Option(help="With --draft-preset: the draft's MLP width instead of the preset's (with --draft-layers: a cheaper or dearer draft pass).")] = None,
     layers: Annotated[int | None, typer.Option(help="Override the preset's number of decoder layers (a short model with real layer shapes).")] = None,
     experts: Annotated[int | None, typer.Option(help="Override the preset's experts per layer (at least its top-k).")] = None,
     vocab: Annotated[int | None, typer.Option(help="Override the preset's vocabulary (embedding and lm_head rows; the tokenizer uses at most this many).")] = None,
@@ -49,7 +51,7 @@ def make_synthetic(
     """
     from pdflash.cli import checks
     from pdflash.cli.staging import Staged, check_destination, check_space, human_bytes
-    from pdflash.draft import DFlashConfig, TargetShape, draft_tensor_shapes, write_synthetic_draft
+    from pdflash.draft import TargetShape, draft_tensor_shapes, shaped_draft_config, write_synthetic_draft
     from pdflash.offload.config import SPECIAL_TOKENS, ModelPreset
     from pdflash.offload.synthetic import checkpoint_bytes, write_checkpoint
 
@@ -63,12 +65,15 @@ def make_synthetic(
     ids = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     p.hf_config(ids, quant=quant)  # a format the preset's family has no: fail before writing
     need = checkpoint_bytes(p, quant=quant, dtype=dtype) + (256 << 10)  # + tokenizer and config files
-    if draft_block_size is not None:
-        if draft_preset is None:
-            raise checks.usage("--draft-block-size applies to the draft: add --draft-preset")
-        checks.at_least("--draft-block-size", draft_block_size, 2)
+    for flag, value, least in (("--draft-block-size", draft_block_size, 2), ("--draft-layers", draft_layers, 1),
+                               ("--draft-intermediate", draft_intermediate, 1)):
+        if value is not None:
+            if draft_preset is None:
+                raise checks.usage(f"{flag} applies to the draft: add --draft-preset")
+            checks.at_least(flag, value, least)
+    shape = {"block_size": draft_block_size, "layers": draft_layers, "intermediate_size": draft_intermediate}
     if draft_preset is not None:  # fail before writing the target when the draft cannot fit it
-        dcfg = DFlashConfig.from_preset(draft_preset, TargetShape.from_config(p.hf_config(ids)))
+        dcfg = shaped_draft_config(draft_preset, TargetShape.from_config(p.hf_config(ids)), **shape)
         need += sum(math.prod(s) for s in draft_tensor_shapes(dcfg).values()) * _ITEMSIZE[dtype]
     separate_draft = draft_preset is not None and draft_dir is not None
     check_destination(out_dir, force)
@@ -82,7 +87,7 @@ def make_synthetic(
                              progress=sys.stderr.isatty() and not json_out)
             if draft_preset is not None:
                 dcfg = write_synthetic_draft(dstage.path if separate_draft else stage.path / "draft", draft_preset,
-                                             target_dir=stage.path, seed=seed, dtype=dtype, block_size=draft_block_size)
+                                             target_dir=stage.path, seed=seed, dtype=dtype, **shape)
     except OSError as exc:
         why = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
         raise PdflashError(f"cannot write the checkpoint to {out_dir} ({why}); nothing was kept: free some space "
@@ -106,6 +111,7 @@ def make_synthetic(
     if draft_preset is not None:
         ddir = draft_dir if draft_dir is not None else out / "draft"
         info["draft"] = {"path": str(ddir), "preset": draft_preset, "block_size": dcfg.block_size,
+                         "layers": dcfg.num_hidden_layers, "intermediate_size": dcfg.intermediate_size,
                          "bytes": sum(f.stat().st_size for f in ddir.iterdir() if f.is_file())}
     if json_out:
         print(json.dumps(info))

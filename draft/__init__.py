@@ -37,7 +37,7 @@ from pdflash.draft.speculative import (
     make_oracle,
     speculative_generate,
 )
-from pdflash.draft.synthetic import write_synthetic_draft
+from pdflash.draft.synthetic import shaped_draft_config, write_synthetic_draft
 from pdflash.draft.taps import FeatureTap, RouterTap
 
 __all__ = [
@@ -72,5 +72,6 @@ __all__ = [
     "speculative_options",
     "spread_layer_ids",
     "window_for_cache",
+    "shaped_draft_config",
     "write_synthetic_draft",
 ]

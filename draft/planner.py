@@ -24,9 +24,12 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   the plain steps fetched times the union of B tokens' random routes (``distinct_experts``; an
   upper bound where routing has locality). On a link-bound target, where a block of 4 fetches
   about what 3.3 plain steps fetch, that is 2; where verify time hardly grows with B (the
-  embedded pair on a CPU), half the trained block (docs/benchmarks.md, session 13). Where that
-  block is not predicted to beat plain decoding by ``switch_margin`` and shadow probes are
-  possible (below), plain decoding stays the incumbent and the first block is a shadow probe.
+  embedded pair on a CPU), half the trained block (docs/benchmarks.md, session 13). Where even
+  that block is predicted to commit fewer tokens per second than plain decoding and shadow probes
+  are possible (below), plain decoding stays the incumbent and the first look is a shadow probe.
+  Otherwise the first block is verified: once drafting runs it stays unless plain decoding is
+  predicted ``plain_margin`` ahead, so a block that pays a little keeps paying (measured: a
+  shadow start gave that up, docs/benchmarks.md, session 14).
 - Acceptance per position: a Beta posterior mean, prior ``prior_mean`` / ``prior_weight``, over
   counts that decay by ``decay`` per verified block, so the estimate follows the text.
 - Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
@@ -372,8 +375,7 @@ class BlockPlanner:
     def _first_block(self, limit: int) -> tuple[int, bool]:
         """The first drafted length (see the module's docstring): by expected tokens per predicted
         verify second, the draft's time left out (it is not measured before the first block); and
-        whether that rate is predicted to beat plain decoding's by ``switch_margin``, as a switch
-        from plain decoding must (True when nothing is predicted)."""
+        whether that rate is predicted at least plain decoding's (True when nothing is predicted)."""
         top = min(self.home_block, limit)
         plain_fetch = self._plain_fetched.value
         if plain_fetch is None or not self.first_by_cost:
@@ -388,7 +390,7 @@ class BlockPlanner:
             if rate is not None and (best_rate is None or rate > best_rate):
                 best, best_rate = block, rate
         plain = self._plain_steady.value
-        return best, best_rate is None or not plain or best_rate * plain > self.switch_margin
+        return best, best_rate is None or not plain or best_rate * plain >= 1.0
 
     def _best_speculative(self, limit: int) -> Choice:
         return self._fastest(self._candidates(2, limit)) or self._candidate(min(self.home_block, limit))

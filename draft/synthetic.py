@@ -8,6 +8,7 @@ bf16) and, when a target directory is given, is checked against it.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,27 @@ def synthetic_draft_tensors(config: DFlashConfig, seed: int, dtype: torch.dtype)
     return out
 
 
+def shaped_draft_config(preset: str, target: TargetShape | None = None, *, block_size: int | None = None,
+                        layers: int | None = None, intermediate_size: int | None = None) -> DFlashConfig:
+    """The preset's draft config with its trained block length, depth or MLP width replaced (a
+    cheaper or dearer draft of the same attention and vocabulary, e.g. to study what a draft pass
+    costs against a target step)."""
+    config = DFlashConfig.from_preset(preset, target)
+    for what, value, least in (("block size", block_size, 2), ("layer count", layers, 1),
+                               ("intermediate size", intermediate_size, 1)):
+        if value is not None and value < least:
+            raise PdflashError(f"a draft's {what} must be at least {least}, got {value}")
+    if block_size is not None:
+        config.block_size = int(block_size)
+    if intermediate_size is not None:
+        config.intermediate_size = int(intermediate_size)
+    if layers is not None:
+        kinds = config.layer_types
+        config = replace(config, num_hidden_layers=int(layers),
+                         layer_types=[kinds[i] if i < len(kinds) else "full_attention" for i in range(int(layers))])
+    return config
+
+
 def write_synthetic_draft(
     out_dir: str | Path,
     preset: str,
@@ -39,10 +61,13 @@ def write_synthetic_draft(
     seed: int = 0,
     dtype: torch.dtype | str | None = None,
     block_size: int | None = None,
+    layers: int | None = None,
+    intermediate_size: int | None = None,
 ) -> DFlashConfig:
     """Write ``config.json`` + ``model.safetensors`` of a synthetic draft to ``out_dir``.
 
-    ``block_size`` overrides the preset's trained block length (the weights do not depend on it).
+    ``block_size`` overrides the preset's trained block length (the weights do not depend on it);
+    ``layers`` / ``intermediate_size`` its depth and MLP width (:func:`shaped_draft_config`).
 
     dtype defaults to the preset's (float32 for tiny, bfloat16 for gpt-oss-20b-DFlash).
     Returns the config written.
@@ -50,11 +75,7 @@ def write_synthetic_draft(
     from safetensors.torch import save_file
 
     target = TargetShape.from_dir(target_dir) if target_dir is not None else None
-    config = DFlashConfig.from_preset(preset, target)
-    if block_size is not None:
-        if block_size < 2:
-            raise PdflashError(f"a draft's block size must be at least 2, got {block_size}")
-        config.block_size = int(block_size)
+    config = shaped_draft_config(preset, target, block_size=block_size, layers=layers, intermediate_size=intermediate_size)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise PdflashError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")

@@ -42,8 +42,9 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
 
 
 def test_drafting_share_prices_drafted_steps_at_the_runs_plain_step():
-    """Plain steps of 10 ms; a verified block committing 2 tokens in 15 ms gains 5 ms, a shadow
-    probe (1 token in 13 ms) costs 3 ms: (-5 + 3) / 58 ms of run."""
+    """Steady plain steps of 9 and 11 ms (median 10 ms; the first step follows none); a verified
+    block committing 2 tokens in 15 ms gains 5 ms, a shadow probe (1 token in 13 ms) costs 3 ms:
+    (-5 + 3) / 58 ms of run."""
     from types import SimpleNamespace as S
 
     spec = importlib.util.spec_from_file_location("bench_speculation_gpu", SCRIPT)
@@ -56,8 +57,8 @@ def test_drafting_share_prices_drafted_steps_at_the_runs_plain_step():
 
     steps = [step(1, 1, 0.0, 0.010), step(1, 1, 0.0, 0.009), step(1, 1, 0.0, 0.011), step(2, 2, 0.003, 0.012),
              step(1, 1, 0.003, 0.010, shadow=4)]
-    assert mod.drafting_share(steps) == pytest.approx((-0.005 + 0.003) / 0.058)
-    assert mod.drafting_share(steps[3:4]) is None  # no plain step to price it by
+    assert mod.drafting_share(steps, least=2) == pytest.approx((-0.005 + 0.003) / 0.058)  # steady: 9, 11 ms
+    assert mod.drafting_share(steps, least=3) is None  # too few steady plain steps to price the others by
 
 
 def test_paired_bench_runs_every_arm_each_round_and_refuses_bad_arms(load_script, tiny_pair, tmp_path, capsys):

@@ -51,11 +51,14 @@ def test_make_synthetic_shape_overrides(tmp_path):
     """--layers / --experts / --vocab: a short gpt-oss-20b-wide model that loads and decodes."""
     out = tmp_path / "short"
     proc = pdflash("make-synthetic", out, "--preset", "tiny", "--layers", "3", "--experts", "5", "--vocab", "300",
-                   "--draft-preset", "tiny", "--draft-block-size", "6", "--json")
+                   "--draft-preset", "tiny", "--draft-block-size", "6", "--draft-layers", "1", "--draft-intermediate", "24",
+                   "--json")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert (info["layers"], info["experts_per_layer"], info["vocab"]) == (3, 5, 300)
-    assert info["draft"]["block_size"] == 6 and json.loads((out / "draft" / "config.json").read_text())["block_size"] == 6
+    dcfg = json.loads((out / "draft" / "config.json").read_text())
+    assert (info["draft"]["block_size"], info["draft"]["layers"], info["draft"]["intermediate_size"]) == (6, 1, 24)
+    assert (dcfg["block_size"], dcfg["num_hidden_layers"], dcfg["intermediate_size"], len(dcfg["layer_types"])) == (6, 1, 24, 1)
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["num_hidden_layers"], cfg["num_local_experts"], cfg["vocab_size"], len(cfg["layer_types"])) == (3, 5, 300, 3)
     proc = pdflash("generate", "hi", "--model", out, "--max-new-tokens", "3", "--json", "--draft", out / "draft",

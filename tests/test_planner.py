@@ -356,9 +356,9 @@ def test_without_shadow_permission_probes_verify_their_block():
 
 
 def test_cold_start_shadow_probes_where_the_first_block_is_not_predicted_to_pay():
-    """Link-bound: the first block (2) is predicted below plain decoding's rate plus the switch
-    margin under the prior acceptance, so plain decoding stays and the first look is a shadow probe
-    of home_block positions. Compute-bound: the first block is drafted and verified as before."""
+    """Link-bound: the first block (2) is predicted below plain decoding's rate under the prior
+    acceptance, so plain decoding stays and the first look is a shadow probe of home_block
+    positions. Compute-bound: the first block is drafted and verified as before."""
     import random
 
     for link_gbps, expect in ((0.2, (1, 4)), (1000, (4, 0))):

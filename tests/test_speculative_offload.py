@@ -92,15 +92,17 @@ def test_auto_block_size_is_lossless(checkpoint, slots):
             assert not rt.stats()["errors"]
 
 
-def test_shadow_probes_are_lossless_and_measure_what_the_draws_accept(checkpoint):
+def test_shadow_probes_are_lossless_and_measure_what_the_draws_accept(tmp_path):
     """A planner held in plain decoding (a switch margin no block can beat) that probes every
     other step: every probe drafts and verifies nothing, the output is plain greedy decoding, and
     the acceptance it records follows the oracle's draws (all refused / all accepted) and, without
     an oracle, the draft's own proposals."""
-    with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=12, block_tokens=BLOCK,
-                             link_gbps=0.05) as rt:  # link-bound: the first block is not predicted to pay
+    write_checkpoint(tmp_path / "target", ModelPreset.from_name("tiny"), mxfp4=True, dtype="bfloat16")
+    write_synthetic_draft(tmp_path / "draft", "tiny", target_dir=tmp_path / "target", seed=2)
+    with OffloadedModel.load(tmp_path / "target", device="cpu", expert_cache_experts=12, block_tokens=BLOCK,
+                             link_gbps=0.001) as rt:  # link-bound: the first block is predicted behind plain
         want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
-        draft = load_draft(checkpoint / "draft", rt.model)
+        draft = load_draft(tmp_path / "draft", rt.model)
         opts = {"switch_margin": 1e9, "probe_every": 2, "max_probe_interval": 2, "min_repeat_gap": 10**6}
         first = {}
         for acceptance in (0.0, 1.0, None):
