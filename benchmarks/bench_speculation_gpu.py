@@ -24,7 +24,9 @@ Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s a
 token, acceptance length, block lengths chosen, bytes over the link per committed token, oracle
 divergences / refreshes (0 expected), the planner's mean predicted and measured step time and
 probes, the drafting share (:func:`drafting_share`: what the steps that ran the draft cost beyond
-plain decoding, as a share of the run), and whether the tokens equal plain decoding's. The summary gives per dtype and arm the median tokens/s
+plain decoding, as a share of the run), the run's steady plain step (:func:`steady_plain_seconds`;
+the summary divides it by the plain arm's time per token: what the speculative loop's own plain
+steps cost over plain decoding), and whether the tokens equal plain decoding's. The summary gives per dtype and arm the median tokens/s
 and the median same-prompt ratio to ``plain``, and checks the targets of auto against plain:
 P = 0.9 >= 1.6x, P = 0.7 >= 1.2x, P = 0.3 >= 0.97x. One JSON object goes to --out, a markdown
 table to stderr.
@@ -94,24 +96,33 @@ def planner_options(args, real_probes: bool = False) -> dict | None:
     return opts or None
 
 
+def _seconds(step) -> float:
+    return step.draft_seconds + step.verify_seconds
+
+
+def _plain(step) -> bool:
+    return step.block_size == 1 and not step.shadow_block
+
+
+def steady_plain_seconds(steps, least: int = 8) -> float | None:
+    """The median steady plain step of a speculative run (one that ran no draft and followed such
+    a step), None for fewer than ``least`` of them: what the loop's own plain steps cost, against
+    the plain arm's time per token."""
+    steady = [_seconds(b) for a, b in zip(steps, steps[1:]) if _plain(a) and _plain(b)]
+    return statistics.median(steady) if len(steady) >= least else None
+
+
 def drafting_share(steps, least: int = 8) -> float | None:
     """What the steps that ran the draft (verified blocks and shadow probes) cost beyond plain
     decoding, as a share of the run's step time: each such step's time less its committed tokens
-    at the run's median steady plain step (one that ran no draft and followed such a step).
-    Negative: drafting gained. It leaves out the run-to-run noise of the plain steps themselves,
-    which a ratio of two runs keeps; None for a run of fewer than ``least`` steady plain steps."""
-    def seconds(s):
-        return s.draft_seconds + s.verify_seconds
-
-    def plain(s):
-        return s.block_size == 1 and not s.shadow_block
-
-    steady = [seconds(b) for a, b in zip(steps, steps[1:]) if plain(a) and plain(b)]
-    total = sum(seconds(s) for s in steps)
-    if len(steady) < least or total <= 0:
+    at the run's median steady plain step (:func:`steady_plain_seconds`). Negative: drafting
+    gained. It leaves out the run-to-run noise of the plain steps themselves, which a ratio of two
+    runs keeps; None where the run has fewer than ``least`` steady plain steps."""
+    per_token = steady_plain_seconds(steps, least)
+    total = sum(_seconds(s) for s in steps)
+    if per_token is None or total <= 0:
         return None
-    per_token = statistics.median(steady)
-    return sum(seconds(s) - len(s.committed) * per_token for s in steps if s.block_size > 1 or s.shadow_block) / total
+    return sum(_seconds(s) - len(s.committed) * per_token for s in steps if not _plain(s)) / total
 
 
 def run_dtype(args, dtype: str, trained: int) -> list[dict]:
@@ -182,6 +193,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     row["hit_rate"] = st["cache"]["hit_rate"]
                     row["same_tokens_as_reference"] = res.token_ids == ref
                     row["drafting_share"] = drafting_share(steps)
+                    steady = steady_plain_seconds(steps)
+                    row["steady_plain_ms"] = None if steady is None else 1e3 * steady
                     if res.planner is not None:
                         row["planner"] = {k: res.planner[k] for k in ("predicted_step_ms", "measured_step_ms",
                                                                        "step_time_abs_error_ms", "probes", "shadow_probes")}
@@ -230,6 +243,10 @@ def summarise(rows: list[dict]) -> dict:
                     "oracle_divergences": sum(r.get("oracle_divergences") or 0 for r in rs),
                     "drafting_share": statistics.median(ds) if (ds := [r["drafting_share"] for r in rs
                                                                       if r.get("drafting_share") is not None]) else None,
+                    # the loop's steady plain step over the plain arm's time per token, same prompt
+                    "plain_step_vs_plain_arm": statistics.median(ps) if (ps := [
+                        r["steady_plain_ms"] * plain[r["prompt"]] / 1e3 for r in rs
+                        if r.get("steady_plain_ms") and plain.get(r["prompt"])]) else None,
                 })
             else:
                 bpt = [r["bytes_per_token"] for r in rs]
@@ -250,8 +267,8 @@ def markdown(summary: dict) -> str:
 
     lines = []
     for dtype, s in summary.items():
-        lines += [f"**{dtype}**", "", "| arm | tok/s | vs plain (median, range) | accept len | blocks (B:steps) | MB / committed token | repairs | drafting share |",
-                  "|---|---:|---:|---:|---|---:|---:|---:|"]
+        lines += [f"**{dtype}**", "", "| arm | tok/s | vs plain (median, range) | accept len | blocks (B:steps) | MB / committed token | repairs | drafting share | plain step / plain arm |",
+                  "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
         for arm, a in s["arms"].items():
             rng = a["vs_plain_range"]
             mb = a.get("bytes_per_committed_token", a.get("bytes_per_token"))
@@ -260,7 +277,7 @@ def markdown(summary: dict) -> str:
                 f" ({'-' if rng is None else f'{rng[0]:.2f}-{rng[1]:.2f}'}) | {f(a.get('acceptance_length'))}"
                 f" | {' '.join(f'{b}:{c}' for b, c in (a.get('block_histogram') or {}).items()) or '-'}"
                 f" | {f(None if mb is None else mb / 1e6)} | {a.get('oracle_refreshes', '-')}"
-                f" | {f(a.get('drafting_share'), '+.1%')} |")
+                f" | {f(a.get('drafting_share'), '+.1%')} | {f(a.get('plain_step_vs_plain_arm'), '.3f')} |")
         for name, c in s["targets"].items():
             lines.append(f"\ntarget {name}: {c['vs_plain']:.2f}x against >= {c['target']}x: {'met' if c['met'] else 'NOT met'}")
         lines.append("")

@@ -288,8 +288,7 @@ def _planner_rows(planner: dict | None) -> list[tuple[str, str]]:
     return [("step time predicted / measured",
              f"{planner['predicted_step_ms']:.1f} / {planner['measured_step_ms']:.1f} {unit} "
              f"(mean abs error {planner['step_time_abs_error_ms']:.1f} ms, {planner['predicted_steps']} steps)"),
-            ("planner probes", f"{planner['probes']} ({planner['shadow_probes']} shadow: drafted, checked against "
-                               "the committed tokens, not verified)")]
+            ("planner probes", f"{planner['probes']} ({planner['shadow_probes']} in shadow: drafted, not verified)")]
 
 
 def _moved(rt) -> float:

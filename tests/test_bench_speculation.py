@@ -34,7 +34,7 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
             assert "predicted_step_ms" in r["planner"]
             if r["arm"].startswith("auto-real"):
                 assert r["planner"]["shadow_probes"] == 0
-            assert "drafting_share" in r
+            assert "drafting_share" in r and "steady_plain_ms" in r
     assert "target auto@0.9" in res["markdown"]
     with pytest.raises(SystemExit):
         mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--probes", "fake",
@@ -57,7 +57,8 @@ def test_drafting_share_prices_drafted_steps_at_the_runs_plain_step():
 
     steps = [step(1, 1, 0.0, 0.010), step(1, 1, 0.0, 0.009), step(1, 1, 0.0, 0.011), step(2, 2, 0.003, 0.012),
              step(1, 1, 0.003, 0.010, shadow=4)]
-    assert mod.drafting_share(steps, least=2) == pytest.approx((-0.005 + 0.003) / 0.058)  # steady: 9, 11 ms
+    assert mod.steady_plain_seconds(steps, least=2) == pytest.approx(0.010)  # steady: 9, 11 ms
+    assert mod.drafting_share(steps, least=2) == pytest.approx((-0.005 + 0.003) / 0.058)
     assert mod.drafting_share(steps, least=3) is None  # too few steady plain steps to price the others by
 
 
