@@ -26,10 +26,11 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   about what 3.3 plain steps fetch, that is 2; where verify time hardly grows with B (the
   embedded pair on a CPU), half the trained block (docs/benchmarks.md, session 13). Where even
   that block is predicted to commit fewer tokens per second than plain decoding and shadow probes
-  are possible (below), plain decoding stays the incumbent and the first look is a shadow probe.
+  are possible (below), plain decoding stays the incumbent and the first look is a shadow probe;
+  once its proposals are checked the same rule decides again, on the acceptance it measured.
   Otherwise the first block is verified: once drafting runs it stays unless plain decoding is
   predicted ``plain_margin`` ahead, so a block that pays a little keeps paying (measured: a
-  shadow start gave that up, docs/benchmarks.md, session 14).
+  shadow start that then needed ``switch_margin`` gave that up, docs/benchmarks.md, session 14).
 - Acceptance per position: a Beta posterior mean, prior ``prior_mean`` / ``prior_weight``, over
   counts that decay by ``decay`` per verified block, so the estimate follows the text.
 - Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
@@ -208,6 +209,7 @@ class BlockPlanner:
         self.shadow_block = 0  # this step's shadow probe: positions to draft and not verify (0: none)
         self._shadow: list[int] = []  # a shadow probe's proposals, checked against committed tokens
         self._shadow_accepted = 0  # how many of them the committed tokens matched so far
+        self._first_look = False  # the cold start's shadow probe is being checked
         self.cost = cost
         self.cache = cache
         self.link_counters = link_counters
@@ -425,7 +427,13 @@ class BlockPlanner:
                 first, ahead = self._first_block(limit)
                 if not ahead and can_shadow and self.shadow_probes:
                     shadow_first = first  # predicted behind plain decoding: look before drafting for real
+                    self._first_look = True
                 self._incumbent = 1 if shadow_first else first
+            elif self._first_look and not self._shadow:
+                self._first_look = False  # the first look is checked: decide as the cold start does, on what it saw
+                first, ahead = self._first_block(limit)
+                if ahead:
+                    self._incumbent = first
             if self._incumbent > 1 and self._below_floor():
                 self._incumbent = 1  # held until a probe pays
                 self._hold_plain = True

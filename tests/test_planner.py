@@ -375,3 +375,38 @@ def test_cold_start_shadow_probes_where_the_first_block_is_not_predicted_to_pay(
             p.end_step(1, 0, 1, 0.005 + L * K * p.cost.seconds_per_expert_fetch(), tokens=[1])
         assert shadow_step(p, [1]) == expect, link_gbps
         assert p.report.shadow_probes == (1 if expect[1] else 0)
+
+
+@pytest.mark.parametrize("committed, drafts", [([10, 11, 12], True), ([99], False)], ids=["accepted", "refused"])
+def test_after_the_first_shadow_look_the_cold_start_rule_decides_on_what_it_saw(committed, drafts):
+    """A prior of 0.3 puts the first block (2) behind plain decoding at a 2 GB/s link: the first
+    look is a shadow probe. Once its proposals are checked, the cold start's rule decides again on
+    the measured acceptance: all three accepted put the block ahead and it is drafted (without the
+    switch margin a move from plain decoding needs later); a refusal keeps plain decoding."""
+    import random
+
+    rng = random.Random(0)
+    moved = [0.0, 0.0]
+    p = planner(link_gbps=2, link_counters=lambda: tuple(moved),
+                acceptance=AcceptanceModel(7, prior_mean=0.3, prior_weight=1.0, decay=0.9))
+
+    def plain_step(tokens):
+        p.begin_step()
+        b = p.plan_draft(8, can_shadow=True)
+        for layer in range(L):
+            p.on_routed(layer, rng.sample(range(E), K))
+        moved[0] += L * K * EXPERT_BYTES
+        moved[1] += L * K * EXPERT_BYTES / 2e9
+        if p.shadow_block:
+            p.after_draft(p.shadow_block, 0.0001)
+            p.shadow_proposals([10, 11, 12])
+        p.end_step(b, 0, 1, 0.005 + L * K * p.cost.seconds_per_expert_fetch(), tokens=tokens,
+                   draft_seconds=0.0001 if p.shadow_block else 0.0)
+        return b, p.shadow_block
+
+    assert [plain_step([1]), plain_step([2])] == [(1, 0), (1, 0)]
+    assert plain_step(committed[:1]) == (1, 4)  # the first look
+    for t in committed[1:]:
+        assert plain_step([t]) == (1, 0)  # still being checked
+    p.begin_step()
+    assert (p.plan_draft(8, can_shadow=True) > 1) == drafts

@@ -93,10 +93,11 @@ def test_auto_block_size_is_lossless(checkpoint, slots):
 
 
 def test_shadow_probes_are_lossless_and_measure_what_the_draws_accept(tmp_path):
-    """A planner held in plain decoding (a switch margin no block can beat) that probes every
-    other step: every probe drafts and verifies nothing, the output is plain greedy decoding, and
-    the acceptance it records follows the oracle's draws (all refused / all accepted) and, without
-    an oracle, the draft's own proposals."""
+    """On a link-bound target the cold start's first look is a shadow probe (step 3: a plain step
+    that drafts). With the oracle's draws all refused, plain decoding stays and every later probe
+    (every other step here; a switch margin no block can beat) is a shadow probe too; with all
+    accepted, the cold start's rule then drafts blocks that are accepted whole. The output is plain
+    greedy decoding every time, and the acceptance recorded follows the draws."""
     write_checkpoint(tmp_path / "target", ModelPreset.from_name("tiny"), mxfp4=True, dtype="bfloat16")
     write_synthetic_draft(tmp_path / "draft", "tiny", target_dir=tmp_path / "target", seed=2)
     with OffloadedModel.load(tmp_path / "target", device="cpu", expert_cache_experts=12, block_tokens=BLOCK,
@@ -113,10 +114,13 @@ def test_shadow_probes_are_lossless_and_measure_what_the_draws_accept(tmp_path):
                                          planner_options=opts, on_step=steps.append)
             assert res.token_ids == want, acceptance
             plan = res.planner
-            assert plan["block_histogram"] == {"1": res.stats.verify_steps}
-            assert plan["shadow_probes"] == plan["probes"] >= 3
-            assert sum(1 for s in steps if s.shadow_block) == plan["shadow_probes"]
-            assert all(s.block_size == 1 and s.accepted == 0 for s in steps)
+            assert steps[2].shadow_block > 1 and steps[2].block_size == 1 and not any(s.shadow_block for s in steps[:2])
+            assert sum(1 for s in steps if s.shadow_block) == plan["shadow_probes"] >= 1
+            drafted = [s for s in steps if s.block_size > 1]
+            if acceptance == 0.0:
+                assert not drafted and plan["shadow_probes"] == plan["probes"] >= 3
+            elif acceptance == 1.0:
+                assert drafted and all(s.accepted == s.block_size - 1 for s in drafted)
             first[acceptance] = plan["acceptance_conditional"][0]
         assert first[0.0] < 0.3 and first[1.0] > 0.8  # from the prior 0.6, weight 4
 
