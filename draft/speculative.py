@@ -568,7 +568,8 @@ def speculative_generate(
                     if copied and copied[0] != int(proposals[0]):
                         proposals = torch.cat((torch.tensor(copied, dtype=torch.long, device=device),
                                                proposals[len(copied):]))
-                        stats.copied_steps += 0 if shadow else 1
+                        if not shadow:  # a copy counts where its block is verified
+                            stats.copied_steps += 1
                 if shadow:  # checked against the tokens committed from here on; this step verifies none
                     checked = proposals.tolist()
                     if oracle is not None:  # the draws refuse what follows their accepted run
