@@ -592,9 +592,11 @@ T_512 static uint64_t read_512(const uint8_t *p, size_t n) {
         a3 = _mm512_add_epi64(a3, _mm512_loadu_si512((const void *)(p + i + 192)));
     }
     __m512i a = _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3));
-    uint64_t lanes[8], sum = 0; /* summed here, wrapping: _mm512_reduce_add_epi64 adds signed */
-    _mm512_storeu_si512((void *)lanes, a);
-    for (int k = 0; k < 8; k++) sum += lanes[k];
+    /* reduced in registers, wrapping (_mm512_reduce_add_epi64 adds signed; a store of the lanes to
+     * the stack faulted under ASan with gcc 13 on the H200 host) */
+    __m256i h = _mm256_add_epi64(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+    __m128i q = _mm_add_epi64(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    uint64_t sum = (uint64_t)_mm_cvtsi128_si64(q) + (uint64_t)_mm_extract_epi64(q, 1);
     return sum + read_scalar(p + i, n - i);
 }
 #endif /* PF_X86 */
