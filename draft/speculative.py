@@ -536,7 +536,10 @@ def speculative_generate(
             limit = min(b_max, max_new_tokens - len(generated))  # one verify commits at most b tokens
             if planner is not None:
                 planner.begin_step()
-                b = planner.plan_draft(limit, repeats.repeating(tokens), can_shadow=greedy)
+                # The repetition hint says a draft that reads the text would follow it; the
+                # oracle's proposals ignore the text (their acceptance is P wherever it repeats).
+                repeating = oracle is None and repeats.repeating(tokens)
+                b = planner.plan_draft(limit, repeating, can_shadow=greedy)
             else:
                 b = limit
             n = b - 1

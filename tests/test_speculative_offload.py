@@ -203,3 +203,34 @@ def test_generate_with_draft_on_a_cpu_runs_a_float32_draft_and_stays_lossless(ch
                                          predictor="none")
     assert dtypes == [torch.float32]
     assert res.token_ids[: len(want)] == want[: len(res.token_ids)] and extra["verify_steps"] > 0
+
+
+def test_oracle_mode_gives_the_planner_no_repetition_hint(tmp_path, monkeypatch):
+    """The oracle's proposals do not read the text, so where it repeats itself the planner gets no
+    hint to probe early (it would verify blocks the draws then refuse); a real draft's run gets the
+    hint. Here the repetition index says the text repeats before every step."""
+    from pdflash.draft.offloaded import make_planner
+    from pdflash.draft.speculative import RepeatIndex
+
+    monkeypatch.setattr(RepeatIndex, "repeating", lambda self, tokens: True)
+    write_checkpoint(tmp_path / "target", ModelPreset.from_name("tiny"), dtype="bfloat16")
+    write_synthetic_draft(tmp_path / "draft", "tiny", target_dir=tmp_path / "target", seed=2)
+    with OffloadedModel.load(tmp_path / "target", device="cpu", expert_cache_experts=12, block_tokens=BLOCK) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=16, eos_token_ids=[]).token_ids
+        draft = load_draft(tmp_path / "draft", rt.model)
+        hints = {}
+        for mode in ("oracle", "draft"):
+            rt.reset_cache()
+            planner = make_planner(rt, BLOCK)
+            seen = []
+            plan = planner.plan_draft
+            planner.plan_draft = lambda limit, repeating=False, **kw: seen.append(repeating) or plan(limit, repeating, **kw)
+            oracle = make_oracle(rt.model, PROMPT, 16, 0.5, reference=want) if mode == "oracle" else None
+            try:
+                res = speculative_generate(rt.model, draft, PROMPT, 16, planner=planner, oracle=oracle, eos_token_ids=[])
+            finally:
+                rt.remove_routing_observer(planner.on_routed)
+            assert res.token_ids == want, mode
+            hints[mode] = seen
+        assert hints["oracle"] and not any(hints["oracle"])
+        assert hints["draft"] and all(hints["draft"])
