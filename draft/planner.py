@@ -32,8 +32,7 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   predicted ``plain_margin`` ahead, so a block that pays a little keeps paying (measured: a
   shadow start that then needed ``switch_margin`` gave that up, docs/benchmarks.md, session 14).
 - Acceptance per position: a Beta posterior mean, prior ``prior_mean`` / ``prior_weight``, over
-  counts that decay by ``decay`` per verified block (the prior's weight with them), so the
-  estimate follows the text.
+  counts that decay by ``decay`` per verified block, so the estimate follows the text.
 - Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
   (recent medians of measured verify and draft forwards, the step's own link time removed) and the
   link rate (the scheduler's counters). The experts a block will fetch are predicted from
@@ -95,13 +94,9 @@ class AcceptanceModel:
     """Measured acceptance per draft position.
 
     Position i (1-based) has ``reached[i]`` (blocks in which positions 1 .. i-1 were accepted and
-    i was drafted) and ``accepted[i]``; its conditional acceptance is the Beta posterior mean
-    (accepted + w m) / (reached + w), prior mean m and weight w. Before each block is added the
-    counts and the prior's weight are all multiplied by ``decay``: recent blocks weigh more, and
-    the estimate tends to the decayed average of what was measured. (A prior that kept its weight
-    while the counts decayed would hold a share w / (w + 1 / (1 - decay)) for ever: with weight 4
-    and decay 0.9, an acceptance of 0.3 read as 0.39.) The prior's weight stops decaying at a
-    thousandth of its start, so a position never reached keeps the prior mean.
+    i was drafted) and ``accepted[i]``, both multiplied by ``decay`` before each block is added
+    (recent blocks weigh more); its conditional acceptance is the Beta posterior mean
+    (accepted + w m) / (reached + w), prior mean m and weight w.
     """
 
     def __init__(self, positions: int, prior_mean: float = 0.5, prior_weight: float = 1.0, decay: float = 1.0):
@@ -111,12 +106,11 @@ class AcceptanceModel:
         self.prior_mean = prior_mean
         self.prior_weight = prior_weight
         self.decay = decay
-        self.weight = prior_weight  # the prior's weight now
         self.reached = [0.0] * positions
         self.accepted = [0.0] * positions
 
     def conditional(self) -> list[float]:
-        w, m = self.weight, self.prior_mean
+        w, m = self.prior_weight, self.prior_mean
         return [(a + w * m) / (r + w) for a, r in zip(self.accepted, self.reached)]
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -124,7 +118,6 @@ class AcceptanceModel:
         if self.decay < 1.0:
             self.reached = [r * self.decay for r in self.reached]
             self.accepted = [a * self.decay for a in self.accepted]
-            self.weight = max(self.weight * self.decay, 1e-3 * self.prior_weight)
         for i in range(min(drafted, accepted + 1, self.positions)):
             self.reached[i] += 1
             self.accepted[i] += i < accepted

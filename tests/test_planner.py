@@ -81,18 +81,6 @@ def test_acceptance_model_conditional_and_decay():
         AcceptanceModel(2, decay=0.0)
 
 
-def test_decayed_acceptance_tends_to_what_was_measured():
-    """The prior's weight decays with the counts: at a measured 0.3 the estimate ends near 0.3,
-    not held towards the prior's 0.6 (a prior of constant weight 4 against counts of weight at
-    most 10 would read about 0.39); a position never reached keeps the prior mean."""
-    m = AcceptanceModel(2, prior_mean=0.6, prior_weight=4.0, decay=0.9)
-    for i in range(10_000):  # long enough for the prior's weight to reach its floor
-        m.record(1, int(i % 10 in (0, 4, 7)))  # 3 of every 10 blocks accept position 1
-    first, second = m.conditional()
-    assert first == pytest.approx(0.3, abs=0.05)
-    assert second == 0.6 and m.weight == pytest.approx(4e-3)
-
-
 def test_cold_start_measures_plain_then_runs_the_home_block():
     p = planner(link_gbps=2)
     assert p.home_block == 4
@@ -130,10 +118,6 @@ def test_noise_level_differences_keep_the_incumbent():
     assert close and far, rates
     p._incumbent = close[0]
     assert step(p, seconds=0.005) == close[0]
-    rates = {c.block: p._rate(c) for c in p._candidates(1, 8)}  # the step's acceptance moved them
-    best = max(rates, key=rates.get)
-    far = [b for b in range(2, 9) if rates[b] * p.switch_margin < rates[best]]
-    assert far, rates
     p._incumbent = far[0]
     assert step(p, seconds=0.005) == best
 
@@ -328,7 +312,6 @@ def test_a_periodic_probe_becomes_a_shadow_probe_that_verifies_no_block():
     teach(p, accept_rate=0.2)
     p._incumbent = 1
     before = list(p.acceptance.reached), list(p.acceptance.accepted)
-    weight = p.acceptance.weight
     assert [shadow_step(p, [i]) for i in range(2)] == [(1, 0), (1, 0)]
     p.begin_step()
     assert p.plan_draft(8, can_shadow=True) == 1
@@ -344,7 +327,6 @@ def test_a_periodic_probe_becomes_a_shadow_probe_that_verifies_no_block():
     shadow_step(p, [99])  # position 3 refused
     expect = AcceptanceModel(3, prior_mean=0.6, prior_weight=4.0, decay=0.9)
     expect.reached, expect.accepted = [list(x) for x in before]
-    expect.weight = weight
     expect.record(3, 2)
     assert p.acceptance.conditional() == pytest.approx(expect.conditional())
     assert p._shadow == [] and p.report.histogram.get(4) is None  # no block of 4 was verified
