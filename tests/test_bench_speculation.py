@@ -85,3 +85,39 @@ def test_paired_bench_runs_every_arm_each_round_and_refuses_bad_arms(load_script
             mod.main(["--arms", bad])
         assert e.value.code == 2
         assert "--arms" in capsys.readouterr().err
+
+
+def test_plain_step_benchmark_runs_every_arm_on_the_cpu(tmp_path):
+    """benchmarks/bench_plain_step.py: every arm, its steady-step medians and ratios to plain."""
+    path = SCRIPT.parent / "bench_plain_step.py"
+    spec = importlib.util.spec_from_file_location("bench_plain_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "plain_step.json"
+    assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+                     "--tokens", "16", "--prompts", "1", "--repeats", "2", "--acceptance", "0", "--profile",
+                     "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["summary"]) == {"plain", "decoder", "loop", "auto@0.0"}
+    assert len(res["runs"]) == 2 * 4
+    for arm in ("plain", "decoder", "loop"):
+        s = res["summary"][arm]
+        assert s["runs"] == 2 and s["steady_wall_ms"] > 0 and s["steady_misses"] is not None
+    assert res["summary"]["plain"]["vs_plain"] == 1.0
+    assert res["summary"]["loop"]["steady_loop_ms"] > 0 and res["summary"]["plain"]["steady_loop_ms"] is None
+    assert set(res["profiles"]) == {"plain", "loop"} and "function calls" in res["profiles"]["loop"]
+    for bad in (["--acceptance", "x"], ["--acceptance", "2"], ["--tokens", "3"], ["--prompts", "0"]):
+        with pytest.raises(SystemExit):
+            mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"),
+                      "--out", str(out), *bad])
+
+
+def test_plain_step_benchmark_takes_the_steady_plain_steps():
+    path = SCRIPT.parent / "bench_plain_step.py"
+    spec = importlib.util.spec_from_file_location("bench_plain_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"wall": w, "plain": p} for w, p in ((9, True), (1, True), (50, False), (70, True), (3, True), (5, True))]
+    assert mod.steady(rows, "wall", skip=0) == 3  # 1, 3, 5: the steps after the drafted one and the first left out
+    assert mod.steady(rows, "wall", skip=2) == 5
+    assert mod.steady(rows, "wall", skip=3) is None
