@@ -50,12 +50,8 @@ import_pdflash()
 
 import torch  # noqa: E402
 
-from bench_speculation_gpu import PROMPTS, ensure_checkpoint  # noqa: E402
+from bench_speculation_gpu import PROMPTS, _log, ensure_checkpoint, write_result  # noqa: E402
 from pdflash.machine import machine_info  # noqa: E402
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class StepClock:
@@ -243,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "profiles": profiles,
         "markdown": "\n".join(lines),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    _log(result["markdown"])
-    _log(f"wrote {args.out} in {result['wall_seconds']:.0f} s")
+    write_result(args.out, result)
     return 0
 
 

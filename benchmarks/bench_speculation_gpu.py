@@ -74,6 +74,14 @@ def ensure_checkpoint(path: Path, preset: str, draft_preset: str, seed: int) -> 
     return time.perf_counter() - t0
 
 
+def write_result(out: Path, result: dict) -> None:
+    """The result as JSON to ``out``, its markdown table and the wall time to stderr."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    _log(result["markdown"])
+    _log(f"wrote {out} in {result['wall_seconds']:.0f} s")
+
+
 def _encode(rt, n: int) -> list[list[int]]:
     tok = rt.tokenizer
     return [tok.encode(t) for t in PROMPTS[:n]]
@@ -342,10 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": rows,
         "markdown": markdown(summary),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    _log(result["markdown"])
-    _log(f"wrote {args.out} in {result['wall_seconds']:.0f} s")
+    write_result(args.out, result)
     return 0
 
 
