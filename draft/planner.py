@@ -262,20 +262,19 @@ class BlockPlanner:
         latest steps that cover B committed tokens, as experts' worth of link time still to come
         (missing, or in flight at ``in_flight_weight``) against the cache now; index B - 1."""
         out: list[float] = []
-        seen: set[tuple[int, int]] = set()
+        seen: dict[int, set[int]] = {}  # layer -> experts counted
+        state_of = self.cache.state_of
         in_flight = missing = covered = 0
         for tokens, experts in reversed(self._history):
             for layer, es in experts.items():
-                for e in es:
-                    key = (layer, e)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    state = self.cache.state_of(layer, e)
+                done = seen.setdefault(layer, set())
+                for e in es - done:
+                    state = state_of(layer, e)
                     if state == "arriving":
                         in_flight += 1
                     elif state != "resident":
                         missing += 1
+                done |= es
             covered += tokens
             value = self.cost.fetch_equivalents(in_flight, missing)
             while len(out) < min(covered, limit):
