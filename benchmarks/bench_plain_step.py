@@ -19,7 +19,9 @@ every arm runs from a cold cache and cold costs, the order reversed every other 
 - ``loop``: the speculative loop at ``--block-size 1`` (every step a plain step through the verify
   path: feature capture, the loop's bookkeeping), no planner;
 - ``auto@P``: the loop with the block planner in oracle mode at acceptance P (``--acceptance``):
-  its steady plain steps, between the drafted ones.
+  its steady plain steps, between the drafted ones. In a 16-bit dtype oracle mode runs every step
+  with the trained block's fixed rows (an honest oracle, ``verify_decoder``), which the other arms
+  do not: float32 compares like with like.
 
 Per step (from each arm's step callback): the wall time since the previous step, the exposed
 fetch time (the time the forward blocked on expert fetches, from the cache's counters) and the
