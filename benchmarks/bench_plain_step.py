@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         acceptance = [float(p) for p in args.acceptance.split(",") if p.strip()]
     except ValueError:
-        ap.error(f"--acceptance takes comma-separated rates in [0, 1], got {args.acceptance!r}")
+        acceptance = [-1.0]  # not a number: refused below
     if not all(0.0 <= p <= 1.0 for p in acceptance):
         ap.error(f"--acceptance takes comma-separated rates in [0, 1], got {args.acceptance!r}")
 

@@ -87,12 +87,9 @@ def test_paired_bench_runs_every_arm_each_round_and_refuses_bad_arms(load_script
         assert "--arms" in capsys.readouterr().err
 
 
-def test_plain_step_benchmark_runs_every_arm_on_the_cpu(tmp_path):
+def test_plain_step_benchmark_runs_every_arm_on_the_cpu(load_script, tmp_path):
     """benchmarks/bench_plain_step.py: every arm, its steady-step medians and ratios to plain."""
-    path = SCRIPT.parent / "bench_plain_step.py"
-    spec = importlib.util.spec_from_file_location("bench_plain_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/bench_plain_step.py")
     out = tmp_path / "plain_step.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "16", "--prompts", "1", "--repeats", "2", "--acceptance", "0", "--profile",
@@ -112,11 +109,8 @@ def test_plain_step_benchmark_runs_every_arm_on_the_cpu(tmp_path):
                       "--out", str(out), *bad])
 
 
-def test_plain_step_benchmark_takes_the_steady_plain_steps():
-    path = SCRIPT.parent / "bench_plain_step.py"
-    spec = importlib.util.spec_from_file_location("bench_plain_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_plain_step_benchmark_takes_the_steady_plain_steps(load_script):
+    mod = load_script("benchmarks/bench_plain_step.py")
     rows = [{"wall": w, "plain": p} for w, p in ((9, True), (1, True), (50, False), (70, True), (3, True), (5, True))]
     assert mod.steady(rows, "wall", skip=0) == 3  # 1, 3, 5: the steps after the drafted one and the first left out
     assert mod.steady(rows, "wall", skip=2) == 5
