@@ -346,7 +346,7 @@ def generate(
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
     cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: decode steps try fetch-only, every routed expert on the CPU, the cost model's per-layer split and every missing expert on the CPU, and keep the fastest; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all (every expert on the CPU: the fastest on a host whose DRAM outruns its link). Default: auto.", show_default=False)] = None,
     cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use).")] = None,
-    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length (default: on CUDA, off elsewhere).", show_default=False)] = None,
+    cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length, and the draft's passes (default: on CUDA, off elsewhere).", show_default=False)] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
 

@@ -143,11 +143,13 @@ class DraftKVCache:
     ``advance`` commits it) and its block's transient keys / values after that.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device, dtype, capacity: int = 256):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, device, dtype, capacity: int = 256,
+                 zeroed: bool = False):
         self.length = 0
         self._shape = (num_layers, 1, kv_heads, capacity, head_dim)
-        self.keys = torch.empty(self._shape, device=device, dtype=dtype)
-        self.values = torch.empty(self._shape, device=device, dtype=dtype)
+        make = torch.zeros if zeroed else torch.empty  # zeroed: positions never written hold finite values
+        self.keys = make(self._shape, device=device, dtype=dtype)
+        self.values = make(self._shape, device=device, dtype=dtype)
 
     @property
     def capacity(self) -> int:
@@ -292,6 +294,7 @@ class DFlashDraftModel(nn.Module):
         self._native = None  # a pdflash.native.draft_pass.DraftPass over these weights (use_native)
         self._native_held = _Held()  # the parameters the native pass reads
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos / sin [P, D] by position
+        self._graphs = None  # a pdflash.draft.graphed.DraftGraphs: static-cache passes (use_graphs)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -368,6 +371,50 @@ class DFlashDraftModel(nn.Module):
         self._native_held = held
         return True
 
+    def use_graphs(self, max_len: int = 0, *, enable: bool = True, graphs: bool | None = None, before_capture=None,
+                   at: int | None = None, blocks=(), min_bucket: int | None = None) -> bool:
+        """From now on run passes over a static cache of ``max_len`` positions (plus a block),
+        replayed as CUDA graphs on a CUDA device (``graphs``, default: there), see
+        ``pdflash/draft/graphed.py``; graphs for blocks of each B in ``blocks`` at ``at`` positions
+        are captured now. ``before_capture`` runs before each capture (the offload runtime drains
+        its copy threads); ``min_bucket``: the smallest key length attended (tests). Returns whether it is on: not for rotary frequencies that follow the
+        longest position. A weight replaced or moved afterwards turns it off for good; ``enable``
+        False turns it off (the next sequence starts an ordinary cache)."""
+        from pdflash.draft.graphed import DraftGraphs
+
+        rope_type = getattr(self.rotary_emb, "rope_type", "default")
+        if not enable or "dynamic" in rope_type or rope_type == "longrope":
+            self._graphs = None
+            return False
+        g = self._graphs
+        want_graphs = (self.fc.weight.device.type == "cuda") if graphs is None else bool(graphs)
+        if g is None or not g.fits(max_len, want_graphs, min_bucket):  # one object serves every run that fits it
+            self._graphs = g = None  # (the old graphs and cache go before the new ones are made)
+            g = DraftGraphs(self, max_len, graphs=want_graphs, before_capture=before_capture, min_bucket=min_bucket)
+        g.before_capture = before_capture
+        self._graphs = g
+        g.reset()
+        if at is not None:
+            self._graphs.prepare(at, blocks)
+        return True
+
+    @property
+    def graphed(self) -> bool:
+        """Whether passes run over the static cache of ``use_graphs`` (replayed as CUDA graphs
+        where the draft is on CUDA)."""
+        return self._graphs is not None
+
+    def _graphs_intact(self) -> bool:
+        """Whether the static-cache passes are on and still read this model's cache and weights;
+        if a weight changed they turn off for good (the cache stays, as an ordinary one)."""
+        g = self._graphs
+        if g is None or self.cache is not g.cache:  # (warm_up swaps in a cache of its own for a while)
+            return False
+        if not g.intact():
+            self._graphs = None
+            return False
+        return True
+
     @property
     def native(self) -> bool:
         """Whether passes run through the native CPU draft pass (``use_native``)."""
@@ -408,6 +455,8 @@ class DFlashDraftModel(nn.Module):
     def reset_context(self) -> None:
         """Forget all committed context (start of a new sequence)."""
         self.cache = None
+        if self._graphs is not None:
+            self._graphs.reset()  # the static cache again, empty
 
     def _context_rows(self, features: torch.Tensor | None) -> torch.Tensor:
         """Target features [1, n, K*H] -> projected context rows [n, H] (n = 0 for None)."""
@@ -474,6 +523,9 @@ class DFlashDraftModel(nn.Module):
     def append_context(self, features: torch.Tensor) -> None:
         """Project the target features [1, n, K*H] of the next n committed tokens into every layer's K/V."""
         n = self._check_features(features)
+        if n and self._graphs_intact():
+            self._graphs.append(features)
+            return
         if n and n <= NATIVE_MAX_ROWS and self._native_intact():
             self._native_pass(features, n, None)
             return
@@ -493,6 +545,10 @@ class DFlashDraftModel(nn.Module):
         n = self._check_features(context)
         if start != self.context_length + n:
             raise ValueError(f"block starts at {start} but the draft holds {self.context_length + n} context positions")
+        if self._graphs_intact():
+            if n:
+                self._graphs.append(context)
+            return self._graphs.block(block_ids)
         if n + block_ids.shape[1] <= NATIVE_MAX_ROWS and self._native_intact():
             emb = self.embed_tokens(block_ids[0].to(self.embed_tokens.weight.device))
             x = emb.to(device="cpu", dtype=torch.float32, copy=True).contiguous()

@@ -106,6 +106,14 @@ def load_runtime_draft(rt, draft_dir: str | Path) -> DFlashDraftModel:
     return draft
 
 
+def draft_pass_kind(draft: DFlashDraftModel) -> str:
+    """How the draft's passes run now: "cuda-graphs" (static cache, replayed graphs), "static"
+    (the same passes eagerly), "native" (the CPU draft pass) or "operators" (PyTorch's)."""
+    if draft.graphed:
+        return "cuda-graphs" if draft._graphs.graphs else "static"
+    return "native" if draft.native else "operators"
+
+
 def speculative_options(
     draft_dir: str | Path | None,
     *,
@@ -233,7 +241,13 @@ def speculative_on_runtime(
                                  graphs=graphs, at=len(prompt), blocks=lengths)
         if decoder is None:  # each verify length's first-call setup, before the prompt (as plain decoding warms its one)
             warm_linears([rt.model], lengths)
-        draft.warm_up(range(2, block + 1) if auto else [block])
+        drafts = [b for b in lengths if b >= 2]
+        if decoder is not None and decoder.graphs:  # the draft's passes as CUDA graphs too, captured now
+            draft.use_graphs(len(prompt) + max_new_tokens, graphs=True, before_capture=rt.cache.drain,
+                             at=len(prompt), blocks=drafts)
+        else:
+            draft.use_graphs(enable=False)
+            draft.warm_up(drafts)
         oracle = None
         if acceptance is not None:
             if reference is None:
@@ -300,9 +314,8 @@ def generate_with_draft(
     committed token, decode rate so far; elapsed counts decode time only), ``on_verify`` this
     module's :class:`StepInfo` of the pass. Extra fields: ``draft``, ``block_size``,
     ``verify_steps``, ``acceptance_length``, ``acceptance_per_position``, ``draft_ms``,
-    ``verify_ms``, ``route_ahead`` (None when off), ``draft_pass`` ("native": the native CPU draft
-    pass, or "operators": PyTorch's), ``verify_rows`` (the fixed rows of batch-invariant verify, or
-    None) and, in oracle-acceptance mode only,
+    ``verify_ms``, ``route_ahead`` (None when off), ``draft_pass`` (:func:`draft_pass_kind`),
+    ``verify_rows`` (the fixed rows of batch-invariant verify, or None) and, in oracle-acceptance mode only,
     ``oracle_acceptance`` = P with the oracle's divergence counters.
     """
     from pdflash.offload.generate import GenerationResult
@@ -349,7 +362,7 @@ def generate_with_draft(
         "verify_ms": st.verify_seconds * 1e3,
         "route_ahead": res.route_ahead,
         "copied_steps": st.copied_steps,
-        "draft_pass": "native" if draft.native else "operators",  # how the draft's passes ran at the end
+        "draft_pass": draft_pass_kind(draft),  # how the draft's passes ran at the end
         "verify_rows": res.verify_rows,
     }
     if res.planner is not None:

@@ -251,8 +251,9 @@ def test_speculative_decoding_through_the_decoder_is_lossless(tmp_path_factory, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", ["auto", 4, 2])
 def test_cuda_graphed_speculative_decoding_is_lossless(tmp_path_factory, block_size):
-    """On a GPU: verify blocks replayed as CUDA graphs per block length commit the greedy tokens
-    of the graphed plain decoder (float32: no rounding ties between block shapes)."""
+    """On a GPU: verify blocks replayed as CUDA graphs per block length, and the draft's passes
+    replayed as graphs, commit the greedy tokens of the graphed plain decoder (float32: no
+    rounding ties between block shapes)."""
     from pdflash.draft import load_draft, speculative_on_runtime, write_synthetic_draft
 
     d = tmp_path_factory.mktemp("cudaspec")
@@ -266,3 +267,4 @@ def test_cuda_graphed_speculative_decoding_is_lossless(tmp_path_factory, block_s
                                      eos_token_ids=[], graphs=True)  # reference from the graphed verify path
         assert res.token_ids == want and res.oracle["oracle_divergences"] == 0
         assert not rt.stats()["errors"]
+        assert draft.graphed and draft._graphs.graphs and draft._graphs.replays > 0  # the draft's passes: graphs too
