@@ -115,3 +115,21 @@ def test_plain_step_benchmark_takes_the_steady_plain_steps(load_script):
     assert mod.steady(rows, "wall", skip=0) == 3  # 1, 3, 5: the steps after the drafted one and the first left out
     assert mod.steady(rows, "wall", skip=2) == 5
     assert mod.steady(rows, "wall", skip=3) is None
+
+
+def test_draft_graphs_benchmark_compares_the_two_paths_on_the_cpu(load_script, tmp_path, capsys):
+    """benchmarks/bench_draft_graphs.py: per block, both paths' median step, their ratio and
+    agreement (on a CPU the static passes run eagerly, so they agree with the eager draft)."""
+    mod = load_script("benchmarks/bench_draft_graphs.py")
+    out = tmp_path / "draft_graphs.json"
+    assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"),
+                     "--steps", "3", "--blocks", "2,4,16", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["blocks"]) == {"2", "4"}  # 16 is over the tiny draft's trained block
+    assert res["paths"]["static"] == res["paths_after"]["static"] == "static"
+    for row in res["blocks"].values():
+        assert row["eager_ms"] > 0 and row["static_ms"] > 0 and row["proposals_agree"]
+        assert row["max_abs_diff"] < 1e-4
+    assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"),
+                     "--blocks", "two", "--out", str(out)]) == 2
+    assert "--blocks" in capsys.readouterr().err

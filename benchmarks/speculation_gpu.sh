@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Speculation on one GPU, in stages that each fit one device call (about 5 minutes): the
+# gpt-oss-20b-shaped MXFP4 pair (written on first use, about 90 s), then
+#
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh draft   # GPU tests of the graphed draft and verify paths,
+#                                                            # then eager vs graphed draft steps, float32 and bf16
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh spec    # the planner against graphed plain decoding
+#                                                            # (bench_speculation_gpu.py), float32 then bf16
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh plain   # the loop's plain step taken apart (bench_plain_step.py)
+#
+# Every result lands in $OUT as JSON with a .log of its progress; the checkpoints in $WORK.
+set -uo pipefail
+STAGE="${1:-}"
+case "$STAGE" in draft|spec|plain) ;; *) echo "Error: stage must be draft, spec or plain, got '$STAGE'" >&2; exit 2 ;; esac
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-$ROOT/out}"
+WORK="${WORK:-/tmp/spec}"
+PY="${PYTHON:-python3}"
+CKPT="$WORK/oss20b"
+TOKENS="${TOKENS:-48}"
+mkdir -p "$OUT" "$WORK"
+cd "$ROOT"
+export PYTHONUNBUFFERED=1
+fail=0
+t0=$(date +%s)
+run() {  # name, command...: stderr to $OUT/name.log, a non-zero exit remembered
+  local name="$1"; shift
+  echo "== $name ($(( $(date +%s) - t0 )) s)" >&2
+  "$@" 2> "$OUT/$name.log" || { echo "   $name failed, see $OUT/$name.log" >&2; fail=1; }
+}
+
+case "$STAGE" in
+  draft)
+    run draft_graph_tests "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_draft_graphs.py \
+      "tests/test_graphs.py::test_cuda_graphed_speculative_decoding_is_lossless"
+    for dt in float32 bfloat16; do
+      run "draft_graphs_$dt" "$PY" benchmarks/bench_draft_graphs.py --checkpoint-dir "$CKPT" --dtype "$dt" \
+        --out "$OUT/draft_graphs_$dt.json"
+    done ;;
+  spec)
+    for dt in float32 bfloat16; do
+      run "spec_$dt" "$PY" benchmarks/bench_speculation_gpu.py --checkpoint-dir "$CKPT" --dtypes "$dt" --blocks 1 \
+        --tokens "$TOKENS" --prompts 2 --acceptance 0.9,0.7,0.3 --out "$OUT/spec_$dt.json"
+    done ;;
+  plain)
+    run plain_step_float32 "$PY" benchmarks/bench_plain_step.py --checkpoint-dir "$CKPT" --dtype float32 --profile \
+      --tokens "$TOKENS" --out "$OUT/plain_step_float32.json" ;;
+esac
+echo "stage $STAGE done in $(( $(date +%s) - t0 )) s, fail=$fail" >&2
+exit "$fail"
