@@ -97,6 +97,7 @@ class DraftGraphs:
         self._graphs: dict = {}  # key -> torch.cuda.CUDAGraph
         self._pool = None
         self.replays = 0  # passes that ran through this object (graphed or eagerly)
+        self.failure: str | None = None  # why graphs were given up (a capture CUDA refused), or None
 
     # -- state --------------------------------------------------------------------------
     def intact(self) -> bool:
@@ -179,12 +180,23 @@ class DraftGraphs:
     def _run(self, key, make):
         """Run the pass ``key``: replay its graph (captured now if new), or call it eagerly."""
         self.replays += 1
+        if self.graphs and key not in self._graphs:
+            self._try_capture(key, make())
         if not self.graphs:
             return make()()
-        if key not in self._graphs:
-            self._graphs[key], self._outs[key] = self._capture(make())
         self._graphs[key].replay()
         return self._outs[key]
+
+    def _try_capture(self, key, fn) -> None:
+        """Capture ``fn`` as the graph of ``key``; if CUDA refuses, every pass from now on runs
+        eagerly (the same functions: slower, the same results) and ``failure`` says why."""
+        try:
+            self._graphs[key], self._outs[key] = self._capture(fn)
+        except RuntimeError as exc:
+            self.graphs = False
+            self._graphs.clear()
+            self._outs.clear()
+            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
     def _capture(self, fn):
         """Capture ``fn`` as a CUDA graph after one warm-up call; its writes land at positions
@@ -255,18 +267,17 @@ class DraftGraphs:
         try:
             feats = self.draft.fc.in_features
             for m in range(1, self.chunk + 1):
-                if ("append", m) not in self._graphs:
+                if self.graphs and ("append", m) not in self._graphs:
                     self._ctx_in.setdefault(m, torch.zeros((m, feats), dtype=self.dtype, device=self.device))
                     self.start.fill_(self.cache.length)
-                    self._graphs[("append", m)], self._outs[("append", m)] = self._capture(self._append_fn(m))
+                    self._try_capture(("append", m), self._append_fn(m))
             for b in sorted(set(int(b) for b in blocks if int(b) >= 2)):
-                ids = torch.full((1, b), self.draft.config.mask_token_id, dtype=torch.long, device=self.device)
                 bucket = self.bucket(self.cache.length + b)
-                if (bucket, b) not in self._graphs:
+                if self.graphs and (bucket, b) not in self._graphs:
                     if b not in self._ids:
                         self._ids[b] = torch.zeros(b, dtype=torch.long, device=self.device)
-                    self._ids[b].copy_(ids[0])
+                    self._ids[b].fill_(self.draft.config.mask_token_id)
                     self.start.fill_(self.cache.length)
-                    self._graphs[(bucket, b)], self._outs[(bucket, b)] = self._capture(self._block_fn(bucket, b))
+                    self._try_capture((bucket, b), self._block_fn(bucket, b))
         finally:
             self.cache.length = saved

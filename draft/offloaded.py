@@ -363,6 +363,7 @@ def generate_with_draft(
         "route_ahead": res.route_ahead,
         "copied_steps": st.copied_steps,
         "draft_pass": draft_pass_kind(draft),  # how the draft's passes ran at the end
+        "draft_graphs_failure": draft._graphs.failure if draft.graphed else None,  # why graphs were given up
         "verify_rows": res.verify_rows,
     }
     if res.planner is not None:

@@ -50,6 +50,12 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   steady plain decoding's tokens per second, plain decoding becomes the incumbent whatever the
   predictions (a draft that does not fit the text), and stays so until a probe commits at least
   plain decoding's tokens per second.
+- Retreat: when the last ``floor_window`` blocks the incumbent length verified (probes left out)
+  together committed fewer than ``retreat`` times steady plain decoding's tokens per second, plain
+  decoding becomes the incumbent, without the floor's hold: the predictions decide from there, a
+  speculative length coming back only ``switch_margin`` ahead. The margin that keeps a running
+  length against predictions does not keep one that measurably loses (on the H200 at P = 0.3 a
+  block of 2 kept its place for 17 steps at about 0.8x: docs/benchmarks.md, session 14).
 - Probes: while plain decoding is the incumbent, after ``probe_every`` plain steps the best
   speculative B runs once, so acceptance keeps being measured (the interval doubles, up to
   ``max_probe_interval``, while plain stays ahead); when the last committed tokens repeat an
@@ -138,6 +144,7 @@ class Choice:
 class PlannerReport:
     histogram: dict[int, int] = field(default_factory=dict)  # chosen B -> steps
     probes: int = 0  # drafts run only to keep measuring acceptance
+    retreats: int = 0  # times a speculative incumbent that measurably lost handed over to plain decoding
     shadow_probes: int = 0  # of those, drafted and checked against later committed tokens, not verified
     predicted_seconds: float = 0.0  # summed over steps that had a prediction
     measured_seconds: float = 0.0  # the same steps, measured
@@ -153,6 +160,7 @@ class PlannerReport:
             "block_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
             "probes": self.probes,
             "shadow_probes": self.shadow_probes,
+            "retreats": self.retreats,
             "predicted_step_ms": 1e3 * self.predicted_seconds / n if n else None,
             "measured_step_ms": 1e3 * self.measured_seconds / n if n else None,
             "step_time_abs_error_ms": 1e3 * self.abs_error_seconds / n if n else None,
@@ -190,6 +198,7 @@ class BlockPlanner:
         plain_margin: float = 1.3,
         floor: float = 0.7,
         floor_window: int = 16,
+        retreat: float | None = 0.9,
         probe_every: int = 8,
         max_probe_interval: int = 64,
         min_repeat_gap: int = 4,
@@ -216,6 +225,7 @@ class BlockPlanner:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.switch_margin, self.plain_margin = switch_margin, plain_margin
         self.floor = floor
+        self.retreat = retreat  # None: no retreat
         self.clock = clock  # None: the step times the caller passes; else the planner times steps itself
         self._t0 = 0.0
         self.probe_every = probe_every
@@ -238,6 +248,7 @@ class BlockPlanner:
         self._prev_block: int | None = None
         self._forced_plain = 0  # plain steps still to run for a re-measurement
         self._window: deque[tuple[int, float]] = deque(maxlen=floor_window)  # (committed, seconds) of drafted steps
+        self._run: deque[tuple[int, float]] = deque(maxlen=floor_window)  # the same, of the incumbent's blocks since it began
         self._hold_plain = False  # the floor put plain decoding in: it stays until a probe pays
         self._drafting = False  # stage 1 of the step running now ran the draft
         self._step_bytes0 = 0.0
@@ -356,14 +367,23 @@ class BlockPlanner:
         ratio = self._realized_ratio()
         return ratio is not None and ratio < self.floor
 
-    def _realized_ratio(self) -> float | None:
-        """Tokens per second of the recent drafted steps (the floor's window) over steady plain
-        decoding's; None before both are measured."""
+    def _realized_ratio(self, window: deque | None = None) -> float | None:
+        """Tokens per second of the recent drafted steps (the floor's window, or ``window``) over
+        steady plain decoding's; None before both are measured."""
+        window = self._window if window is None else window
         plain = self._plain_steady.value
-        seconds = sum(t for _, t in self._window)
-        if not plain or not self._window or seconds <= 0:
+        seconds = sum(t for _, t in window)
+        if not plain or not window or seconds <= 0:
             return None
-        return sum(c for c, _ in self._window) / seconds * plain
+        return sum(c for c, _ in window) / seconds * plain
+
+    def _losing(self) -> bool:
+        """The incumbent's last ``floor_window`` verified blocks together committed fewer than
+        ``retreat`` times steady plain decoding's tokens per second."""
+        if self.retreat is None or len(self._run) < (self._run.maxlen or 0):
+            return False
+        ratio = self._realized_ratio(self._run)
+        return ratio is not None and ratio < self.retreat
 
     def _clearly_ahead(self) -> bool:
         """The recent drafted steps realize more than ``remeasure_unless`` times plain decoding's
@@ -427,19 +447,22 @@ class BlockPlanner:
                 if not ahead and can_shadow and self.shadow_probes:
                     shadow_first = first  # predicted behind plain decoding: look before drafting for real
                     self._first_look = True
-                self._incumbent = 1 if shadow_first else first
+                self._set_incumbent(1 if shadow_first else first)
             elif self._first_look and not self._shadow:
                 self._first_look = False  # the first look is checked: decide as the cold start does, on what it saw
                 first, ahead = self._first_block(limit)
                 if ahead:
-                    self._incumbent = first
+                    self._set_incumbent(first)
             if self._incumbent > 1 and self._below_floor():
-                self._incumbent = 1  # held until a probe pays
+                self._set_incumbent(1)  # held until a probe pays
                 self._hold_plain = True
                 self._window.clear()
+            elif self._incumbent > 1 and self._losing():
+                self._set_incumbent(1)  # no hold: the predictions decide from here
+                self.report.retreats += 1
             best = self._candidate(1) if self._hold_plain else self._decide(limit)
             if best.block != min(self._incumbent, limit):
-                self._incumbent = best.block
+                self._set_incumbent(best.block)
             shadow = can_shadow and self.shadow_probes and not self._hold_plain
             if best.block == 1 and shadow_first:
                 self.report.probes += 1
@@ -474,6 +497,12 @@ class BlockPlanner:
         self._spec_run += 1
         self._drafting = True
         return best.block
+
+    def _set_incumbent(self, block: int) -> None:
+        """Run ``block`` from now on; a new incumbent's own blocks are counted afresh (retreat)."""
+        if block != self._incumbent:
+            self._run.clear()
+        self._incumbent = block
 
     def shadow_proposals(self, proposals: Sequence[int]) -> None:
         """The shadow probe's proposals (this step's ``shadow_block - 1``), to be checked against
@@ -522,6 +551,8 @@ class BlockPlanner:
             plain = self._plain_steady.value
             if self._probe and self._hold_plain and seconds > 0 and (not plain or committed / seconds >= 1.0 / plain):
                 self._hold_plain = False  # a probe that paid: the predictions decide again
+        if block > 1 and not self._probe and block == self._incumbent:  # a block of the incumbent's own
+            self._run.append((committed, seconds))
         # a plain step after a plain step (a shadow probe's step also ran the draft)
         steady = not self._drafting and not self.shadow_block and block == 1 and self._prev_block == 1
         if steady:

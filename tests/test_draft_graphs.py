@@ -130,6 +130,30 @@ def test_reuse_replaced_weights_and_room(pair):
     assert not small.use_graphs(enable=False) and not small.graphed
 
 
+def test_a_capture_cuda_refuses_falls_back_to_the_same_passes_eagerly(pair, monkeypatch):
+    """If CUDA refuses a capture (at the start or on a new bucket mid-run), every pass runs the
+    same functions eagerly from then on and ``failure`` says why; the results are unchanged."""
+    target, _, root = pair
+    draft = static_draft(pair)
+    g = draft._graphs
+    g.graphs = True  # as on CUDA; the capture itself is what fails here
+
+    def refuse(fn):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(g, "_capture", refuse)
+    g.prepare(0, [2, 4])
+    assert not g.graphs and g.failure == "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    g.graphs = True
+    torch.manual_seed(6)
+    feats = torch.randn(1, 7, 3 * 32)
+    block = draft.block_ids(9, 4, "cpu")
+    got = draft(block, start=7, context=feats)
+    assert not g.graphs and draft.graphed
+    torch.testing.assert_close(got, reference_hidden(draft, feats, block), rtol=1e-5, atol=1e-5)
+    from pdflash.draft.offloaded import draft_pass_kind
+    assert draft_pass_kind(draft) == "static"
+
+
 def _lossless(pair, block_size):
     target, _, root = pair
     prompt = [5, 17, 33, 2, 41, 8, 19]

@@ -137,6 +137,27 @@ def test_a_speculative_run_that_realizes_less_than_the_floor_goes_plain_and_prob
     assert p.report.probes == 1 and p._probe_interval == 6
 
 
+@pytest.mark.parametrize("every,retreat,kept", [(4, 0.9, False), (4, None, True), (2, 0.9, True)])
+def test_a_speculative_incumbent_that_measurably_loses_retreats_to_plain_decoding(every, retreat, kept):
+    """Plain decoding predicted about 19 % ahead of a running block of 2, inside the 30 % margin
+    that keeps a running length. Blocks taking what the costs predict (12 ms against plain's
+    8.2 ms) that accept one proposal in 4 realize 0.85x: above the floor (0.7), and after
+    floor_window of them plain decoding takes over (without retreat the margin keeps the block).
+    Accepting one in 2 (1.02x), the block stays."""
+    p = planner(link_gbps=5, max_block=4, floor_window=4, probe_every=1000, remeasure_plain_every=100, retreat=retreat)
+    teach(p, accept_rate=0.3)
+    plain = p._plain_steady.value
+    assert 1.0 < p._rate(p._candidate(1)) / p._rate(p._candidate(2)) < p.plain_margin
+    p._set_incumbent(2)
+    chosen = [step(p, limit=4, accepted=int(i % every == 0), seconds=lambda b: 0.012 if b > 1 else plain)
+              for i in range(8)]
+    if kept:
+        assert chosen == [2] * 8 and p.report.retreats == 0, chosen
+    else:
+        assert chosen == [2, 2, 2, 2, 1, 1, 1, 1] and p.report.retreats == 1, chosen
+        assert not p._hold_plain and p.to_dict()["retreats"] == 1
+
+
 def test_probes_bring_speculation_back_when_the_draft_is_right_again():
     p = planner(link_gbps=1000, floor_window=2, probe_every=2, remeasure_plain_every=100)
     teach(p, accept_rate=0.95)
