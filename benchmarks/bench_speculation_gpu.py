@@ -18,6 +18,7 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 - ``plain``: graphed plain decoding (``generate(..., cuda_graphs=True)``; eager on CPU);
 - ``auto@P``: speculative decoding, block planner, oracle acceptance P, route-ahead by ``--predictor`` (default: generate's, none);
 - ``auto-real@P`` (with ``--probes shadow,real`` or ``real``): the planner with every probe a verified block, no shadow probes;
+- ``auto-retreat@P`` (with ``--retreat R``): the planner with retreat R (draft/planner.py);
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
@@ -91,9 +92,10 @@ def _moved(rt) -> float:
     return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
 
 
-def planner_options(args, real_probes: bool = False) -> dict | None:
+def planner_options(args, real_probes: bool = False, retreat: bool = False) -> dict | None:
     """BlockPlanner keyword arguments of --home-block / --first-block and of the arm's probes
-    (``real_probes``: the "auto-real" arm) (None: the defaults)."""
+    (``real_probes``: the "auto-real" arm) and retreat (``retreat``: the "auto-retreat" arm,
+    ``--retreat``) (None: the defaults)."""
     opts = {}
     if args.home_block:
         opts["home_block"] = args.home_block
@@ -101,6 +103,8 @@ def planner_options(args, real_probes: bool = False) -> dict | None:
         opts["first_by_cost"] = False
     if real_probes:
         opts["shadow_probes"] = False
+    if retreat:
+        opts["retreat"] = args.retreat
     return opts or None
 
 
@@ -135,7 +139,7 @@ def drafting_share(steps, least: int = 8) -> float | None:
 
 def run_dtype(args, dtype: str, trained: int) -> list[dict]:
     from pdflash.draft import load_draft
-    from pdflash.draft.offloaded import oracle_reference, speculative_on_runtime, verify_decoder
+    from pdflash.draft.offloaded import draft_pass_kind, oracle_reference, speculative_on_runtime, verify_decoder
     from pdflash.offload.generate import generate
     from pdflash.offload.runtime import OffloadedModel
 
@@ -154,6 +158,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         prompts = _encode(rt, args.prompts)
         n = args.tokens
         autos = [{"shadow": "auto", "real": "auto-real"}[k] for k in args.probes]
+        autos += ["auto-retreat"] if args.retreat else []
         arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in autos + [f"B{b}" for b in blocks]]
         for pi, prompt in enumerate(prompts):
             refs: dict[int, list[int]] = {}
@@ -191,7 +196,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     res = speculative_on_runtime(rt, draft, prompt, n, block_size=block, acceptance=float(p),
                                                  reference=ref, predictor=args.predictor, seed=args.seed + pi,
                                                  batch_invariant=args.batch_invariant,
-                                                 planner_options=planner_options(args, kind == "auto-real"),
+                                                 planner_options=planner_options(args, kind == "auto-real",
+                                                                                 kind == "auto-retreat"),
                                                  eos_token_ids=[], graphs=graphs, on_step=steps.append)
                     d = res.to_dict()
                     st = rt.stats()
@@ -205,8 +211,10 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     row["steady_plain_ms"] = None if steady is None else 1e3 * steady
                     if res.planner is not None:
                         row["planner"] = {k: res.planner[k] for k in ("predicted_step_ms", "measured_step_ms",
-                                                                       "step_time_abs_error_ms", "probes", "shadow_probes")}
+                                                                       "step_time_abs_error_ms", "probes", "shadow_probes",
+                                                                       "retreats")}
                         row["cost"] = res.planner["cost"]
+                    row["draft_pass"] = draft_pass_kind(draft)
                 results[arm] = row
                 _log(f"[{dtype}] prompt {pi} {arm}: {row['tokens_per_second'] or 0:.2f} tok/s"
                      + (f", accept {row['acceptance_length']:.2f}, blocks {row['block_histogram']}, "
@@ -318,8 +326,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="Comma-separated kinds of the planner's probes while plain decoding leads, one auto arm "
                          "each: shadow (arm auto: drafted and checked against the committed tokens, the default), "
                          "real (arm auto-real: drafted and verified as a block).")
+    ap.add_argument("--retreat", type=float, default=None,
+                    help="Add an arm auto-retreat: the planner (shadow probes) with retreat R, plain decoding taking over "
+                         "from a running block length whose own last blocks realize under R times plain's rate.")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.retreat is not None and not 0.0 < args.retreat <= 2.0:
+        ap.error(f"--retreat must be in (0, 2], got {args.retreat}")
     args.batch_invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
     args.acceptance = [float(p) for p in args.acceptance.split(",") if p.strip()]
     args.blocks = [int(b) for b in args.blocks.split(",") if b.strip()]

@@ -4,8 +4,8 @@
 #
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh draft   # GPU tests of the graphed draft and verify paths,
 #                                                            # then eager vs graphed draft steps, float32 and bf16
-#   OUT=/some/dir bash benchmarks/speculation_gpu.sh spec    # the planner against graphed plain decoding
-#                                                            # (bench_speculation_gpu.py), float32 then bf16
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh spec    # the planner (and its retreat arm) against graphed
+#                                                            # plain decoding (bench_speculation_gpu.py), float32 then bf16
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh plain   # the loop's plain step taken apart (bench_plain_step.py)
 #
 # Every result lands in $OUT as JSON with a .log of its progress; the checkpoints in $WORK.
@@ -40,7 +40,7 @@ case "$STAGE" in
   spec)
     for dt in float32 bfloat16; do
       run "spec_$dt" "$PY" benchmarks/bench_speculation_gpu.py --checkpoint-dir "$CKPT" --dtypes "$dt" --blocks 1 \
-        --tokens "$TOKENS" --prompts 2 --acceptance 0.9,0.7,0.3 --out "$OUT/spec_$dt.json"
+        --tokens "$TOKENS" --prompts 2 --acceptance 0.9,0.7,0.3 --retreat 0.9 --out "$OUT/spec_$dt.json"
     done ;;
   plain)
     run plain_step_float32 "$PY" benchmarks/bench_plain_step.py --checkpoint-dir "$CKPT" --dtype float32 --profile \

@@ -50,12 +50,14 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   steady plain decoding's tokens per second, plain decoding becomes the incumbent whatever the
   predictions (a draft that does not fit the text), and stays so until a probe commits at least
   plain decoding's tokens per second.
-- Retreat: when the last ``floor_window`` blocks the incumbent length verified (probes left out)
-  together committed fewer than ``retreat`` times steady plain decoding's tokens per second, plain
-  decoding becomes the incumbent, without the floor's hold: the predictions decide from there, a
-  speculative length coming back only ``switch_margin`` ahead. The margin that keeps a running
-  length against predictions does not keep one that measurably loses (on the H200 at P = 0.3 a
-  block of 2 kept its place for 17 steps at about 0.8x: docs/benchmarks.md, session 14).
+- Retreat (``retreat``, off by default; a benchmark arm): when the last ``floor_window`` blocks the
+  incumbent length verified (probes left out) together committed fewer than ``retreat`` times
+  steady plain decoding's tokens per second, plain decoding becomes the incumbent, without the
+  floor's hold: the predictions decide from there. Meant for a length that the margin keeps while
+  it measurably loses (on the H200 at P = 0.3 a block of 2 kept its place for 17 steps at about
+  0.8x, docs/benchmarks.md, session 14). Off because on the embedded pair at 0.9 it fired where
+  drafting paid (an early, low plain price) and the predictions took another length at once:
+  "def fibonacci(n):" 1.03-1.07x against 1.08-1.09x without it (session 16).
 - Probes: while plain decoding is the incumbent, after ``probe_every`` plain steps the best
   speculative B runs once, so acceptance keeps being measured (the interval doubles, up to
   ``max_probe_interval``, while plain stays ahead); when the last committed tokens repeat an
@@ -198,7 +200,7 @@ class BlockPlanner:
         plain_margin: float = 1.3,
         floor: float = 0.7,
         floor_window: int = 16,
-        retreat: float | None = 0.9,
+        retreat: float | None = None,
         probe_every: int = 8,
         max_probe_interval: int = 64,
         min_repeat_gap: int = 4,

@@ -17,10 +17,11 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "10", "--prompts", "1", "--dtypes", "bfloat16,float32", "--acceptance", "0.9,0.3",
-                     "--blocks", "2,8", "--probes", "shadow,real", "--out", str(out)]) == 0
+                     "--blocks", "2,8", "--probes", "shadow,real", "--retreat", "0.9", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["summary"]) == {"bfloat16", "float32"}
-    arms = {"plain", "auto@0.9", "auto-real@0.9", "B2@0.9", "auto@0.3", "auto-real@0.3", "B2@0.3"}  # 8 exceeds the tiny draft's 4
+    arms = {"plain", "auto@0.9", "auto-real@0.9", "auto-retreat@0.9", "B2@0.9",
+            "auto@0.3", "auto-real@0.3", "auto-retreat@0.3", "B2@0.3"}  # 8 exceeds the tiny draft's 4
     for dtype, s in res["summary"].items():
         assert set(s["arms"]) == arms and set(s["targets"]) == {"auto@0.9", "auto@0.3"}
         assert s["arms"]["plain"]["vs_plain"] == 1.0
@@ -30,14 +31,19 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
         if r["arm"] != "plain":
             assert r["oracle_refreshes"] == 0 and r["same_tokens_as_reference"]
             assert sum(r["block_histogram"].values()) == r["verify_steps"]
+            assert r["draft_pass"] == "operators"  # graphed passes are for CUDA
         if r["arm"].startswith("auto"):
             assert "predicted_step_ms" in r["planner"]
             if r["arm"].startswith("auto-real"):
                 assert r["planner"]["shadow_probes"] == 0
+            assert r["planner"]["retreats"] >= 0
             assert "drafting_share" in r and "steady_plain_ms" in r
     assert "target auto@0.9" in res["markdown"]
     with pytest.raises(SystemExit):
         mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--probes", "fake",
+                  "--out", str(out)])
+    with pytest.raises(SystemExit):
+        mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--retreat", "0",
                   "--out", str(out)])
 
 

@@ -173,8 +173,9 @@ def test_speculative_decoding_with_the_static_draft_is_lossless(pair, block_size
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_replay_what_the_static_passes_compute(pair, dtype):
-    """On a GPU: the replayed graphs give exactly the hidden rows of the same passes run eagerly,
-    through chunked appends, an eager long append and a bucket change (graphs captured mid-run)."""
+    """On a GPU: the replayed graphs give the hidden rows (within rounding) of the same passes run
+    eagerly, through chunked appends, an eager long append and a bucket change (graphs captured
+    mid-run)."""
     target, _, root = pair
     gpu_target = test_draft_model.tiny_target().to("cuda", dtype)
     drafts = []
@@ -193,5 +194,6 @@ def test_cuda_graphs_replay_what_the_static_passes_compute(pair, dtype):
             ctx = feats[:, at: at + n]
             at += n
             got, want = (d(block, start=at, context=ctx) for d in drafts)
-            assert torch.equal(got, want), f"step {step}"
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"step {step}: {m}")
     assert drafts[0]._graphs.graphs and len(drafts[0]._graphs._graphs) > 4
