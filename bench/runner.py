@@ -179,7 +179,7 @@ class PriorityBench:
     def _speculate_oracle(self, pi: int, on_step):
         """The oracle arm: ``speculative_generate`` with the arguments ``speculative_on_runtime``
         gives it, the route-ahead predictor replaced by the recorded verify experts."""
-        from pdflash.draft.offloaded import verify_decoder
+        from pdflash.draft.offloaded import prepare_draft, verify_decoder
         from pdflash.draft.route_ahead import RouteAhead, window_for_cache
         from pdflash.draft.speculative import make_oracle, speculative_generate
 
@@ -197,6 +197,7 @@ class PriorityBench:
         # the verify path speculative_on_runtime takes (graphed on CUDA, fixed rows in bf16 oracle mode)
         decoder = verify_decoder(rt, self.draft, len(prompt) + cfg.max_new_tokens, cfg.draft_acceptance,
                                  at=len(prompt), blocks=sorted({1, b.block_size}))
+        prepare_draft(rt, self.draft, decoder, len(prompt), cfg.max_new_tokens, [b.block_size])
         try:
             return speculative_generate(rt.model, self.draft, prompt, cfg.max_new_tokens, block_size=b.block_size,
                                         eos_token_ids=[], route_ahead=ra, oracle=oracle, on_step=on_step,

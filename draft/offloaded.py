@@ -181,6 +181,20 @@ def verify_decoder(rt, draft: DFlashDraftModel, max_len: int, acceptance: float 
     return dec
 
 
+def prepare_draft(rt, draft: DFlashDraftModel, decoder, prompt_len: int, max_new_tokens: int, blocks) -> None:
+    """Ready ``draft`` for a run whose verify passes go through ``decoder`` (:func:`verify_decoder`):
+    with a graphed decoder the draft's passes are CUDA graphs too, those of each drafted length of
+    ``blocks`` captured now (before the prompt, outside the timings); otherwise each length's
+    first-call setup runs now (``warm_up``)."""
+    drafts = [b for b in blocks if b >= 2]
+    if decoder is not None and decoder.graphs:
+        draft.use_graphs(prompt_len + max_new_tokens, graphs=True, before_capture=rt.cache.drain, at=prompt_len,
+                         blocks=drafts)
+    else:
+        draft.use_graphs(enable=False)
+        draft.warm_up(drafts)
+
+
 def oracle_reference(rt, input_ids: Sequence[int], max_new_tokens: int, block_size: int, *, decoder=None,
                      eos_token_ids: Sequence[int] = ()) -> list[int]:
     """Oracle mode's reference continuation, from the arithmetic of the verify passes: a plain
@@ -241,13 +255,7 @@ def speculative_on_runtime(
                                  graphs=graphs, at=len(prompt), blocks=lengths)
         if decoder is None:  # each verify length's first-call setup, before the prompt (as plain decoding warms its one)
             warm_linears([rt.model], lengths)
-        drafts = [b for b in lengths if b >= 2]
-        if decoder is not None and decoder.graphs:  # the draft's passes as CUDA graphs too, captured now
-            draft.use_graphs(len(prompt) + max_new_tokens, graphs=True, before_capture=rt.cache.drain,
-                             at=len(prompt), blocks=drafts)
-        else:
-            draft.use_graphs(enable=False)
-            draft.warm_up(drafts)
+        prepare_draft(rt, draft, decoder, len(prompt), max_new_tokens, lengths)
         oracle = None
         if acceptance is not None:
             if reference is None:
