@@ -33,7 +33,7 @@ import_pdflash()
 
 import torch  # noqa: E402
 
-from bench_speculation_gpu import _log, ensure_checkpoint, write_result  # noqa: E402
+from bench_speculation_gpu import ensure_checkpoint, write_result  # noqa: E402
 from pdflash.machine import machine_info  # noqa: E402
 
 

@@ -43,7 +43,8 @@ EAGER_CONTEXT_ROWS = 64
 
 
 class DraftGraphs:
-    """Static-cache passes of ``draft`` (a ``DFlashDraftModel``), see the module docstring.
+    """Static-cache passes of ``draft`` (a ``DFlashDraftModel`` whose rotary frequencies do not
+    depend on the longest position: ``use_graphs`` checks), see the module docstring.
 
     ``max_len``: the positions a sequence may reach (prompt + new tokens); the cache holds
     ``max_len + chunk`` so a block drafted at the last position fits. ``before_capture``: called
@@ -63,9 +64,6 @@ class DraftGraphs:
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         if self.graphs and self.device.type != "cuda":
             raise PdflashError("CUDA graphs need the draft on a CUDA device")
-        rope_type = getattr(draft.rotary_emb, "rope_type", "default")
-        if "dynamic" in rope_type or rope_type == "longrope":
-            raise PdflashError(f"a draft with {rope_type} rotary frequencies cannot run over a static cache")
         self.chunk = max(1, int(chunk or cfg.block_size))
         self.capacity = int(max_len) + self.chunk
         self.min_bucket = max(1, int(min_bucket or self.MIN_BUCKET))

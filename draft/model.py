@@ -377,9 +377,10 @@ class DFlashDraftModel(nn.Module):
         replayed as CUDA graphs on a CUDA device (``graphs``, default: there), see
         ``pdflash/draft/graphed.py``; graphs for blocks of each B in ``blocks`` at ``at`` positions
         are captured now. ``before_capture`` runs before each capture (the offload runtime drains
-        its copy threads); ``min_bucket``: the smallest key length attended (tests). Returns whether it is on: not for rotary frequencies that follow the
-        longest position. A weight replaced or moved afterwards turns it off for good; ``enable``
-        False turns it off (the next sequence starts an ordinary cache)."""
+        its copy threads); ``min_bucket``: the smallest key length attended (tests). Returns
+        whether it is on: not for rotary frequencies that follow the longest position (a table by
+        position would not reproduce them). A weight replaced or moved afterwards turns it off for
+        good; ``enable`` False turns it off (the next sequence starts an ordinary cache)."""
         from pdflash.draft.graphed import DraftGraphs
 
         rope_type = getattr(self.rotary_emb, "rope_type", "default")
