@@ -18,7 +18,7 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 - ``plain``: graphed plain decoding (``generate(..., cuda_graphs=True)``; eager on CPU);
 - ``auto@P``: speculative decoding, block planner, oracle acceptance P, route-ahead by ``--predictor`` (default: generate's, none);
 - ``auto-real@P`` (with ``--probes shadow,real`` or ``real``): the planner with every probe a verified block, no shadow probes;
-- ``auto-retreat@P`` (with ``--retreat R``): the planner with retreat R (draft/planner.py);
+- ``auto-retreat@P`` (with ``--retreat Z``): the planner with retreat Z (draft/planner.py);
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
@@ -327,12 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                          "each: shadow (arm auto: drafted and checked against the committed tokens, the default), "
                          "real (arm auto-real: drafted and verified as a block).")
     ap.add_argument("--retreat", type=float, default=None,
-                    help="Add an arm auto-retreat: the planner (shadow probes) with retreat R, plain decoding taking over "
-                         "from a running block length whose own last blocks realize under R times plain's rate.")
+                    help="Add an arm auto-retreat: the planner (shadow probes) with retreat Z, plain decoding taking over "
+                         "from a running block length whose own last blocks realize under plain's rate by Z standard errors.")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if args.retreat is not None and not 0.0 < args.retreat <= 2.0:
-        ap.error(f"--retreat must be in (0, 2], got {args.retreat}")
+    if args.retreat is not None and not 0.0 <= args.retreat <= 10.0:
+        ap.error(f"--retreat must be in [0, 10] (standard errors), got {args.retreat}")
     args.batch_invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
     args.acceptance = [float(p) for p in args.acceptance.split(",") if p.strip()]
     args.blocks = [int(b) for b in args.blocks.split(",") if b.strip()]

@@ -40,7 +40,7 @@ case "$STAGE" in
   spec)
     for dt in float32 bfloat16; do
       run "spec_$dt" "$PY" benchmarks/bench_speculation_gpu.py --checkpoint-dir "$CKPT" --dtypes "$dt" --blocks 1 \
-        --tokens "$TOKENS" --prompts 2 --acceptance 0.9,0.7,0.3 --retreat 0.9 --out "$OUT/spec_$dt.json"
+        --tokens "$TOKENS" --prompts 2 --acceptance 0.9,0.7,0.3 --retreat 2 --out "$OUT/spec_$dt.json"
     done ;;
   plain)
     run plain_step_float32 "$PY" benchmarks/bench_plain_step.py --checkpoint-dir "$CKPT" --dtype float32 --profile \

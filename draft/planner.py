@@ -50,14 +50,14 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   steady plain decoding's tokens per second, plain decoding becomes the incumbent whatever the
   predictions (a draft that does not fit the text), and stays so until a probe commits at least
   plain decoding's tokens per second.
-- Retreat (``retreat``, off by default; a benchmark arm): when the last ``floor_window`` blocks the
-  incumbent length verified (probes left out) together committed fewer than ``retreat`` times
-  steady plain decoding's tokens per second, plain decoding becomes the incumbent, without the
-  floor's hold: the predictions decide from there. Meant for a length that the margin keeps while
-  it measurably loses (on the H200 at P = 0.3 a block of 2 kept its place for 17 steps at about
-  0.8x, docs/benchmarks.md, session 14). Off because on the embedded pair at 0.9 it fired where
-  drafting paid (an early, low plain price) and the predictions took another length at once:
-  "def fibonacci(n):" 1.03-1.07x against 1.08-1.09x without it (session 16).
+- Retreat (``retreat`` = z, off by default; a benchmark arm): when the last ``floor_window`` blocks
+  the incumbent length verified (probes left out) realize a rate whose ratio R to steady plain
+  decoding's is below 1 with confidence, R + z SE(R) < 1 (SE from the spread of the blocks'
+  committed tokens), plain decoding becomes the incumbent, without the floor's hold: the
+  predictions decide from there. Meant for a length that the margin keeps while it measurably
+  loses (on the H200 at P = 0.3 a block of 2 kept its place for 17 steps at about 0.8x;
+  docs/benchmarks.md, session 14). A fixed threshold (0.9) fired on the embedded pair where
+  drafting paid, its 16 blocks' ratio dipping by their spread alone (session 16).
 - Probes: while plain decoding is the incumbent, after ``probe_every`` plain steps the best
   speculative B runs once, so acceptance keeps being measured (the interval doubles, up to
   ``max_probe_interval``, while plain stays ahead); when the last committed tokens repeat an
@@ -369,23 +369,31 @@ class BlockPlanner:
         ratio = self._realized_ratio()
         return ratio is not None and ratio < self.floor
 
-    def _realized_ratio(self, window: deque | None = None) -> float | None:
-        """Tokens per second of the recent drafted steps (the floor's window, or ``window``) over
-        steady plain decoding's; None before both are measured."""
-        window = self._window if window is None else window
+    def _realized_ratio(self) -> float | None:
+        """Tokens per second of the recent drafted steps (the floor's window) over steady plain
+        decoding's; None before both are measured."""
         plain = self._plain_steady.value
-        seconds = sum(t for _, t in window)
-        if not plain or not window or seconds <= 0:
+        seconds = sum(t for _, t in self._window)
+        if not plain or not self._window or seconds <= 0:
             return None
-        return sum(c for c, _ in window) / seconds * plain
+        return sum(c for c, _ in self._window) / seconds * plain
 
     def _losing(self) -> bool:
-        """The incumbent's last ``floor_window`` verified blocks together committed fewer than
-        ``retreat`` times steady plain decoding's tokens per second."""
-        if self.retreat is None or len(self._run) < (self._run.maxlen or 0):
+        """The incumbent's last ``floor_window`` verified blocks realize under plain decoding's rate
+        with confidence: R + z SE(R) < 1, R their tokens per second over steady plain decoding's,
+        SE(R) the ratio estimator's standard error from the blocks' spread, z = ``retreat``."""
+        n = len(self._run)
+        plain = self._plain_steady.value
+        if self.retreat is None or n < max(2, self._run.maxlen or 0) or not plain:
             return False
-        ratio = self._realized_ratio(self._run)
-        return ratio is not None and ratio < self.retreat
+        tokens = sum(c for c, _ in self._run)
+        seconds = sum(t for _, t in self._run)
+        if seconds <= 0:
+            return False
+        rate = tokens / seconds
+        spread = sum((c - rate * t) ** 2 for c, t in self._run) / (n - 1)
+        se = plain * (spread / n) ** 0.5 / (seconds / n)
+        return rate * plain + self.retreat * se < 1.0
 
     def _clearly_ahead(self) -> bool:
         """The recent drafted steps realize more than ``remeasure_unless`` times plain decoding's

@@ -17,7 +17,7 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "10", "--prompts", "1", "--dtypes", "bfloat16,float32", "--acceptance", "0.9,0.3",
-                     "--blocks", "2,8", "--probes", "shadow,real", "--retreat", "0.9", "--out", str(out)]) == 0
+                     "--blocks", "2,8", "--probes", "shadow,real", "--retreat", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["summary"]) == {"bfloat16", "float32"}
     arms = {"plain", "auto@0.9", "auto-real@0.9", "auto-retreat@0.9", "B2@0.9",
@@ -43,7 +43,7 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
         mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--probes", "fake",
                   "--out", str(out)])
     with pytest.raises(SystemExit):
-        mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--retreat", "0",
+        mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--retreat", "-1",
                   "--out", str(out)])
 
 
