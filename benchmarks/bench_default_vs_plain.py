@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                    "no_draft_tps": p["tokens_per_second"], "ratio": d["tokens_per_second"] / p["tokens_per_second"],
                    "same_tokens": d["token_ids"] == p["token_ids"], "block_histogram": d.get("block_histogram"),
                    "acceptance_length": d.get("acceptance_length"), "probes": (d.get("planner") or {}).get("probes"),
+                   "retreats": (d.get("planner") or {}).get("retreats"),
                    "predicted_step_ms": (d.get("planner") or {}).get("predicted_step_ms"),
                    "measured_step_ms": (d.get("planner") or {}).get("measured_step_ms"),
                    "bytes_per_committed_token": d.get("bytes_per_committed_token"),

@@ -18,7 +18,7 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 - ``plain``: graphed plain decoding (``generate(..., cuda_graphs=True)``; eager on CPU);
 - ``auto@P``: speculative decoding, block planner, oracle acceptance P, route-ahead by ``--predictor`` (default: generate's, none);
 - ``auto-real@P`` (with ``--probes shadow,real`` or ``real``): the planner with every probe a verified block, no shadow probes;
-- ``auto-retreat@P`` (with ``--retreat Z``): the planner with retreat Z (draft/planner.py);
+- ``auto-noretreat@P`` (with ``--no-retreat-arm``): the planner without its retreat rule (draft/planner.py);
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
@@ -92,10 +92,10 @@ def _moved(rt) -> float:
     return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
 
 
-def planner_options(args, real_probes: bool = False, retreat: bool = False) -> dict | None:
-    """BlockPlanner keyword arguments of --home-block / --first-block and of the arm's probes
-    (``real_probes``: the "auto-real" arm) and retreat (``retreat``: the "auto-retreat" arm,
-    ``--retreat``) (None: the defaults)."""
+def planner_options(args, real_probes: bool = False, no_retreat: bool = False) -> dict | None:
+    """BlockPlanner keyword arguments of --home-block / --first-block, of the arm's probes
+    (``real_probes``: the "auto-real" arm) and of its retreat (``no_retreat``: the "auto-noretreat"
+    arm) (None: the defaults)."""
     opts = {}
     if args.home_block:
         opts["home_block"] = args.home_block
@@ -103,8 +103,8 @@ def planner_options(args, real_probes: bool = False, retreat: bool = False) -> d
         opts["first_by_cost"] = False
     if real_probes:
         opts["shadow_probes"] = False
-    if retreat:
-        opts["retreat"] = args.retreat
+    if no_retreat:
+        opts["retreat"] = None
     return opts or None
 
 
@@ -158,7 +158,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         prompts = _encode(rt, args.prompts)
         n = args.tokens
         autos = [{"shadow": "auto", "real": "auto-real"}[k] for k in args.probes]
-        autos += ["auto-retreat"] if args.retreat else []
+        autos += ["auto-noretreat"] if args.no_retreat_arm else []
         arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in autos + [f"B{b}" for b in blocks]]
         for pi, prompt in enumerate(prompts):
             refs: dict[int, list[int]] = {}
@@ -197,7 +197,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                                                  reference=ref, predictor=args.predictor, seed=args.seed + pi,
                                                  batch_invariant=args.batch_invariant,
                                                  planner_options=planner_options(args, kind == "auto-real",
-                                                                                 kind == "auto-retreat"),
+                                                                                 kind == "auto-noretreat"),
                                                  eos_token_ids=[], graphs=graphs, on_step=steps.append)
                     d = res.to_dict()
                     st = rt.stats()
@@ -326,13 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="Comma-separated kinds of the planner's probes while plain decoding leads, one auto arm "
                          "each: shadow (arm auto: drafted and checked against the committed tokens, the default), "
                          "real (arm auto-real: drafted and verified as a block).")
-    ap.add_argument("--retreat", type=float, default=None,
-                    help="Add an arm auto-retreat: the planner (shadow probes) with retreat Z, plain decoding taking over "
-                         "from a running block length whose own last blocks realize under plain's rate by Z standard errors.")
+    ap.add_argument("--no-retreat-arm", action="store_true",
+                    help="Add an arm auto-noretreat: the planner (shadow probes) without its retreat rule (draft/planner.py).")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if args.retreat is not None and not 0.0 <= args.retreat <= 10.0:
-        ap.error(f"--retreat must be in [0, 10] (standard errors), got {args.retreat}")
     args.batch_invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
     args.acceptance = [float(p) for p in args.acceptance.split(",") if p.strip()]
     args.blocks = [int(b) for b in args.blocks.split(",") if b.strip()]

@@ -4,7 +4,7 @@
 #
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh draft   # GPU tests of the graphed draft and verify paths,
 #                                                            # then eager vs graphed draft steps, float32 and bf16
-#   OUT=/some/dir bash benchmarks/speculation_gpu.sh spec    # the planner (and its retreat arm) against graphed
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh spec    # the planner (and an arm without its retreat) against graphed
 #                                                            # plain decoding (bench_speculation_gpu.py), float32 then bf16
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh plain   # the loop's plain step taken apart (bench_plain_step.py)
 #
@@ -40,7 +40,7 @@ case "$STAGE" in
   spec)
     for dt in float32 bfloat16; do
       run "spec_$dt" "$PY" benchmarks/bench_speculation_gpu.py --checkpoint-dir "$CKPT" --dtypes "$dt" --blocks 1 \
-        --tokens "$TOKENS" --prompts 2 --acceptance 0.9,0.7,0.3 --retreat 2 --out "$OUT/spec_$dt.json"
+        --tokens "$TOKENS" --prompts 2 --acceptance 0.9,0.7,0.3 --no-retreat-arm --out "$OUT/spec_$dt.json"
     done ;;
   plain)
     run plain_step_float32 "$PY" benchmarks/bench_plain_step.py --checkpoint-dir "$CKPT" --dtype float32 --profile \

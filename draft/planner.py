@@ -50,14 +50,14 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   steady plain decoding's tokens per second, plain decoding becomes the incumbent whatever the
   predictions (a draft that does not fit the text), and stays so until a probe commits at least
   plain decoding's tokens per second.
-- Retreat (``retreat`` = z, off by default; a benchmark arm): when the last ``floor_window`` blocks
-  the incumbent length verified (probes left out) realize a rate whose ratio R to steady plain
-  decoding's is below 1 with confidence, R + z SE(R) < 1 (SE from the spread of the blocks'
-  committed tokens), plain decoding becomes the incumbent, without the floor's hold: the
-  predictions decide from there. Meant for a length that the margin keeps while it measurably
-  loses (on the H200 at P = 0.3 a block of 2 kept its place for 17 steps at about 0.8x;
-  docs/benchmarks.md, session 14). A fixed threshold (0.9) fired on the embedded pair where
-  drafting paid, its 16 blocks' ratio dipping by their spread alone (session 16).
+- Retreat (``retreat`` = z): when the last ``floor_window`` blocks the incumbent length verified
+  (probes left out) realize a rate whose ratio R to steady plain decoding's is below 1 with
+  confidence, R + z SE(R) < 1 (SE from the spread of the blocks' committed tokens), plain decoding
+  becomes the incumbent, without the floor's hold: the predictions decide from there. For a
+  length that the margin keeps while it measurably loses (on the H200 at P = 0.3 a block of 2 kept
+  its place for 17 steps at about 0.8x; docs/benchmarks.md, session 14). A fixed threshold (0.9)
+  fired on the embedded pair where drafting paid, 16 blocks' ratio dipping by their spread alone;
+  at z = 2 it fired in none of 24 runs there (session 16).
 - Probes: while plain decoding is the incumbent, after ``probe_every`` plain steps the best
   speculative B runs once, so acceptance keeps being measured (the interval doubles, up to
   ``max_probe_interval``, while plain stays ahead); when the last committed tokens repeat an
@@ -200,7 +200,7 @@ class BlockPlanner:
         plain_margin: float = 1.3,
         floor: float = 0.7,
         floor_window: int = 16,
-        retreat: float | None = None,
+        retreat: float | None = 2.0,
         probe_every: int = 8,
         max_probe_interval: int = 64,
         min_repeat_gap: int = 4,

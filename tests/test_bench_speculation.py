@@ -17,11 +17,11 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "10", "--prompts", "1", "--dtypes", "bfloat16,float32", "--acceptance", "0.9,0.3",
-                     "--blocks", "2,8", "--probes", "shadow,real", "--retreat", "2", "--out", str(out)]) == 0
+                     "--blocks", "2,8", "--probes", "shadow,real", "--no-retreat-arm", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["summary"]) == {"bfloat16", "float32"}
-    arms = {"plain", "auto@0.9", "auto-real@0.9", "auto-retreat@0.9", "B2@0.9",
-            "auto@0.3", "auto-real@0.3", "auto-retreat@0.3", "B2@0.3"}  # 8 exceeds the tiny draft's 4
+    arms = {"plain", "auto@0.9", "auto-real@0.9", "auto-noretreat@0.9", "B2@0.9",
+            "auto@0.3", "auto-real@0.3", "auto-noretreat@0.3", "B2@0.3"}  # 8 exceeds the tiny draft's 4
     for dtype, s in res["summary"].items():
         assert set(s["arms"]) == arms and set(s["targets"]) == {"auto@0.9", "auto@0.3"}
         assert s["arms"]["plain"]["vs_plain"] == 1.0
@@ -41,9 +41,6 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
     assert "target auto@0.9" in res["markdown"]
     with pytest.raises(SystemExit):
         mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--probes", "fake",
-                  "--out", str(out)])
-    with pytest.raises(SystemExit):
-        mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--retreat", "-1",
                   "--out", str(out)])
 
 
