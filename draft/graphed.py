@@ -105,8 +105,10 @@ class DraftGraphs:
                 and self._held.intact())
 
     def fits(self, max_len: int, graphs: bool, min_bucket: int | None = None) -> bool:
-        """Whether this object serves a sequence of ``max_len`` positions with (or without) graphs."""
-        return (self.graphs == graphs and self.capacity >= int(max_len) + self.chunk
+        """Whether this object serves a sequence of ``max_len`` positions with (or without) graphs
+        (one whose capture CUDA refused serves with its eager passes instead of trying again)."""
+        same = self.graphs == graphs or (graphs and self.failure is not None)
+        return (same and self.capacity >= int(max_len) + self.chunk
                 and self.min_bucket == max(1, int(min_bucket or self.MIN_BUCKET))
                 and self.cache.keys.data_ptr() == self._keys_ptr and self._held.intact())
 

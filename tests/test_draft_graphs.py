@@ -152,6 +152,7 @@ def test_a_capture_cuda_refuses_falls_back_to_the_same_passes_eagerly(pair, monk
     torch.testing.assert_close(got, reference_hidden(draft, feats, block), rtol=1e-5, atol=1e-5)
     from pdflash.draft.offloaded import draft_pass_kind
     assert draft_pass_kind(draft) == "static"
+    assert draft.use_graphs(128, graphs=True) and draft._graphs is g  # not tried again: its eager passes serve
 
 
 def _lossless(pair, block_size):
