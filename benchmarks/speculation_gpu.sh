@@ -9,6 +9,7 @@
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh plain   # the loop's plain step taken apart (bench_plain_step.py)
 #
 # Every result lands in $OUT as JSON with a .log of its progress; the checkpoints in $WORK.
+# A CPU check of this script in a minute: PRESET=tiny DEVICE=cpu EXTRA="--link-gbps 2" TOKENS=12.
 set -uo pipefail
 STAGE="${1:-}"
 case "$STAGE" in draft|spec|plain) ;; *) echo "Error: stage must be draft, spec or plain, got '$STAGE'" >&2; exit 2 ;; esac
@@ -16,8 +17,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/out}"
 WORK="${WORK:-/tmp/spec}"
 PY="${PYTHON:-python3}"
-CKPT="$WORK/oss20b"
+PRESET="${PRESET:-gpt-oss-20b}"
+DEVICE="${DEVICE:-cuda}"
+EXTRA="${EXTRA:-}"   # e.g. --link-gbps 2 (CPU only)
+CKPT="$WORK/$([ "$PRESET" = gpt-oss-20b ] && echo oss20b || echo "$PRESET")"
 TOKENS="${TOKENS:-48}"
+COMMON=(--checkpoint-dir "$CKPT" --preset "$PRESET" --device "$DEVICE")
 mkdir -p "$OUT" "$WORK"
 cd "$ROOT"
 export PYTHONUNBUFFERED=1
@@ -34,16 +39,16 @@ case "$STAGE" in
     run draft_graph_tests "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_draft_graphs.py \
       "tests/test_graphs.py::test_cuda_graphed_speculative_decoding_is_lossless"
     for dt in float32 bfloat16; do
-      run "draft_graphs_$dt" "$PY" benchmarks/bench_draft_graphs.py --checkpoint-dir "$CKPT" --dtype "$dt" \
+      run "draft_graphs_$dt" "$PY" benchmarks/bench_draft_graphs.py "${COMMON[@]}" --dtype "$dt" \
         --out "$OUT/draft_graphs_$dt.json"
     done ;;
   spec)
     for dt in float32 bfloat16; do
-      run "spec_$dt" "$PY" benchmarks/bench_speculation_gpu.py --checkpoint-dir "$CKPT" --dtypes "$dt" --blocks 1 \
+      run "spec_$dt" "$PY" benchmarks/bench_speculation_gpu.py "${COMMON[@]}" $EXTRA --dtypes "$dt" --blocks 1 \
         --tokens "$TOKENS" --prompts 2 --acceptance 0.9,0.7,0.3 --no-retreat-arm --out "$OUT/spec_$dt.json"
     done ;;
   plain)
-    run plain_step_float32 "$PY" benchmarks/bench_plain_step.py --checkpoint-dir "$CKPT" --dtype float32 --profile \
+    run plain_step_float32 "$PY" benchmarks/bench_plain_step.py "${COMMON[@]}" $EXTRA --dtype float32 --profile \
       --tokens "$TOKENS" --out "$OUT/plain_step_float32.json" ;;
 esac
 echo "stage $STAGE done in $(( $(date +%s) - t0 )) s, fail=$fail" >&2
