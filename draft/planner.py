@@ -146,8 +146,8 @@ class Choice:
 class PlannerReport:
     histogram: dict[int, int] = field(default_factory=dict)  # chosen B -> steps
     probes: int = 0  # drafts run only to keep measuring acceptance
-    retreats: int = 0  # times a speculative incumbent that measurably lost handed over to plain decoding
     shadow_probes: int = 0  # of those, drafted and checked against later committed tokens, not verified
+    retreats: int = 0  # times a speculative incumbent that measurably lost handed over to plain decoding
     predicted_seconds: float = 0.0  # summed over steps that had a prediction
     measured_seconds: float = 0.0  # the same steps, measured
     predicted_steps: int = 0
