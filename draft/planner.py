@@ -40,6 +40,11 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   layer, checked against the cache (resident, in flight, missing), plus a per-B correction
   measured as the EWMA of (experts actually fetched - experts predicted missing). An unmeasured B
   is predicted from the nearest measured ones.
+- A length verified fewer than ``settle`` times is priced at no more than ``outlier`` times what the
+  other measured lengths interpolate to: one slow first block (another process on the machine)
+  would otherwise price it alone, and once plain decoding leads, shadow probes refresh the
+  acceptance but never that price (measured: a first block of 4 at 40 ms against 10 ms plain
+  steps kept plain decoding for 61 of 62 steps on the embedded pair, docs/benchmarks.md, session 16).
 - B = 1 is priced by what plain decoding measurably costs: the median of recent plain steps that
   followed a plain step (the first plain step after speculative ones pays for the cache the wider
   verify blocks left behind). Every ``remeasure_plain_every`` speculative steps in a row two plain
@@ -201,6 +206,8 @@ class BlockPlanner:
         floor: float = 0.7,
         floor_window: int = 16,
         retreat: float | None = 2.0,
+        settle: int = 3,
+        outlier: float = 1.5,
         probe_every: int = 8,
         max_probe_interval: int = 64,
         min_repeat_gap: int = 4,
@@ -228,6 +235,8 @@ class BlockPlanner:
         self.switch_margin, self.plain_margin = switch_margin, plain_margin
         self.floor = floor
         self.retreat = retreat  # None: no retreat
+        self.settle, self.outlier = settle, outlier
+        self._verified: dict[int, int] = {}  # B -> verify forwards of B measured in this run
         self.clock = clock  # None: the step times the caller passes; else the planner times steps itself
         self._t0 = 0.0
         self.probe_every = probe_every
@@ -311,6 +320,26 @@ class BlockPlanner:
         share = min(1.0, self.cache.capacity / float(self.num_layers * self.num_experts))
         return self.num_layers * u * (1.0 - share)
 
+    def _verify_seconds(self, block: int, fetch: float) -> float | None:
+        """Predicted verify step of ``block`` tokens fetching ``fetch`` experts' worth: the cost
+        model's, its forward capped at ``outlier`` times the other lengths' interpolation while
+        ``block`` has fewer than ``settle`` measurements (see the module docstring)."""
+        t = self.cost.step_seconds("verify", block, fetch)
+        if t is None or self._verified.get(block, 0) >= self.settle:
+            return t
+        measured = self.cost.measured_forward("verify")
+        own = measured.pop(block, None)
+        if own is None or not measured:
+            return t
+        lower = [b for b in measured if b < block]
+        upper = [b for b in measured if b > block]
+        if lower and upper:
+            lo, hi = max(lower), min(upper)
+            others = measured[lo] + (measured[hi] - measured[lo]) * (block - lo) / (hi - lo)
+        else:
+            others = measured[max(lower) if lower else min(upper)]
+        return t - max(0.0, own - self.outlier * others)
+
     def fetch_experts(self, block: int) -> tuple[float, float]:
         """(predicted missing of the route-ahead set, total experts' worth of link time) for B."""
         if self.cache is None:
@@ -331,7 +360,7 @@ class BlockPlanner:
             if block == 1 and self._plain_steady.value is not None:
                 t = self._plain_steady.value  # measured, fetches included
             else:
-                t = self.cost.step_seconds("verify", block, fetch)
+                t = self._verify_seconds(block, fetch)
                 if t is not None and block > 1:
                     draft = self.cost.forward_seconds("draft", block)
                     t = None if draft is None else draft + t
@@ -416,7 +445,7 @@ class BlockPlanner:
         best, best_rate = top, None
         for block in range(2, top + 1):
             fetch = plain_fetch * distinct_experts(block, self.num_experts, self.top_k) / one
-            verify = self.cost.step_seconds("verify", block, fetch)
+            verify = self._verify_seconds(block, fetch)
             rate = expected_committed(probs, block) / verify if verify else None
             if rate is not None and (best_rate is None or rate > best_rate):
                 best, best_rate = block, rate
@@ -577,6 +606,7 @@ class BlockPlanner:
                 self._plain_fetched.add(fetched)
         choice = self._stage if self._stage is not None and self._stage.block == block else None
         self.cost.observe_forward("verify", block, max(0.0, seconds - draft_seconds), fetched)
+        self._verified[block] = self._verified.get(block, 0) + 1
         if self.cache is not None:
             pred_missing = choice.route_missing if choice is not None else 0.0
             self._extra.setdefault(block, Ewma(self.cost.alpha)).add(fetched - pred_missing)

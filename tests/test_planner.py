@@ -160,6 +160,31 @@ def test_a_speculative_incumbent_that_measurably_loses_retreats_to_plain_decodin
         assert not p._hold_plain and p.to_dict()["retreats"] == 1
 
 
+@pytest.mark.parametrize("settle,drafts_again", [(3, True), (0, False)])
+def test_one_slow_first_block_does_not_price_its_length_for_the_rest_of_the_run(settle, drafts_again):
+    """Plain steps of 10 ms, blocks of 4 that take 12 ms and are accepted: the first block of 4
+    takes 40 ms (a hiccup). Priced at that one measurement, plain decoding leads, and shadow probes
+    (which verify no block) never refresh the price: 61 plain steps of 62. Capped at 1.5x what the
+    other lengths measured until it has 3 measurements of its own, drafting goes on."""
+    p = planner(link_gbps=1000, settle=settle)
+    chosen, first = [], True
+    for _ in range(40):
+        p.begin_step()
+        b = p.plan_draft(8, can_shadow=True)
+        if p.shadow_block:
+            p.after_draft(p.shadow_block, 0.001)
+            p.shadow_proposals([7] * (p.shadow_block - 1))
+        if b > 1:
+            p.after_draft(b, 0.001)
+            p.end_step(b, b - 1, b, 0.001 + (0.040 if first else 0.012), draft_seconds=0.001, tokens=[7] * b)
+            first = False
+        else:
+            p.end_step(1, 0, 1, 0.010, draft_seconds=0.001 if p.shadow_block else 0.0, tokens=[7])
+        chosen.append(b)
+    assert chosen[:3] == [1, 1, 4], chosen
+    assert (sum(b > 1 for b in chosen) > 10) == drafts_again, chosen
+
+
 def test_probes_bring_speculation_back_when_the_draft_is_right_again():
     p = planner(link_gbps=1000, floor_window=2, probe_every=2, remeasure_plain_every=100)
     teach(p, accept_rate=0.95)
