@@ -86,7 +86,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from pdflash.offload.cost import CostModel, Ewma, RecentMedian
+from pdflash.offload.cost import CostModel, Ewma, RecentMedian, interpolate
 
 
 def distinct_experts(tokens: int, num_experts: int, top_k: int) -> float:
@@ -329,15 +329,9 @@ class BlockPlanner:
             return t
         measured = self.cost.measured_forward("verify")
         own = measured.pop(block, None)
-        if own is None or not measured:
+        others = interpolate(measured, block)
+        if own is None or others is None:
             return t
-        lower = [b for b in measured if b < block]
-        upper = [b for b in measured if b > block]
-        if lower and upper:
-            lo, hi = max(lower), min(upper)
-            others = measured[lo] + (measured[hi] - measured[lo]) * (block - lo) / (hi - lo)
-        else:
-            others = measured[max(lower) if lower else min(upper)]
         return t - max(0.0, own - self.outlier * others)
 
     def fetch_experts(self, block: int) -> tuple[float, float]:

@@ -337,9 +337,14 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def _estimate(table: dict, tokens: int) -> float | None:
-    """The estimate at ``tokens``; unmeasured: linear between the measured neighbours on both sides,
-    else the nearest measured one; None when nothing is measured."""
-    known = {t: e.value for t, e in table.items() if e.value is not None}
+    """The estimate of ``table`` (token count -> Ewma / RecentMedian) at ``tokens``: :func:`interpolate`."""
+    return interpolate({t: e.value for t, e in table.items() if e.value is not None}, tokens)
+
+
+def interpolate(known: dict[int, float], tokens: int) -> float | None:
+    """The value at ``tokens`` of measured ``known`` (token count -> value); unmeasured: linear
+    between the measured neighbours on both sides, else the nearest measured one; None when
+    nothing is measured."""
     if not known:
         return None
     if tokens in known:
