@@ -98,19 +98,21 @@ class DraftGraphs:
         self.failure: str | None = None  # why graphs were given up (a capture CUDA refused), or None
 
     # -- state --------------------------------------------------------------------------
+    def _unchanged(self) -> bool:
+        """The cache's buffers were not reallocated and no weight was replaced or moved since the
+        graphs were built."""
+        return self.cache.keys.data_ptr() == self._keys_ptr and self._held.intact()
+
     def intact(self) -> bool:
-        """The draft still reads this object's cache, its buffers were not reallocated, and no
-        weight was replaced or moved since the graphs were built."""
-        return (self.draft.cache is self.cache and self.cache.keys.data_ptr() == self._keys_ptr
-                and self._held.intact())
+        """The draft still reads this object's cache, and nothing the graphs read has changed."""
+        return self.draft.cache is self.cache and self._unchanged()
 
     def fits(self, max_len: int, graphs: bool, min_bucket: int | None = None) -> bool:
         """Whether this object serves a sequence of ``max_len`` positions with (or without) graphs
         (one whose capture CUDA refused serves with its eager passes instead of trying again)."""
         same = self.graphs == graphs or (graphs and self.failure is not None)
         return (same and self.capacity >= int(max_len) + self.chunk
-                and self.min_bucket == max(1, int(min_bucket or self.MIN_BUCKET))
-                and self.cache.keys.data_ptr() == self._keys_ptr and self._held.intact())
+                and self.min_bucket == max(1, int(min_bucket or self.MIN_BUCKET)) and self._unchanged())
 
     def reset(self) -> None:
         """A new sequence: no context."""
@@ -123,6 +125,19 @@ class DraftGraphs:
             b *= 2
         return min(b, self.capacity)
 
+    # -- static inputs ---------------------------------------------------------------------
+    def _ctx_buffer(self, m: int) -> torch.Tensor:
+        """The static features [m, K*H] of an append of m rows."""
+        if m not in self._ctx_in:
+            self._ctx_in[m] = torch.zeros((m, self.draft.fc.in_features), dtype=self.dtype, device=self.device)
+        return self._ctx_in[m]
+
+    def _ids_buffer(self, b: int) -> torch.Tensor:
+        """The static block ids [B] of a block of b."""
+        if b not in self._ids:
+            self._ids[b] = torch.zeros(b, dtype=torch.long, device=self.device)
+        return self._ids[b]
+
     # -- the two passes, as functions of static tensors ------------------------------------
     def _rope(self, n: int):
         pos = self.start + self.offsets[:n]
@@ -132,7 +147,7 @@ class DraftGraphs:
         from pdflash.draft.model import _rotate
 
         draft, cache = self.draft, self.cache
-        feats = self._ctx_in[n]
+        feats = self._ctx_buffer(n)
 
         def fn():
             pos, cos, ssin = self._rope(n)
@@ -150,7 +165,7 @@ class DraftGraphs:
         from pdflash.draft.model import _rotate
 
         draft, cache = self.draft, self.cache
-        ids = self._ids[b]
+        ids = self._ids_buffer(b)
 
         def fn():
             pos, cos, ssin = self._rope(b)
@@ -234,9 +249,7 @@ class DraftGraphs:
         for lo in range(0, n, self.chunk):
             part = rows[lo: lo + self.chunk]
             m = part.shape[0]
-            if m not in self._ctx_in:
-                self._ctx_in[m] = torch.zeros((m, rows.shape[1]), dtype=self.dtype, device=self.device)
-            self._ctx_in[m].copy_(part)
+            self._ctx_buffer(m).copy_(part)
             self.start.fill_(self.cache.length)
             self._run(("append", m), lambda m=m: self._append_fn(m))
             self.cache.advance(m)
@@ -248,9 +261,7 @@ class DraftGraphs:
         self._check_room(b)
         if b > self.offsets.shape[0]:
             raise PdflashError(f"a block of {b} is longer than the draft's trained block of {self.offsets.shape[0]}")
-        if b not in self._ids:
-            self._ids[b] = torch.zeros(b, dtype=torch.long, device=self.device)
-        self._ids[b].copy_(block_ids[0])
+        self._ids_buffer(b).copy_(block_ids[0])
         self.start.fill_(self.cache.length)
         bucket = self.bucket(self.cache.length + b)
         out = self._run((bucket, b), lambda: self._block_fn(bucket, b))
@@ -265,18 +276,14 @@ class DraftGraphs:
         saved = self.cache.length
         self.cache.length = min(int(length), self.capacity - self.chunk)
         try:
-            feats = self.draft.fc.in_features
             for m in range(1, self.chunk + 1):
                 if self.graphs and ("append", m) not in self._graphs:
-                    self._ctx_in.setdefault(m, torch.zeros((m, feats), dtype=self.dtype, device=self.device))
                     self.start.fill_(self.cache.length)
                     self._try_capture(("append", m), self._append_fn(m))
             for b in sorted(set(int(b) for b in blocks if int(b) >= 2)):
                 bucket = self.bucket(self.cache.length + b)
                 if self.graphs and (bucket, b) not in self._graphs:
-                    if b not in self._ids:
-                        self._ids[b] = torch.zeros(b, dtype=torch.long, device=self.device)
-                    self._ids[b].fill_(self.draft.config.mask_token_id)
+                    self._ids_buffer(b).fill_(self.draft.config.mask_token_id)
                     self.start.fill_(self.cache.length)
                     self._try_capture((bucket, b), self._block_fn(bucket, b))
         finally:
