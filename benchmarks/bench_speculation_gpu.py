@@ -19,6 +19,7 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 - ``auto@P``: speculative decoding, block planner, oracle acceptance P, route-ahead by ``--predictor`` (default: generate's, none);
 - ``auto-real@P`` (with ``--probes shadow,real`` or ``real``): the planner with every probe a verified block, no shadow probes;
 - ``auto-noretreat@P`` (with ``--no-retreat-arm``): the planner without its retreat rule (draft/planner.py);
+- ``auto-noover@P`` (with ``--no-overdraft-arm``): the planner drafting only the blocks it verifies (overdraft 0);
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
@@ -92,10 +93,11 @@ def _moved(rt) -> float:
     return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
 
 
-def planner_options(args, real_probes: bool = False, no_retreat: bool = False) -> dict | None:
+def planner_options(args, real_probes: bool = False, no_retreat: bool = False,
+                    no_overdraft: bool = False) -> dict | None:
     """BlockPlanner keyword arguments of --home-block / --first-block, of the arm's probes
-    (``real_probes``: the "auto-real" arm) and of its retreat (``no_retreat``: the "auto-noretreat"
-    arm) (None: the defaults)."""
+    (``real_probes``: the "auto-real" arm), of its retreat (``no_retreat``: the "auto-noretreat"
+    arm) and of its overdraft (``no_overdraft``: the "auto-noover" arm) (None: the defaults)."""
     opts = {}
     if args.home_block:
         opts["home_block"] = args.home_block
@@ -105,6 +107,8 @@ def planner_options(args, real_probes: bool = False, no_retreat: bool = False) -
         opts["shadow_probes"] = False
     if no_retreat:
         opts["retreat"] = None
+    if no_overdraft:
+        opts["overdraft"] = 0
     return opts or None
 
 
@@ -159,6 +163,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         n = args.tokens
         autos = [{"shadow": "auto", "real": "auto-real"}[k] for k in args.probes]
         autos += ["auto-noretreat"] if args.no_retreat_arm else []
+        autos += ["auto-noover"] if args.no_overdraft_arm else []
         arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in autos + [f"B{b}" for b in blocks]]
         for pi, prompt in enumerate(prompts):
             refs: dict[int, list[int]] = {}
@@ -197,7 +202,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                                                  reference=ref, predictor=args.predictor, seed=args.seed + pi,
                                                  batch_invariant=args.batch_invariant,
                                                  planner_options=planner_options(args, kind == "auto-real",
-                                                                                 kind == "auto-noretreat"),
+                                                                                 kind == "auto-noretreat",
+                                                                                 kind == "auto-noover"),
                                                  eos_token_ids=[], graphs=graphs, on_step=steps.append)
                     d = res.to_dict()
                     st = rt.stats()
@@ -212,7 +218,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     if res.planner is not None:
                         row["planner"] = {k: res.planner[k] for k in ("predicted_step_ms", "measured_step_ms",
                                                                        "step_time_abs_error_ms", "probes", "shadow_probes",
-                                                                       "retreats")}
+                                                                       "retreats", "overdrafted_blocks")}
                         row["cost"] = res.planner["cost"]
                     row["draft_pass"] = draft_pass_kind(draft)
                 results[arm] = row
@@ -326,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="Comma-separated kinds of the planner's probes while plain decoding leads, one auto arm "
                          "each: shadow (arm auto: drafted and checked against the committed tokens, the default), "
                          "real (arm auto-real: drafted and verified as a block).")
+    ap.add_argument("--no-overdraft-arm", action="store_true",
+                    help="Add an arm auto-noover: the planner drafting only the blocks it verifies (overdraft 0).")
     ap.add_argument("--no-retreat-arm", action="store_true",
                     help="Add an arm auto-noretreat: the planner (shadow probes) without its retreat rule (draft/planner.py).")
     ap.add_argument("--out", type=Path, required=True)

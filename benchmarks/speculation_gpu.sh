@@ -4,7 +4,7 @@
 #
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh draft   # GPU tests of the graphed draft and verify paths,
 #                                                            # then eager vs graphed draft steps, float32 and bf16
-#   OUT=/some/dir bash benchmarks/speculation_gpu.sh spec    # the planner (and an arm without its retreat) against graphed
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh spec    # the planner (and an arm without its overdraft) against graphed
 #                                                            # plain decoding (bench_speculation_gpu.py), float32 then bf16
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh plain   # the loop's plain step taken apart (bench_plain_step.py)
 #
@@ -22,6 +22,10 @@ DEVICE="${DEVICE:-cuda}"
 EXTRA="${EXTRA:-}"   # e.g. --link-gbps 2 (CPU only)
 CKPT="$WORK/$([ "$PRESET" = gpt-oss-20b ] && echo oss20b || echo "$PRESET")"
 TOKENS="${TOKENS:-48}"
+PROMPTS="${PROMPTS:-2}"          # spec: prompts per dtype
+ACCEPT="${ACCEPT:-0.9,0.7,0.3}"  # spec: oracle acceptance rates
+BLOCKS="${BLOCKS:-1}"            # spec: fixed block lengths to run besides the planner (1: none)
+DTYPES="${DTYPES:-float32 bfloat16}"
 COMMON=(--checkpoint-dir "$CKPT" --preset "$PRESET" --device "$DEVICE")
 mkdir -p "$OUT" "$WORK"
 cd "$ROOT"
@@ -43,9 +47,9 @@ case "$STAGE" in
         --out "$OUT/draft_graphs_$dt.json"
     done ;;
   spec)
-    for dt in float32 bfloat16; do
-      run "spec_$dt" "$PY" benchmarks/bench_speculation_gpu.py "${COMMON[@]}" $EXTRA --dtypes "$dt" --blocks 1 \
-        --tokens "$TOKENS" --prompts 2 --acceptance 0.9,0.7,0.3 --no-retreat-arm --out "$OUT/spec_$dt.json"
+    for dt in $DTYPES; do
+      run "spec_$dt" "$PY" benchmarks/bench_speculation_gpu.py "${COMMON[@]}" $EXTRA --dtypes "$dt" --blocks "$BLOCKS" \
+        --tokens "$TOKENS" --prompts "$PROMPTS" --acceptance "$ACCEPT" --no-overdraft-arm --out "$OUT/spec_$dt.json"
     done ;;
   plain)
     run plain_step_float32 "$PY" benchmarks/bench_plain_step.py "${COMMON[@]}" $EXTRA --dtype float32 --profile \

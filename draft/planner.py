@@ -78,6 +78,15 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   a plain step's experts, which a probe at low acceptance pays for and a shadow probe does not.
   Probes on a repetition hint and while the floor holds plain decoding stay real: the first is
   likely to pay at once, the second must show a block that pays, not an acceptance.
+- Overdraft: where shadow checks are possible, a verified block of B drafts ``overdraft`` more
+  positions (up to ``max_block``, :attr:`BlockPlanner.draft_block`) and verifies B. When the whole
+  block is accepted, the extra proposals (``end_step(..., tail=...)``) are checked against the
+  tokens committed from its bonus token on, like a shadow probe's, and the block is recorded with
+  every position it reached. Without it a run of short blocks never measures the positions past
+  them, which keep the prior and hold a longer block under the switch margin (measured on an H100
+  at P = 0.9: blocks of 2 for the whole run, docs/benchmarks.md, session 16). A length B is priced
+  with the draft forward of the positions it drafts; with the draft's CUDA graphs a pass of 4
+  costs about what one of 2 does.
 """
 
 from __future__ import annotations
@@ -152,6 +161,7 @@ class PlannerReport:
     histogram: dict[int, int] = field(default_factory=dict)  # chosen B -> steps
     probes: int = 0  # drafts run only to keep measuring acceptance
     shadow_probes: int = 0  # of those, drafted and checked against later committed tokens, not verified
+    overdrafted: int = 0  # verified blocks that drafted positions past the block (overdraft)
     retreats: int = 0  # times a speculative incumbent that measurably lost handed over to plain decoding
     predicted_seconds: float = 0.0  # summed over steps that had a prediction
     measured_seconds: float = 0.0  # the same steps, measured
@@ -167,6 +177,7 @@ class PlannerReport:
             "block_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
             "probes": self.probes,
             "shadow_probes": self.shadow_probes,
+            "overdrafted_blocks": self.overdrafted,
             "retreats": self.retreats,
             "predicted_step_ms": 1e3 * self.predicted_seconds / n if n else None,
             "measured_step_ms": 1e3 * self.measured_seconds / n if n else None,
@@ -201,6 +212,7 @@ class BlockPlanner:
         home_block: int | None = None,
         first_by_cost: bool = True,
         shadow_probes: bool = True,
+        overdraft: int = 2,
         switch_margin: float = 1.15,
         plain_margin: float = 1.3,
         floor: float = 0.7,
@@ -228,6 +240,12 @@ class BlockPlanner:
         self._shadow: list[int] = []  # a shadow probe's proposals, checked against committed tokens
         self._shadow_accepted = 0  # how many of them the committed tokens matched so far
         self._first_look = False  # the cold start's shadow probe is being checked
+        if overdraft < 0:
+            raise ValueError(f"overdraft must be >= 0, got {overdraft}")
+        self.overdraft = overdraft  # positions drafted past a verified block (0: none)
+        self.draft_block = 0  # this step's draft: positions to draft (0: none)
+        self._can_shadow = False  # this step's caller can check proposals against committed tokens
+        self._tails: list[list] = []  # open overdraft checks: [proposals, matched, accepted in the block]
         self.cost = cost
         self.cache = cache
         self.link_counters = link_counters
@@ -341,6 +359,14 @@ class BlockPlanner:
         pred = self._route_missing(block)[block - 1]
         return pred, max(0.0, pred + self._extra_fetch(block))
 
+    def drafted_for(self, block: int, can_shadow: bool | None = None) -> int:
+        """Positions a verified block of ``block`` drafts: ``overdraft`` more (up to max_block)
+        where the caller checks proposals against committed tokens."""
+        shadow = self._can_shadow if can_shadow is None else can_shadow
+        if block < 2 or not shadow or not self.shadow_probes:
+            return block
+        return min(self.max_block, block + self.overdraft)
+
     def _candidates(self, low: int, limit: int) -> list[Choice]:
         """Choices for B = low .. limit with the acceptance expected now and the predicted step
         times (B = 1: steady plain decoding once measured; B > 1: draft + verify + fetches)."""
@@ -356,7 +382,7 @@ class BlockPlanner:
             else:
                 t = self._verify_seconds(block, fetch)
                 if t is not None and block > 1:
-                    draft = self.cost.forward_seconds("draft", block)
+                    draft = self.cost.forward_seconds("draft", self.drafted_for(block))
                     t = None if draft is None else draft + t
             out.append(Choice(block, expected_committed(probs, block), t, fetch, route_missing))
         return out
@@ -469,6 +495,8 @@ class BlockPlanner:
         self._stage = None
         self._probe = self._repeat_probe = self._drafting = False
         self.shadow_block = 0
+        self.draft_block = 0
+        self._can_shadow = can_shadow
         measured = self.cost.measured_forward("verify")
         if limit <= 1 or self._forced_plain > 0 or 1 not in measured or self._plain_steady.value is None:
             self._forced_plain = max(0, self._forced_plain - 1)  # a re-measurement, or the cold start
@@ -523,12 +551,14 @@ class BlockPlanner:
         if best.block == 1:
             self._plain_run = 0 if self.shadow_block else self._plain_run + 1  # a probe ends the plain run
             self._spec_run = 0
+            self.draft_block = self.shadow_block
             return 1
         if self._incumbent and self._incumbent > 1:
             self._probe_interval = self.probe_every  # speculation is the incumbent: probe at the base rate later
         self._plain_run = 0
         self._spec_run += 1
         self._drafting = True
+        self.draft_block = self.drafted_for(best.block)
         return best.block
 
     def _set_incumbent(self, block: int) -> None:
@@ -557,6 +587,25 @@ class BlockPlanner:
         self.acceptance.record(len(self._shadow), self._shadow_accepted)
         self._shadow = []
 
+    def _check_tails(self, tokens: Sequence[int], checks: list[list] | None = None) -> None:
+        """Committed ``tokens`` against the open overdraft checks (or ``checks``, new ones); a
+        finished check records its block with every position it reached."""
+        still = []
+        for check in self._tails if checks is None else checks:
+            proposals, matched, base = check
+            for t in tokens:
+                if int(t) != proposals[matched]:
+                    break
+                matched += 1
+                if matched == len(proposals):
+                    break
+            else:
+                check[1] = matched
+                still.append(check)  # every token matched and proposals remain: the next steps decide
+                continue
+            self.acceptance.record(base + len(proposals), base + matched)
+        self._tails = still if checks is None else self._tails + still
+
     def after_draft(self, drafted: int, draft_seconds: float) -> None:
         """The draft of ``drafted`` positions took ``draft_seconds`` (the planner's own clock
         replaces it when it has one)."""
@@ -570,11 +619,12 @@ class BlockPlanner:
         return self._stage
 
     def end_step(self, block: int, accepted: int, committed: int, seconds: float, draft_seconds: float = 0.0,
-                 tokens: Sequence[int] = ()) -> None:
+                 tokens: Sequence[int] = (), tail: Sequence[int] = ()) -> None:
         """The step verified ``block`` tokens, accepted ``accepted`` proposals, committed
         ``committed`` tokens (``tokens``, what a shadow probe's proposals are checked against) and
         took ``seconds`` (draft + verify; with a ``clock`` the planner's own measurements replace
-        ``seconds`` and ``draft_seconds``)."""
+        ``seconds`` and ``draft_seconds``). ``tail``: the proposals drafted past the block
+        (overdraft), checked from the block's bonus token (``tokens[accepted]``) on."""
         if self.clock is not None:
             seconds = self.clock() - self._t0
             draft_seconds = self._draft_clock
@@ -604,7 +654,13 @@ class BlockPlanner:
         if self.cache is not None:
             pred_missing = choice.route_missing if choice is not None else 0.0
             self._extra.setdefault(block, Ewma(self.cost.alpha)).add(fetched - pred_missing)
-        if block > 1:
+        if self._tails and tokens:
+            self._check_tails(tokens)
+        if block > 1 and tail:
+            self.report.overdrafted += 1
+        if block > 1 and tail and accepted == block - 1 and len(tokens) > accepted:
+            self._check_tails(tokens[accepted:], [[[int(t) for t in tail], 0, accepted]])  # recorded once checked
+        elif block > 1:
             self.acceptance.record(block - 1, accepted)
         if self._shadow and tokens:
             self._check_shadow(tokens)

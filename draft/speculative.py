@@ -545,7 +545,8 @@ def speculative_generate(
             n = b - 1
             plain_step = planner is not None and n == 0  # no proposals, no route-ahead: plain decoding
             shadow = planner.shadow_block if plain_step else 0  # a probe drafted but not verified
-            drafted = shadow or b
+            drafted = max(b, planner.draft_block) if planner is not None else b  # overdraft: past the block
+            tail: list[int] = []  # proposals drafted past the verified block, checked against later tokens
             # 1. draft (a block of `drafted`)
             t_draft = time.perf_counter()
             refresh_before = oracle.refresh_seconds if oracle else 0.0
@@ -558,7 +559,7 @@ def speculative_generate(
                 pending = []
                 hidden = draft(draft.block_ids(tokens[-1], drafted, device), start, context=context)  # [1, drafted, H]
                 if route_ahead is not None and not plain_step:
-                    route_ahead.after_draft(hidden)
+                    route_ahead.after_draft(hidden[:, :b])
                 if greedy:
                     proposals = draft.propose(hidden[0, 1:])  # [n]
                 else:
@@ -573,13 +574,16 @@ def speculative_generate(
                                                proposals[len(copied):]))
                         if not shadow:  # a copy counts where its block is verified
                             stats.copied_steps += 1
-                if shadow:  # checked against the tokens committed from here on; this step verifies none
+                if drafted > b:  # a shadow probe (b = 1) or an overdraft: checked against later tokens
                     checked = proposals.tolist()
                     if oracle is not None:  # the draws refuse what follows their accepted run
                         lim = oracle.limit()
                         checked = checked[:lim] + [-1] * (len(checked) - lim)
-                    planner.shadow_proposals(checked)
-                    proposals = proposals[:0]
+                    if shadow:
+                        planner.shadow_proposals(checked)
+                    else:
+                        tail = checked[n:]
+                    proposals = proposals[:n]
             _sync(device)
             draft_s = time.perf_counter() - t_draft - ((oracle.refresh_seconds - refresh_before) if oracle else 0.0)
             if planner is not None and drafted > 1:
@@ -617,7 +621,8 @@ def speculative_generate(
             if planner is not None:
                 choice = planner.current()
                 predicted = choice.predicted_seconds if choice is not None else None
-                planner.end_step(b, n_acc, len(new), draft_s + verify_s, draft_s if drafted > 1 else 0.0, tokens=new)
+                planner.end_step(b, n_acc, len(new), draft_s + verify_s, draft_s if drafted > 1 else 0.0, tokens=new,
+                                 tail=tail)
                 planner_measured = planner.last_measured_seconds
             stats.draft_seconds += draft_s
             stats.verify_seconds += verify_s

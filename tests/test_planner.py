@@ -458,3 +458,79 @@ def test_after_the_first_shadow_look_the_cold_start_rule_decides_on_what_it_saw(
         assert plain_step([t]) == (1, 0)  # still being checked
     p.begin_step()
     assert (p.plan_draft(8, can_shadow=True) > 1) == drafts
+
+
+def test_a_verified_block_drafts_past_itself_and_records_the_positions_its_tail_reached():
+    """Overdraft: a block of 2 drafts 4 positions where proposals can be checked (greedy). All of
+    the block accepted: its two extra proposals are checked from the bonus token on, across the
+    next step, and the block is recorded as 3 drafted positions with the prefix they matched."""
+    p = planner(link_gbps=1000, max_block=8, home_block=2, first_by_cost=False)
+    assert p.drafted_for(2, can_shadow=True) == 4 and p.drafted_for(7, can_shadow=True) == 8
+    assert p.drafted_for(2, can_shadow=False) == 2 and p.drafted_for(1, can_shadow=True) == 1
+    for i in range(2):  # the cold start's plain steps
+        shadow_step(p, [i])
+    p.begin_step()
+    assert p.plan_draft(8, can_shadow=True) == 2 and p.draft_block == 4
+    p.after_draft(4, 0.001)
+    before = list(p.acceptance.reached), list(p.acceptance.accepted)
+    # proposals 10, 11 | 12, 13: the block verifies 10 (accepted) and commits the bonus 11
+    p.end_step(2, 1, 2, 0.01, draft_seconds=0.001, tokens=[10, 11], tail=[11, 12])
+    assert (list(p.acceptance.reached), list(p.acceptance.accepted)) == before  # 11 matched, 12 open
+    assert p.report.overdrafted == 1
+    p.begin_step()
+    p.plan_draft(8, can_shadow=True)
+    p.end_step(1, 0, 1, 0.01, tokens=[99])  # position 3 refused
+    expect = AcceptanceModel(7, prior_mean=0.6, prior_weight=4.0, decay=0.9)
+    expect.reached, expect.accepted = [list(x) for x in before]
+    expect.record(3, 2)
+    assert p.acceptance.conditional() == pytest.approx(expect.conditional())
+    assert p._tails == []
+
+
+def test_a_refused_block_records_at_once_and_sampling_drafts_only_the_block():
+    p = planner(link_gbps=1000, home_block=2, first_by_cost=False)
+    for i in range(2):
+        shadow_step(p, [i])
+    p.begin_step()
+    assert p.plan_draft(8, can_shadow=True) == 2 and p.draft_block == 4
+    before = AcceptanceModel(7, prior_mean=0.6, prior_weight=4.0, decay=0.9)
+    p.end_step(2, 0, 1, 0.01, draft_seconds=0.001, tokens=[7], tail=[8, 9])
+    before.record(1, 0)
+    assert p.acceptance.conditional() == pytest.approx(before.conditional()) and p._tails == []
+    p.begin_step()
+    assert p.plan_draft(8, can_shadow=False) == 2 and p.draft_block == 2  # nothing to check a tail against
+    q = planner(link_gbps=1000, home_block=2, first_by_cost=False, overdraft=0)
+    for i in range(2):
+        shadow_step(q, [i])
+    q.begin_step()
+    assert q.plan_draft(8, can_shadow=True) == 2 and q.draft_block == 2
+    with pytest.raises(ValueError, match="overdraft"):
+        planner(link_gbps=1000, overdraft=-1)
+
+
+@pytest.mark.parametrize("overdraft, leaves_two", [(0, False), (2, True)])
+def test_short_blocks_that_are_always_accepted_measure_longer_ones_only_by_overdrafting(overdraft, leaves_two):
+    """The H100 run of session 16 at P = 0.9: blocks of 2 were taken first and kept for the whole
+    run, positions past them never measured (prior 0.6), a block of 4 predicted under the switch
+    margin. Here every proposal is right and a verify forward costs 10 ms + 4 ms per token (known
+    for every length): with the tail checked, the planner measures positions 2 and 3 and moves to
+    longer blocks."""
+    p = planner(link_gbps=1000, home_block=2, first_by_cost=False, overdraft=overdraft)
+    for b in range(1, 9):
+        p.cost.observe_forward("verify", b, 0.010 + 0.004 * b)
+        p.cost.observe_forward("draft", b, 0.001)
+    pos = 0  # the text is 0, 1, 2, ...; the last committed token is `pos`
+    for _ in range(40):
+        p.begin_step()
+        b = p.plan_draft(8, can_shadow=True)
+        drafted = max(b, p.draft_block)
+        if drafted > 1:
+            p.after_draft(drafted, 0.001)
+        proposals = list(range(pos + 1, pos + drafted))
+        new = proposals[: b - 1] + [pos + b]
+        p.end_step(b, b - 1, b, 0.001 * (drafted > 1) + 0.010 + 0.004 * b,
+                   draft_seconds=0.001 if drafted > 1 else 0.0, tokens=new, tail=proposals[b - 1:])
+        pos += b
+    hist = p.report.histogram
+    assert hist.get(2, 0) > 0
+    assert (max(hist) > 2) == leaves_two, hist
