@@ -154,7 +154,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
     slots = max(1, round(args.cache_fraction * total))
     t0 = time.perf_counter()
     rt = OffloadedModel.load(args.checkpoint_dir, device=args.device, dtype=dtype, expert_cache_experts=slots,
-                             block_tokens=trained, link_gbps=args.link_gbps, progress=False)
+                             block_tokens=trained, link_gbps=args.link_gbps, cpu_experts=args.cpu_experts,
+                             progress=False)
     _log(f"[{dtype}] loaded in {time.perf_counter() - t0:.1f} s; cache {rt.cache.capacity}/{total} experts")
     rows: list[dict] = []
     try:
@@ -191,7 +192,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     res = generate(rt, prompt, max_new_tokens=n, eos_token_ids=[], cuda_graphs=graphs)
                     st = rt.stats()
                     row = {"tokens_per_second": res.tokens_per_second, "token_ids": res.token_ids,
-                           "bytes_per_token": st["bytes_moved"] / len(res.token_ids), "hit_rate": st["cache"]["hit_rate"]}
+                           "bytes_per_token": st["bytes_moved"] / len(res.token_ids), "hit_rate": st["cache"]["hit_rate"],
+                           "cpu_experts_per_token": st["experts_per_token"]["cpu"]}
                     plain_tokens = res.token_ids
                 else:
                     kind, p = arm.split("@")
@@ -211,6 +213,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                                                   "bytes_per_committed_token", "oracle_divergences", "oracle_refreshes",
                                                   "acceptance_per_position", "draft_ms", "verify_ms", "verify_steps")}
                     row["hit_rate"] = st["cache"]["hit_rate"]
+                    row["cpu_experts_per_token"] = st["experts_per_token"]["cpu"]
                     row["same_tokens_as_reference"] = res.token_ids == ref
                     row["drafting_share"] = drafting_share(steps)
                     steady = steady_plain_seconds(steps)
@@ -319,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48, help="Tokens generated per run.")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link.")
+    ap.add_argument("--cpu-experts", choices=("off", "auto", "all"), default="off",
+                    help="Hybrid expert execution for every arm, plain included (generate's --cpu-experts; default off).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--predictor", default=DEFAULT_PREDICTOR,
                     help=f"Route-ahead predictor of the speculative arms (default: generate's, {DEFAULT_PREDICTOR}).")
