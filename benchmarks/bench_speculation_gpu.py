@@ -19,7 +19,7 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 - ``auto@P``: speculative decoding, block planner, oracle acceptance P, route-ahead by ``--predictor`` (default: generate's, none);
 - ``auto-real@P`` (with ``--probes shadow,real`` or ``real``): the planner with every probe a verified block, no shadow probes;
 - ``auto-noretreat@P`` (with ``--no-retreat-arm``): the planner without its retreat rule (draft/planner.py);
-- ``auto-noover@P`` (with ``--no-overdraft-arm``): the planner drafting only the blocks it verifies (overdraft 0);
+- ``auto-noover@P`` (with ``--no-overdraft-arm``): the planner drafting only the blocks it verifies (overdraft 1);
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
@@ -108,7 +108,7 @@ def planner_options(args, real_probes: bool = False, no_retreat: bool = False,
     if no_retreat:
         opts["retreat"] = None
     if no_overdraft:
-        opts["overdraft"] = 0
+        opts["overdraft"] = 1
     return opts or None
 
 
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                          "each: shadow (arm auto: drafted and checked against the committed tokens, the default), "
                          "real (arm auto-real: drafted and verified as a block).")
     ap.add_argument("--no-overdraft-arm", action="store_true",
-                    help="Add an arm auto-noover: the planner drafting only the blocks it verifies (overdraft 0).")
+                    help="Add an arm auto-noover: the planner drafting only the blocks it verifies (overdraft 1).")
     ap.add_argument("--no-retreat-arm", action="store_true",
                     help="Add an arm auto-noretreat: the planner (shadow probes) without its retreat rule (draft/planner.py).")
     ap.add_argument("--out", type=Path, required=True)

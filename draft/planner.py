@@ -78,19 +78,22 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   a plain step's experts, which a probe at low acceptance pays for and a shadow probe does not.
   Probes on a repetition hint and while the floor holds plain decoding stay real: the first is
   likely to pay at once, the second must show a block that pays, not an acceptance.
-- Overdraft: where shadow checks are possible, a verified block of B drafts ``overdraft`` more
+- Overdraft: where shadow checks are possible, a verified block of B drafts ``overdraft`` times B
   positions (up to ``max_block``, :attr:`BlockPlanner.draft_block`) and verifies B. When the whole
   block is accepted, the extra proposals (``end_step(..., tail=...)``) are checked against the
   tokens committed from its bonus token on, like a shadow probe's, and the block is recorded with
   every position it reached. Without it a run of short blocks never measures the positions past
   them, which keep the prior and hold a longer block under the switch margin (measured on an H100
-  at P = 0.9: blocks of 2 for the whole run, docs/benchmarks.md, session 16). A length B is priced
-  with the draft forward of the positions it drafts; with the draft's CUDA graphs a pass of 4
-  costs about what one of 2 does.
+  at P = 0.9: blocks of 2 for the whole run, docs/benchmarks.md, session 16). Twice the block,
+  not a fixed 2 more: on the embedded pair blocks of 4 that drafted 6 left positions 6 and 7 at
+  the prior and kept a block of 8 out where it paid ("import os": 2.34x against 2.64x,
+  session 17). A length B is priced with the draft forward of the positions it drafts; with the
+  draft's CUDA graphs a pass of 4 costs about what one of 2 does.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -212,7 +215,7 @@ class BlockPlanner:
         home_block: int | None = None,
         first_by_cost: bool = True,
         shadow_probes: bool = True,
-        overdraft: int = 2,
+        overdraft: float = 2.0,
         switch_margin: float = 1.15,
         plain_margin: float = 1.3,
         floor: float = 0.7,
@@ -240,9 +243,9 @@ class BlockPlanner:
         self._shadow: list[int] = []  # a shadow probe's proposals, checked against committed tokens
         self._shadow_accepted = 0  # how many of them the committed tokens matched so far
         self._first_look = False  # the cold start's shadow probe is being checked
-        if overdraft < 0:
-            raise ValueError(f"overdraft must be >= 0, got {overdraft}")
-        self.overdraft = overdraft  # positions drafted past a verified block (0: none)
+        if not overdraft >= 1.0:
+            raise ValueError(f"overdraft must be >= 1 (1: draft only the verified block), got {overdraft}")
+        self.overdraft = overdraft  # a verified block of B drafts overdraft * B positions (up to max_block)
         self.draft_block = 0  # this step's draft: positions to draft (0: none)
         self._can_shadow = False  # this step's caller can check proposals against committed tokens
         self._tails: list[list] = []  # open overdraft checks: [proposals, matched, accepted in the block]
@@ -360,12 +363,12 @@ class BlockPlanner:
         return pred, max(0.0, pred + self._extra_fetch(block))
 
     def drafted_for(self, block: int, can_shadow: bool | None = None) -> int:
-        """Positions a verified block of ``block`` drafts: ``overdraft`` more (up to max_block)
-        where the caller checks proposals against committed tokens."""
+        """Positions a verified block of ``block`` drafts: ``overdraft`` times as many (up to
+        max_block) where the caller checks proposals against committed tokens."""
         shadow = self._can_shadow if can_shadow is None else can_shadow
         if block < 2 or not shadow or not self.shadow_probes:
             return block
-        return min(self.max_block, block + self.overdraft)
+        return min(self.max_block, max(block, math.ceil(self.overdraft * block - 1e-9)))
 
     def _candidates(self, low: int, limit: int) -> list[Choice]:
         """Choices for B = low .. limit with the acceptance expected now and the predicted step

@@ -461,11 +461,12 @@ def test_after_the_first_shadow_look_the_cold_start_rule_decides_on_what_it_saw(
 
 
 def test_a_verified_block_drafts_past_itself_and_records_the_positions_its_tail_reached():
-    """Overdraft: a block of 2 drafts 4 positions where proposals can be checked (greedy). All of
+    """Overdraft: a block of 2 drafts twice as many positions where proposals can be checked (greedy). All of
     the block accepted: its two extra proposals are checked from the bonus token on, across the
     next step, and the block is recorded as 3 drafted positions with the prefix they matched."""
     p = planner(link_gbps=1000, max_block=8, home_block=2, first_by_cost=False)
-    assert p.drafted_for(2, can_shadow=True) == 4 and p.drafted_for(7, can_shadow=True) == 8
+    assert p.drafted_for(2, can_shadow=True) == 4 and p.drafted_for(3, can_shadow=True) == 6
+    assert p.drafted_for(5, can_shadow=True) == 8
     assert p.drafted_for(2, can_shadow=False) == 2 and p.drafted_for(1, can_shadow=True) == 1
     for i in range(2):  # the cold start's plain steps
         shadow_step(p, [i])
@@ -499,16 +500,16 @@ def test_a_refused_block_records_at_once_and_sampling_drafts_only_the_block():
     assert p.acceptance.conditional() == pytest.approx(before.conditional()) and p._tails == []
     p.begin_step()
     assert p.plan_draft(8, can_shadow=False) == 2 and p.draft_block == 2  # nothing to check a tail against
-    q = planner(link_gbps=1000, home_block=2, first_by_cost=False, overdraft=0)
+    q = planner(link_gbps=1000, home_block=2, first_by_cost=False, overdraft=1)
     for i in range(2):
         shadow_step(q, [i])
     q.begin_step()
     assert q.plan_draft(8, can_shadow=True) == 2 and q.draft_block == 2
     with pytest.raises(ValueError, match="overdraft"):
-        planner(link_gbps=1000, overdraft=-1)
+        planner(link_gbps=1000, overdraft=0)
 
 
-@pytest.mark.parametrize("overdraft, leaves_two", [(0, False), (2, True)])
+@pytest.mark.parametrize("overdraft, leaves_two", [(1, False), (2, True)])
 def test_short_blocks_that_are_always_accepted_measure_longer_ones_only_by_overdrafting(overdraft, leaves_two):
     """The H100 run of session 16 at P = 0.9: blocks of 2 were taken first and kept for the whole
     run, positions past them never measured (prior 0.6), a block of 4 predicted under the switch
