@@ -17,11 +17,12 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "10", "--prompts", "1", "--dtypes", "bfloat16,float32", "--acceptance", "0.9,0.3",
-                     "--blocks", "2,8", "--probes", "shadow,real", "--no-retreat-arm", "--out", str(out)]) == 0
+                     "--blocks", "2,8", "--probes", "shadow,real", "--no-retreat-arm", "--no-overdraft-arm",
+                     "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["summary"]) == {"bfloat16", "float32"}
-    arms = {"plain", "auto@0.9", "auto-real@0.9", "auto-noretreat@0.9", "B2@0.9",
-            "auto@0.3", "auto-real@0.3", "auto-noretreat@0.3", "B2@0.3"}  # 8 exceeds the tiny draft's 4
+    arms = {"plain", "auto@0.9", "auto-real@0.9", "auto-noretreat@0.9", "auto-noover@0.9", "B2@0.9",
+            "auto@0.3", "auto-real@0.3", "auto-noretreat@0.3", "auto-noover@0.3", "B2@0.3"}  # 8 exceeds the tiny draft's 4
     for dtype, s in res["summary"].items():
         assert set(s["arms"]) == arms and set(s["targets"]) == {"auto@0.9", "auto@0.3"}
         assert s["arms"]["plain"]["vs_plain"] == 1.0
@@ -37,8 +38,11 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
             if r["arm"].startswith("auto-real"):
                 assert r["planner"]["shadow_probes"] == 0
             assert r["planner"]["retreats"] >= 0
+            if r["arm"].startswith(("auto-noover", "auto-real")):  # nothing drafted past a verified block
+                assert r["planner"]["overdrafted_blocks"] == 0
             assert "drafting_share" in r and "steady_plain_ms" in r
     assert "target auto@0.9" in res["markdown"]
+    assert any(r["planner"]["overdrafted_blocks"] > 0 for r in res["runs"] if r["arm"].startswith("auto@"))
     with pytest.raises(SystemExit):
         mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--probes", "fake",
                   "--out", str(out)])
@@ -136,3 +140,19 @@ def test_draft_graphs_benchmark_compares_the_two_paths_on_the_cpu(load_script, t
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--blocks", "two", "--out", str(out)]) == 2
     assert "--blocks" in capsys.readouterr().err
+
+
+def test_cpu_experts_serve_every_arm_when_asked(tmp_path):
+    """--cpu-experts all: plain and speculative arms compute their experts on the host's kernel,
+    and float32 keeps every arm's tokens equal."""
+    spec = importlib.util.spec_from_file_location("bench_speculation_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "spec.json"
+    assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--tokens", "8",
+                     "--prompts", "1", "--dtypes", "float32", "--acceptance", "0.9", "--cpu-experts", "all",
+                     "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["cpu_experts"] == "all"
+    for r in res["runs"]:
+        assert r["same_tokens_as_plain"] and r["cpu_experts_per_token"] > 0, r
