@@ -561,7 +561,7 @@ class BlockPlanner:
         self._plain_run = 0
         self._spec_run += 1
         self._drafting = True
-        self.draft_block = self.drafted_for(best.block)
+        self.draft_block = min(limit, self.drafted_for(best.block))  # no proposals past the last token
         return best.block
 
     def _set_incumbent(self, block: int) -> None:
