@@ -234,3 +234,36 @@ def test_oracle_mode_gives_the_planner_no_repetition_hint(tmp_path, monkeypatch)
             hints[mode] = seen
         assert hints["oracle"] and not any(hints["oracle"])
         assert hints["draft"] and all(hints["draft"])
+
+
+def test_overdrafted_blocks_stay_lossless_and_measure_past_the_block(tmp_path):
+    """A planner whose home block is 2 drafts 4 positions per verified block of 2 (overdraft) on
+    the offloaded tiny pair in oracle mode: the output is the target's own greedy output, the
+    draft ran longer passes than the blocks it verified, and the acceptance model reached the
+    positions past the block; with overdraft 1 nothing is drafted past a block."""
+    from pdflash.draft.offloaded import make_planner
+
+    write_checkpoint(tmp_path / "target", ModelPreset.from_name("tiny"), dtype="bfloat16")
+    write_synthetic_draft(tmp_path / "draft", "tiny", target_dir=tmp_path / "target", seed=2)
+    with OffloadedModel.load(tmp_path / "target", device="cpu", expert_cache_experts=12, block_tokens=BLOCK) as rt:
+        want = generate(rt, PROMPT, max_new_tokens=24, eos_token_ids=[]).token_ids
+        draft = load_draft(tmp_path / "draft", rt.model)
+        drafted = []
+        forward = draft.forward
+        draft.forward = lambda ids, *a, **kw: drafted.append(int(ids.shape[-1])) or forward(ids, *a, **kw)
+        for overdraft in (2.0, 1.0):
+            rt.reset_cache()
+            drafted.clear()
+            planner = make_planner(rt, BLOCK, home_block=2, first_by_cost=False, overdraft=overdraft)
+            oracle = make_oracle(rt.model, PROMPT, 24, 0.9, reference=want, seed=1)
+            try:
+                res = speculative_generate(rt.model, draft, PROMPT, 24, planner=planner, oracle=oracle, eos_token_ids=[])
+            finally:
+                rt.remove_routing_observer(planner.on_routed)
+            assert res.token_ids == want and oracle.divergences == 0, overdraft
+            verified = {int(b) for b in res.planner["block_histogram"] if int(b) > 1}
+            if overdraft > 1:
+                assert res.planner["overdrafted_blocks"] > 0 and max(drafted) > min(verified)
+                assert planner.acceptance.reached[2] > 0  # position 3, past a block of 2
+            else:
+                assert res.planner["overdrafted_blocks"] == 0
