@@ -9,8 +9,8 @@ B = 1 is plain decoding.
 Each step (:meth:`BlockPlanner.plan_draft`) the planner keeps running its current block length,
 the *incumbent*, unless another B's predicted rate beats the incumbent's by a margin:
 ``switch_margin`` between two speculative lengths, ``plain_margin`` to leave speculation for plain
-decoding, and ``switch_margin`` to come back. The draft drafts exactly the chosen B and the whole
-block is verified. Why margins: acceptance varies along a text (the draft sees little context at
+decoding, and ``switch_margin`` to come back. The whole chosen block is verified (the draft
+drafts it, or up to twice it: overdraft, below). Why margins: acceptance varies along a text (the draft sees little context at
 the start, so early blocks are accepted less), and a rate estimated from a handful of blocks is
 noisy; on the embedded pair planners that followed their estimates lost to a fixed block of 4 on
 6-7 of 8 prompts, while a wrong switch to speculation costs little there (docs/benchmarks.md,
