@@ -221,7 +221,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     if res.planner is not None:
                         row["planner"] = {k: res.planner[k] for k in ("predicted_step_ms", "measured_step_ms",
                                                                        "step_time_abs_error_ms", "probes", "shadow_probes",
-                                                                       "retreats", "overdrafted_blocks")}
+                                                                       "retreats", "overdrafted_blocks",
+                                                                       "acceptance_conditional", "block_histogram")}
                         row["cost"] = res.planner["cost"]
                     row["draft_pass"] = draft_pass_kind(draft)
                 results[arm] = row
