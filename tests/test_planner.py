@@ -535,3 +535,22 @@ def test_short_blocks_that_are_always_accepted_measure_longer_ones_only_by_overd
     hist = p.report.histogram
     assert hist.get(2, 0) > 0
     assert (max(hist) > 2) == leaves_two, hist
+
+
+@pytest.mark.parametrize("probe_tokens, interval", [([10, 11, 12], 3), ([10, 99], 12)], ids=["all-accepted", "refused"])
+def test_a_fully_accepted_shadow_probe_brings_the_probe_interval_back(probe_tokens, interval):
+    """Plain decoding leads and the probe interval has doubled; a shadow probe whose proposals are
+    all accepted sets it back to probe_every, one with a refusal leaves it doubled."""
+    p = planner(link_gbps=0.1, probe_every=3)
+    teach(p, accept_rate=0.2)
+    p._incumbent, p._probe_interval = 1, 6
+    for i in range(5):
+        shadow_step(p, [i])
+    p.begin_step()
+    assert p.plan_draft(8, can_shadow=True) == 1 and p.shadow_block == 4 and p._probe_interval == 12
+    p.after_draft(4, 0.001)
+    p.shadow_proposals([10, 11, 12])
+    p.end_step(1, 0, 1, 0.01, draft_seconds=0.001, tokens=probe_tokens[:1])
+    for t in probe_tokens[1:]:
+        shadow_step(p, [t])
+    assert p._shadow == [] and p._probe_interval == interval
