@@ -23,7 +23,8 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
-token, acceptance length, block lengths chosen, bytes over the link per committed token, oracle
+token, acceptance length, block lengths chosen, bytes over the link per committed token (decode
+phase; for ``plain`` per token after the first, the whole run's in ``run_bytes_per_token``), oracle
 divergences / refreshes (0 expected), the planner's mean predicted and measured step time and
 probes, the drafting share (:func:`drafting_share`: what the steps that ran the draft cost beyond
 plain decoding, as a share of the run), the run's steady plain step (:func:`steady_plain_seconds`;
@@ -189,10 +190,15 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                 rt.reset_cache()
                 rt.forget_costs()
                 if arm == "plain":
-                    res = generate(rt, prompt, max_new_tokens=n, eos_token_ids=[], cuda_graphs=graphs)
+                    first: list[float] = []  # link bytes when the first token is out: the decode phase starts
+                    res = generate(rt, prompt, max_new_tokens=n, eos_token_ids=[], cuda_graphs=graphs,
+                                   on_step=lambda info: first.append(_moved(rt)) if info.index == 0 else None)
                     st = rt.stats()
+                    decoded = len(res.token_ids) - 1
                     row = {"tokens_per_second": res.tokens_per_second, "token_ids": res.token_ids,
-                           "bytes_per_token": st["bytes_moved"] / len(res.token_ids), "hit_rate": st["cache"]["hit_rate"],
+                           # the decode phase's bytes per token, as the speculative rows' per committed token
+                           "bytes_per_token": (_moved(rt) - first[0]) / decoded if first and decoded else None,
+                           "run_bytes_per_token": st["bytes_moved"] / len(res.token_ids), "hit_rate": st["cache"]["hit_rate"],
                            "cpu_experts_per_token": st["experts_per_token"]["cpu"]}
                     plain_tokens = res.token_ids
                 else:
@@ -275,7 +281,7 @@ def summarise(rows: list[dict]) -> dict:
                         if r.get("steady_plain_ms") and plain.get(r["prompt"])]) else None,
                 })
             else:
-                bpt = [r["bytes_per_token"] for r in rs]
+                bpt = [r["bytes_per_token"] for r in rs if r["bytes_per_token"] is not None]
                 s["bytes_per_token"] = statistics.median(bpt) if bpt else None
             per_arm[arm] = s
         checks = {}

@@ -29,6 +29,8 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
     assert len(res["runs"]) == 2 * len(arms)
     for r in res["runs"]:
         assert r["same_tokens_as_plain"], r
+        if r["arm"] == "plain":  # the decode phase's bytes per token, below the run's with its prompt
+            assert 0 < r["bytes_per_token"] <= r["run_bytes_per_token"], r
         if r["arm"] != "plain":
             assert r["oracle_refreshes"] == 0 and r["same_tokens_as_reference"]
             assert sum(r["block_histogram"].values()) == r["verify_steps"]
