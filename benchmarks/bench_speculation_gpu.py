@@ -94,22 +94,22 @@ def _moved(rt) -> float:
     return float(sum(lv["bytes"] for lv in rt.scheduler.stats()["levels"]))
 
 
-def planner_options(args, real_probes: bool = False, no_retreat: bool = False,
-                    no_overdraft: bool = False) -> dict | None:
-    """BlockPlanner keyword arguments of --home-block / --first-block, of the arm's probes
-    (``real_probes``: the "auto-real" arm), of its retreat (``no_retreat``: the "auto-noretreat"
-    arm) and of its overdraft (``no_overdraft``: the "auto-noover" arm) (None: the defaults)."""
-    opts = {}
+# The planner arms besides "auto": BlockPlanner keyword arguments that switch one rule off.
+ARM_OPTIONS = {
+    "auto-real": {"shadow_probes": False},  # every probe a verified block
+    "auto-noretreat": {"retreat": None},  # no retreat rule
+    "auto-noover": {"overdraft": 1},  # draft only the blocks it verifies
+}
+
+
+def planner_options(args, kind: str = "auto") -> dict | None:
+    """BlockPlanner keyword arguments of --home-block / --first-block and of the arm ``kind``
+    (:data:`ARM_OPTIONS`) (None: the defaults)."""
+    opts = dict(ARM_OPTIONS.get(kind, {}))
     if args.home_block:
         opts["home_block"] = args.home_block
     if args.first_block == "home":
         opts["first_by_cost"] = False
-    if real_probes:
-        opts["shadow_probes"] = False
-    if no_retreat:
-        opts["retreat"] = None
-    if no_overdraft:
-        opts["overdraft"] = 1
     return opts or None
 
 
@@ -209,9 +209,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     res = speculative_on_runtime(rt, draft, prompt, n, block_size=block, acceptance=float(p),
                                                  reference=ref, predictor=args.predictor, seed=args.seed + pi,
                                                  batch_invariant=args.batch_invariant,
-                                                 planner_options=planner_options(args, kind == "auto-real",
-                                                                                 kind == "auto-noretreat",
-                                                                                 kind == "auto-noover"),
+                                                 planner_options=planner_options(args, kind),
                                                  eos_token_ids=[], graphs=graphs, on_step=steps.append)
                     d = res.to_dict()
                     st = rt.stats()

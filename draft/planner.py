@@ -578,16 +578,23 @@ class BlockPlanner:
         self._shadow = [int(t) for t in proposals]
         self._shadow_accepted = 0
 
+    @staticmethod
+    def _match(proposals: Sequence[int], matched: int, tokens: Sequence[int]) -> tuple[int, bool]:
+        """Committed ``tokens`` against ``proposals`` from ``matched`` on: the proposals matched
+        now, and whether the check is over (a token differed or every proposal matched)."""
+        for t in tokens:
+            if int(t) != proposals[matched]:
+                return matched, True
+            matched += 1
+            if matched == len(proposals):
+                return matched, True
+        return matched, False
+
     def _check_shadow(self, tokens: Sequence[int]) -> None:
         """Committed ``tokens`` against the shadow probe's proposals still open; its accepted
         prefix is recorded once a token differs or every proposal matched."""
-        for t in tokens:
-            if int(t) != self._shadow[self._shadow_accepted]:
-                break
-            self._shadow_accepted += 1
-            if self._shadow_accepted == len(self._shadow):
-                break
-        else:
+        self._shadow_accepted, done = self._match(self._shadow, self._shadow_accepted, tokens)
+        if not done:
             return  # every token matched and proposals remain: the next steps decide
         self.acceptance.record(len(self._shadow), self._shadow_accepted)
         if self._shadow_accepted == len(self._shadow):
@@ -600,17 +607,11 @@ class BlockPlanner:
         still = []
         for check in self._tails if checks is None else checks:
             proposals, matched, base = check
-            for t in tokens:
-                if int(t) != proposals[matched]:
-                    break
-                matched += 1
-                if matched == len(proposals):
-                    break
+            check[1], done = self._match(proposals, matched, tokens)
+            if done:
+                self.acceptance.record(base + len(proposals), base + check[1])
             else:
-                check[1] = matched
                 still.append(check)  # every token matched and proposals remain: the next steps decide
-                continue
-            self.acceptance.record(base + len(proposals), base + matched)
         self._tails = still if checks is None else self._tails + still
 
     def after_draft(self, drafted: int, draft_seconds: float) -> None:
