@@ -167,6 +167,11 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         autos += ["auto-noretreat"] if args.no_retreat_arm else []
         autos += ["auto-noover"] if args.no_overdraft_arm else []
         arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in autos + [f"B{b}" for b in blocks]]
+        guard = rt.placer.guard if rt.placer is not None else None
+        if args.guard_arm:
+            if guard is None:
+                raise SystemExit("Error: --guard-arm needs --cpu-experts auto on a runtime with a hybrid guard")
+            arms.append("plain-fetch")  # plain decoding with every miss fetched: the fetch-only reference
         for pi, prompt in enumerate(prompts):
             refs: dict[int, list[int]] = {}
             # The verify path of the runs below: graphed on CUDA, with fixed rows in a 16-bit dtype
@@ -189,7 +194,9 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
             for arm in order:
                 rt.reset_cache()
                 rt.forget_costs()
-                if arm == "plain":
+                if args.guard_arm:
+                    guard.pin("off" if arm == "plain-fetch" else args.guard_arm)
+                if arm in ("plain", "plain-fetch"):
                     first: list[float] = []  # link bytes when the first token is out: the decode phase starts
                     res = generate(rt, prompt, max_new_tokens=n, eos_token_ids=[], cuda_graphs=graphs,
                                    on_step=lambda info: first.append(_moved(rt)) if info.index == 0 else None)
@@ -200,7 +207,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                            "bytes_per_token": (_moved(rt) - first[0]) / decoded if first and decoded else None,
                            "run_bytes_per_token": st["bytes_moved"] / len(res.token_ids), "hit_rate": st["cache"]["hit_rate"],
                            "cpu_experts_per_token": st["experts_per_token"]["cpu"]}
-                    plain_tokens = res.token_ids
+                    if arm == "plain":
+                        plain_tokens = res.token_ids
                 else:
                     kind, p = arm.split("@")
                     block = "auto" if kind.startswith("auto") else int(kind[1:])
@@ -232,7 +240,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                 results[arm] = row
                 _log(f"[{dtype}] prompt {pi} {arm}: {row['tokens_per_second'] or 0:.2f} tok/s"
                      + (f", accept {row['acceptance_length']:.2f}, blocks {row['block_histogram']}, "
-                        f"repairs {row['oracle_refreshes']}" if arm != "plain" else ""))
+                        f"repairs {row['oracle_refreshes']}" if not arm.startswith("plain") else ""))
             for arm, row in results.items():
                 row["same_tokens_as_plain"] = row.pop("token_ids") == plain_tokens
                 rows.append({"dtype": dtype, "prompt": pi, "arm": arm, **row})
@@ -246,6 +254,7 @@ def summarise(rows: list[dict]) -> dict:
     for dtype in sorted({r["dtype"] for r in rows}):
         mine = [r for r in rows if r["dtype"] == dtype]
         plain = {r["prompt"]: r["tokens_per_second"] for r in mine if r["arm"] == "plain"}
+        fetch = {r["prompt"]: r["tokens_per_second"] for r in mine if r["arm"] == "plain-fetch"}
         per_arm = {}
         for arm in dict.fromkeys(r["arm"] for r in mine):
             rs = [r for r in mine if r["arm"] == arm]
@@ -262,7 +271,12 @@ def summarise(rows: list[dict]) -> dict:
                 "vs_plain_range": [min(ratios), max(ratios)] if ratios else None,
                 "runs": len(rs),
             }
-            if arm != "plain":
+            if fetch:  # --guard-arm: every arm also against fetch-only plain decoding
+                vf = [r["tokens_per_second"] / fetch[r["prompt"]] for r in rs
+                      if r["tokens_per_second"] and fetch.get(r["prompt"])]
+                s["vs_plain_fetch"] = statistics.median(vf) if vf else None
+                s["vs_plain_fetch_range"] = [min(vf), max(vf)] if vf else None
+            if not arm.startswith("plain"):
                 acc = [r["acceptance_length"] for r in rs if r.get("acceptance_length")]
                 bpt = [r["bytes_per_committed_token"] for r in rs if r.get("bytes_per_committed_token") is not None]
                 s.update({
@@ -304,7 +318,9 @@ def markdown(summary: dict) -> str:
             mb = a.get("bytes_per_committed_token", a.get("bytes_per_token"))
             lines.append(
                 f"| {arm} | {f(a['tokens_per_second'])} | {f(a['vs_plain'])}x"
-                f" ({'-' if rng is None else f'{rng[0]:.2f}-{rng[1]:.2f}'}) | {f(a.get('acceptance_length'))}"
+                f" ({'-' if rng is None else f'{rng[0]:.2f}-{rng[1]:.2f}'})"
+                + (f"; {f(a['vs_plain_fetch'])}x plain-fetch" if "vs_plain_fetch" in a else "")
+                + f" | {f(a.get('acceptance_length'))}"
                 f" | {' '.join(f'{b}:{c}' for b, c in (a.get('block_histogram') or {}).items()) or '-'}"
                 f" | {f(None if mb is None else mb / 1e6)} | {a.get('oracle_refreshes', '-')}"
                 f" | {f(a.get('drafting_share'), '+.1%')} | {f(a.get('plain_step_vs_plain_arm'), '.3f')} |")
@@ -329,6 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link.")
     ap.add_argument("--cpu-experts", choices=("off", "auto", "all"), default="off",
                     help="Hybrid expert execution for every arm, plain included (generate's --cpu-experts; default off).")
+    ap.add_argument("--guard-arm", choices=("off", "model", "host", "all"), default=None,
+                    help="With --cpu-experts auto: pin the hybrid guard's placement for every arm (off: fetch "
+                         "every miss; model: the cost model's split; host: every miss not in flight on the CPU; all: every "
+                         "routed expert on the CPU) "
+                         "and add an arm plain-fetch (plain decoding, every miss fetched) that every arm is also "
+                         "compared with (vs_plain_fetch).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--predictor", default=DEFAULT_PREDICTOR,
                     help=f"Route-ahead predictor of the speculative arms (default: generate's, {DEFAULT_PREDICTOR}).")
@@ -348,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="Add an arm auto-noretreat: the planner (shadow probes) without its retreat rule (draft/planner.py).")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.guard_arm and args.cpu_experts != "auto":
+        ap.error("--guard-arm needs --cpu-experts auto")
     args.batch_invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
     args.acceptance = [float(p) for p in args.acceptance.split(",") if p.strip()]
     args.blocks = [int(b) for b in args.blocks.split(",") if b.strip()]

@@ -158,3 +158,28 @@ def test_cpu_experts_serve_every_arm_when_asked(tmp_path):
     assert res["config"]["cpu_experts"] == "all"
     for r in res["runs"]:
         assert r["same_tokens_as_plain"] and r["cpu_experts_per_token"] > 0, r
+
+
+def test_guard_arm_pins_every_arm_and_adds_a_fetch_only_plain_arm(tmp_path, capsys):
+    """--guard-arm host: every arm but plain-fetch computes misses on the host's kernel, plain-fetch
+    none; the summary compares every arm with plain-fetch too; --guard-arm without auto is refused."""
+    spec = importlib.util.spec_from_file_location("bench_speculation_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "spec.json"
+    assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--tokens", "8",
+                     "--prompts", "1", "--dtypes", "float32", "--acceptance", "0.9", "--blocks", "2",
+                     "--link-gbps", "2", "--cpu-experts", "auto", "--guard-arm", "host", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    runs = {r["arm"]: r for r in res["runs"]}
+    assert set(runs) == {"plain", "plain-fetch", "auto@0.9", "B2@0.9"}
+    assert runs["plain-fetch"]["cpu_experts_per_token"] == 0
+    for arm in ("plain", "auto@0.9", "B2@0.9"):
+        assert runs[arm]["cpu_experts_per_token"] > 0 and runs[arm]["same_tokens_as_plain"], arm
+    arms = res["summary"]["float32"]["arms"]
+    assert arms["plain-fetch"]["vs_plain_fetch"] == 1.0 and arms["auto@0.9"]["vs_plain_fetch"] > 0
+    assert "plain-fetch" in res["markdown"]
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"),
+                  "--guard-arm", "host", "--out", str(out)])
+    assert exc.value.code == 2 and "--guard-arm needs --cpu-experts auto" in capsys.readouterr().err
