@@ -305,9 +305,8 @@ class CostModel:
         """What one expert that is not resident costs a forward of ``tokens`` tokens: its fetch,
         or its host compute when the hybrid hook is set and that is sooner."""
         fetch_one = self.seconds_per_expert_fetch()
-        if self.cpu_expert_seconds is None:
-            return fetch_one
-        return min(fetch_one, self.cpu_expert_seconds(tokens))
+        host_one = self.cpu_expert_seconds(tokens) if self.cpu_expert_seconds is not None else None
+        return fetch_one if host_one is None else min(fetch_one, host_one)
 
     def step_seconds(self, kind: str, tokens: int, fetch_experts: float) -> float | None:
         """Predicted time of a ``kind`` forward of ``tokens`` tokens whose missing experts are
@@ -326,7 +325,7 @@ class CostModel:
             "forward_ms": {k: {t: v * 1e3 for t, v in self.measured_forward(k).items()} for k in FORWARD_KINDS},
             "device_expert_ms": {t: e.value * 1e3 for t, e in sorted(self._expert_compute.items())},
             "host_path": self.cpu_expert_seconds is not None,
-            "host_expert_ms": _ms(self.cpu_expert_seconds(1)) if self.cpu_expert_seconds is not None else None,
+            "host_expert_ms": _ms(self.cpu_expert_seconds(1)) if self.cpu_expert_seconds is not None else None,  # None: "off"
             "host_layer_overhead_ms": _ms(self.host_layer_overhead.value),
             "fetch_expert_ms": self.seconds_per_expert_fetch() * 1e3,
         }

@@ -463,7 +463,15 @@ class CpuPlacement:
         self._uses: dict[tuple[int, int], deque] = {}  # (layer, expert) -> forwards that needed it off-cache
         self.decisions = 0
         self.background = 0  # hot CPU experts queued into the cache
-        cost.set_cpu_expert_rate(runner.seconds_for)
+        cost.set_cpu_expert_rate(self.host_seconds)
+
+    def host_seconds(self, tokens: int) -> float | None:
+        """The cost model's host hook: the kernel's seconds for one expert over ``tokens`` tokens,
+        None where a forward of that many tokens takes the guard's "off" arm (every miss fetched),
+        so that the block planner prices such forwards' misses at their fetch."""
+        if self.arm(tokens) == "off":
+            return None
+        return self.runner.seconds_for(tokens)
 
     def arm(self, tokens: int) -> str:
         """The placement of a forward of ``tokens`` tokens ("model" without a guard)."""

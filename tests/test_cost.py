@@ -68,6 +68,8 @@ def test_host_hook_takes_misses_only_when_sooner():
     assert m.step_seconds("verify", 4, 2) == pytest.approx(0.002 + 2 * 1e-3)  # the link is
     m.set_cpu_expert_rate(None)
     assert m.serve([(0, 1)], cache).host == 0
+    m.set_cpu_expert_rate(lambda tokens: None)  # a hook with no price now (not measured, or the host path off)
+    assert m.serve([(0, 1)], cache).host == 0 and m.step_seconds("verify", 4, 2) == pytest.approx(0.002 + 2 * 1e-3)
 
 
 def test_forward_time_is_robust_to_one_slow_step():

@@ -189,6 +189,10 @@ def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
         assert guard is not None and guard.on_forward in rt._forward_observers
         guard.pin("off")  # as if a check had found the host path slower
         generate(rt, [1, 2, 3], max_new_tokens=4, eos_token_ids=[])
+        # the planner's price of a missing expert follows: its fetch while "off", the host's otherwise
+        assert rt.cost.cpu_expert_seconds(1) is None
+        assert rt.cost.seconds_per_missing_expert(1) == rt.cost.seconds_per_expert_fetch()
+        assert rt.cost.cpu_expert_seconds(64) is not None  # a prefill: the cost model's split, whatever the arm
         assert rt.stats()["cpu_experts"]["computed"] == 0 and rt.stats()["cpu_experts"]["guard"]["host_path"] is False
         rt.reset_cache()
         guard.pin("host")  # every miss on the CPU: nothing fetched, not even hot experts in the background
@@ -197,6 +201,9 @@ def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
         assert rt.placer.background == background
         st = rt.stats()
         assert st["cpu_experts"]["computed"] > 0 and st["cpu_experts"]["guard"]["arm"] == "host"
+        host_one = rt.placer.runner.seconds_for(1)
+        assert rt.cost.cpu_expert_seconds(1) == host_one
+        assert rt.cost.seconds_per_missing_expert(1) == min(host_one, rt.cost.seconds_per_expert_fetch())
         assert st["experts_per_token"]["fetched"] == 0, st["experts_per_token"]
         rt.reset_cache()
         guard.pin("all")  # every routed expert on the CPU: no lookups, so no hits either
