@@ -292,9 +292,13 @@ class HybridGuard:
       nothing is brought into the cache, so no DMA competes with the kernel's DRAM reads; the
       cache keeps what the other arms' windows brought in until the next check).
 
-    Decode steps (forwards of one token that follow a forward of one token) run in windows of
-    ``window`` steps, one arm per window in turn (the first step of a window is not counted: it
-    pays the switch). After each round of windows, arms whose median step time is more than
+    Steps (forwards of up to ``max_tokens`` tokens: decode steps and speculative decoding's
+    verify blocks) run in windows of ``window`` steps, one arm per window in turn (the first step
+    of a window is not counted: it pays the switch). A step lasts from its forward's start to the
+    next forward's start, and is compared only with steps of as many tokens: an arm's time is the
+    mean over token counts, weighted by how often each count ran in the check, of its median step
+    at each count measured under every arm still in the check (:meth:`_times`); a round whose arms
+    share no token count does not end the check. After each round of windows, arms whose time is more than
     ``cut`` behind the best leave the check; the check ends after ``rounds`` rounds or when one
     arm is left. The arm with the lowest median is kept ("off" unless another is faster by more
     than ``margin``) for ``hold`` decode steps, then checked again the same way; a check that
@@ -305,8 +309,7 @@ class HybridGuard:
     the link changed), a full check of every arm follows at once. ``on_forward(tokens)`` is a
     forward observer of the runtime.
 
-    The arm rules the forwards like the ones it is judged by: up to ``max_tokens`` tokens (decode
-    steps, verify blocks). A longer forward (a prefill, perhaps a later ``generate`` on the same
+    The arm rules the forwards it is judged by. A longer forward (a prefill, perhaps a later ``generate`` on the same
     runtime) reads each expert's weights once per 16 tokens on the CPU and is priced by the cost
     model's split instead (:meth:`arm_for`), whichever arm decode steps keep."""
 
@@ -352,7 +355,9 @@ class HybridGuard:
         self._round = 0
         self._turn = 0  # index into _live of the arm whose window runs
         self._window_steps = 0
-        self._samples: dict[str, list[float]] = {a: [] for a in self.arms}
+        self._samples: dict[str, dict[int, list[float]]] = {a: {} for a in self.arms}  # arm -> tokens -> step seconds
+        self._idle_rounds = 0  # rounds whose arms shared no token count
+        self._check_times: dict[str, float] = {}  # arm -> step time at the end of its last round (_times)
         self._holding = 0  # decode steps left in the hold (0: checking)
         self.arm = self._live[0]
 
@@ -365,12 +370,12 @@ class HybridGuard:
     def on_forward(self, tokens: int) -> None:
         now = self.clock()
         prev, self._prev = self._prev, (now, tokens)
-        if prev is None or prev[1] != 1 or tokens != 1:
-            return
-        self._step(now - prev[0])
+        if prev is None or prev[1] > self.max_tokens or tokens > self.max_tokens:
+            return  # after a prefill, or before one (the gap may hold anything): not a step
+        self._step(now - prev[0], prev[1])
 
-    def _step(self, seconds: float) -> None:
-        """One decode step ran with the current arm and took ``seconds``."""
+    def _step(self, seconds: float, tokens: int = 1) -> None:
+        """One step of ``tokens`` tokens ran with the current arm and took ``seconds``."""
         if self._pinned:
             return
         if self._holding:
@@ -379,7 +384,7 @@ class HybridGuard:
                 self._start_check(full=False)
             return
         if self._window_steps:  # the window's first step pays the switch
-            self._samples[self.arm].append(seconds)
+            self._samples[self.arm].setdefault(tokens, []).append(seconds)
         self._window_steps += 1
         if self._window_steps < self.window:
             return
@@ -388,8 +393,15 @@ class HybridGuard:
         if self._turn < len(self._live):
             self.arm = self._live[self._turn]
             return
+        med = self._times(self._live)
+        if med is None and self._idle_rounds < 4 * self.rounds:  # nothing comparable yet: another round
+            self._idle_rounds += 1
+            self._turn = 0
+            self.arm = self._live[0]
+            return
+        med = med or self._times(self._live, pooled=True)
+        self._check_times.update(med)  # an arm that leaves keeps its time of the last round it ran
         self._round += 1  # a round ended: the arms far behind leave
-        med = {a: _median(self._samples[a]) for a in self._live}
         best = min(med.values())
         self._live = [a for a in self._live if med[a] <= best * (1 + self.cut)]
         if self._round < self.rounds and len(self._live) > 1:
@@ -398,8 +410,21 @@ class HybridGuard:
             return
         self._decide()
 
+    def _times(self, arms: list[str], pooled: bool = False) -> dict[str, float] | None:
+        """Each arm's step time: over the token counts measured under every one of ``arms``, the
+        mean of its median step at each count, weighted by those arms' steps at the count (None:
+        no count is shared). ``pooled``: each arm's steps as one count, whatever their tokens."""
+        by_arm = {a: ({0: [x for xs in self._samples[a].values() for x in xs]} if pooled else self._samples[a])
+                  for a in arms}
+        common = set.intersection(*({t for t, xs in v.items() if xs} for v in by_arm.values()))
+        if not common:
+            return None
+        weight = {t: sum(len(v[t]) for v in by_arm.values()) for t in common}
+        total = sum(weight.values())
+        return {a: sum(weight[t] * _median(v[t]) for t in common) / total for a, v in by_arm.items()}
+
     def _decide(self) -> None:
-        med = {a: _median(v) for a, v in self._samples.items() if v}
+        med = dict(self._check_times)
         live = {a: med[a] for a in self._live}
         best = min(live, key=live.__getitem__)
         if best != "off" and "off" in live and live[best] >= live["off"] * (1 - self.margin):

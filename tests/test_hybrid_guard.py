@@ -47,15 +47,47 @@ def test_windows_alternate_and_the_hold_doubles_when_confirmed():
     assert g.checks == 4 and g.hold == 16  # max_hold
 
 
-def test_only_decode_steps_count():
+def test_prefills_and_the_gaps_around_them_are_not_steps():
     clock = Clock()
-    g = HybridGuard(window=2, rounds=1, hold=4, arms=("off", "model"), clock=clock)
-    run(g, clock, 20, 0.01, 0.02, tokens=5)  # prefill / verify forwards
+    g = HybridGuard(window=2, rounds=1, hold=4, arms=("off", "model"), clock=clock, max_tokens=8)
+    run(g, clock, 20, 0.01, 0.02, tokens=9)  # prefills: longer than the guard judges
     assert g.checks == 0 and not g.enabled  # no check completed: still "off", the first arm
     g.on_forward(1)
     clock.t += 100.0  # a forward of one token followed by a prefill: that gap is not a step
     run(g, clock, 1, 0.01, 0.02, tokens=9)
     assert g.checks == 0 and g.stats()["model_ms"] is None
+
+
+def test_verify_blocks_are_steps_compared_at_their_own_size():
+    """Speculative decoding: forwards of 5 tokens are judged like decode steps."""
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=1, hold=4, arms=("off", "model"), clock=clock)
+    run(g, clock, 1 + 2 * 2, 0.01, 0.02, tokens=5)
+    assert g.checks == 1 and g.arm == "model" and g.stats()["model_ms"] == pytest.approx(10)
+
+
+def test_arms_are_compared_at_the_token_counts_they_share():
+    """An arm whose windows happened to run longer blocks is not judged slower for it: steps are
+    compared at equal token counts, and a round with none shared does not end the check."""
+    clock = Clock()
+    g = HybridGuard(window=3, rounds=1, hold=8, arms=("off", "model"), clock=clock)
+    # step seconds by (arm, tokens): model is 20 % faster at every size
+    cost = {("off", 1): 0.040, ("off", 4): 0.080, ("model", 1): 0.032, ("model", 4): 0.064}
+    # off's windows run blocks of 1, model's blocks of 4: nothing shared, the check goes on
+    sizes = {"off": 1, "model": 4}
+    g.on_forward(sizes[g.arm])
+    for _ in range(2 * 3):
+        clock.t += cost[(g.arm, sizes[g.arm])]
+        g.on_forward(sizes[g.arm])
+    assert g.checks == 0
+    # then both arms run both sizes: model's pooled median would be slower (more long blocks), its
+    # per-size medians are faster
+    sizes = {"off": 1, "model": 1}
+    for _ in range(2 * 3):
+        clock.t += cost[(g.arm, sizes[g.arm])]
+        g.on_forward(sizes[g.arm])
+    assert g.checks == 1 and g.arm == "model"
+    assert g.stats()["model_ms"] < g.stats()["off_ms"]
 
 
 def test_first_step_of_a_window_is_not_counted():
