@@ -226,6 +226,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                                                   "acceptance_per_position", "draft_ms", "verify_ms", "verify_steps")}
                     row["hit_rate"] = st["cache"]["hit_rate"]
                     row["cpu_experts_per_token"] = st["experts_per_token"]["cpu"]
+                    row["guard"] = (st.get("cpu_experts") or {}).get("guard")  # the hybrid guard's arm and medians
                     row["same_tokens_as_reference"] = res.token_ids == ref
                     row["drafting_share"] = drafting_share(steps)
                     steady = steady_plain_seconds(steps)
