@@ -99,7 +99,7 @@ def _load_options(
     host memory, unless the run is an offload experiment (a cache size or a simulated link is
     given): then the experts go through the cache as on a GPU. On CUDA, auto's guard keeps the
     fastest of fetch-only, every expert on the CPU and the split placements, measured on the
-    run's own decode steps (offload/cpu_compute.py, HybridGuard); where every expert fits in
+    run's own decode steps and verify blocks (offload/cpu_compute.py, HybridGuard); where every expert fits in
     the cache it is off."""
     dev = _resolve_device(device)
     if cpu_experts is None:
@@ -277,7 +277,7 @@ def _guard_text(guard: dict) -> str:
     """auto's guard: the arm it keeps and the last median decode step of each arm it measured."""
     ms = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in guard.items() if k.endswith("_ms") and v is not None)
     if not guard.get("checks"):
-        return f"{guard['arm']} (no check completed yet: it needs about 16 decode steps)"
+        return f"{guard['arm']} (no check completed yet: it needs about 16 decode steps or verify blocks)"
     return f"kept {guard['arm']} after {guard['checks']} check(s); ms per decode step: {ms}"
 
 
@@ -344,7 +344,7 @@ def generate(
     prompt_lookup: Annotated[bool, typer.Option("--prompt-lookup/--no-prompt-lookup", help="With a draft, greedy: when the last 3 tokens occurred earlier, what followed them then leads the verify block where the draft proposes otherwise (output unchanged).")] = True,
     batch_invariant: Annotated[bool | None, typer.Option("--batch-invariant/--no-batch-invariant", help="With a draft: run every verify pass with the draft's trained block length of rows, so a token's logits do not depend on the block it was verified in (output identical to plain decoding through the same rows, also in bf16). Default: on in --draft-acceptance mode in a 16-bit dtype, off otherwise.", show_default=False)] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
-    cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: decode steps try fetch-only, every routed expert on the CPU, the cost model's per-layer split and every missing expert on the CPU, and keep the fastest; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all (every expert on the CPU: the fastest on a host whose DRAM outruns its link). Default: auto.", show_default=False)] = None,
+    cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: decode steps and verify blocks try fetch-only, every routed expert on the CPU, the cost model's per-layer split and every missing expert on the CPU, and keep the fastest; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all (every expert on the CPU: the fastest on a host whose DRAM outruns its link). Default: auto.", show_default=False)] = None,
     cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use).")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length, and the draft's passes (default: on CUDA, off elsewhere).", show_default=False)] = None,
 ) -> None:
