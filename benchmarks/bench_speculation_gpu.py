@@ -194,8 +194,10 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
             for arm in order:
                 rt.reset_cache()
                 rt.forget_costs()
-                if args.guard_arm:
+                if arm == "plain-fetch" or args.guard_arm not in (None, "guard"):
                     guard.pin("off" if arm == "plain-fetch" else args.guard_arm)
+                elif args.guard_arm == "guard":
+                    guard.unpin()  # every arm's own check, from its first step
                 if arm in ("plain", "plain-fetch"):
                     first: list[float] = []  # link bytes when the first token is out: the decode phase starts
                     res = generate(rt, prompt, max_new_tokens=n, eos_token_ids=[], cuda_graphs=graphs,
@@ -346,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link.")
     ap.add_argument("--cpu-experts", choices=("off", "auto", "all"), default="off",
                     help="Hybrid expert execution for every arm, plain included (generate's --cpu-experts; default off).")
-    ap.add_argument("--guard-arm", choices=("off", "model", "host", "all"), default=None,
-                    help="With --cpu-experts auto: pin the hybrid guard's placement for every arm (off: fetch "
+    ap.add_argument("--guard-arm", choices=("off", "model", "host", "all", "guard"), default=None,
+                    help="With --cpu-experts auto: pin the hybrid guard's placement for every arm (guard: none, "
+                         "each arm starts a fresh check; off: fetch "
                          "every miss; model: the cost model's split; host: every miss not in flight on the CPU; all: every "
                          "routed expert on the CPU) "
                          "and add an arm plain-fetch (plain decoding, every miss fetched) that every arm is also "

@@ -74,8 +74,11 @@ def make_planner(rt, max_block: int, **options):
     # the link, to be robust to other processes on the cores; that counts a parallel region once
     # per thread, and on the embedded pair (`make demo` setting) wall time gave the higher median
     # ratio to --no-draft in 4 of 4 alternating pairs of runs (docs/benchmarks.md).
+    # misses the host computed instead of fetching them (hybrid execution): cumulative, read per step
+    host_counter = (lambda: rt.cache.stats.cpu) if rt.placer is not None else None
     planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
-                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals, **options)
+                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals,
+                           host_counter=host_counter, **options)
     rt.add_routing_observer(planner.on_routed)
     return planner
 

@@ -173,6 +173,7 @@ class PlannerReport:
     predicted_steps: int = 0
     abs_error_seconds: float = 0.0
     fetched_experts: float = 0.0
+    host_experts: int = 0  # misses computed on the host instead (hybrid execution)
     committed_tokens: int = 0
     clock: str = "wall"  # what step times are measured in ("process_time": CPU seconds of the process)
 
@@ -191,6 +192,8 @@ class PlannerReport:
             "step_clock": self.clock,
             "fetched_experts_per_committed_token": self.fetched_experts / self.committed_tokens
             if self.committed_tokens else None,
+            "host_experts_per_committed_token": self.host_experts / self.committed_tokens
+            if self.committed_tokens else None,
         }
 
 
@@ -199,7 +202,9 @@ class BlockPlanner:
 
     ``cache`` (an ExpertCache, or None without offloading) answers resident / in flight;
     ``link_counters`` (bytes, busy seconds) feeds the cost model's link rate and measures each
-    step's fetched experts; None without a scheduler. ``clock`` (e.g. ``time.process_time``) makes
+    step's fetched experts; None without a scheduler. ``host_counter`` (experts computed on the
+    host so far; hybrid execution) measures each step's misses that the host served instead: a
+    step's misses are those fetched plus those, each priced as the cost model's placement serves it. ``clock`` (e.g. ``time.process_time``) makes
     the planner time the steps itself; without it (what generate does) the caller's wall-clock
     step times are used.
     """
@@ -214,6 +219,7 @@ class BlockPlanner:
         top_k: int,
         cache=None,
         link_counters: Callable[[], tuple[float, float]] | None = None,
+        host_counter: Callable[[], int] | None = None,
         home_block: int | None = None,
         first_by_cost: bool = True,
         shadow_probes: bool = True,
@@ -254,6 +260,8 @@ class BlockPlanner:
         self.cost = cost
         self.cache = cache
         self.link_counters = link_counters
+        self.host_counter = host_counter
+        self._step_host0 = 0
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.switch_margin, self.plain_margin = switch_margin, plain_margin
         self.floor = floor
@@ -488,6 +496,7 @@ class BlockPlanner:
             self._t0 = self.clock()
         c = self._bytes_now()
         self._step_bytes0 = c[0] if c is not None else 0.0
+        self._step_host0 = self.host_counter() if self.host_counter is not None else 0
 
     def plan_draft(self, limit: int, repeating: bool = False, can_shadow: bool = False) -> int:
         """The block length to draft and verify now (<= ``limit`` <= max_block), or 1 for a
@@ -651,17 +660,18 @@ class BlockPlanner:
         self._prev_block = block
         counters = self._bytes_now()
         fetched = 0.0
+        host = max(0, self.host_counter() - self._step_host0) if self.host_counter is not None else 0
         if counters is not None:
             fetched = max(0.0, counters[0] - self._step_bytes0) / self.cost.expert_bytes
             self.cost.observe_link(*counters)
             if steady:
-                self._plain_fetched.add(fetched)
+                self._plain_fetched.add(fetched + host)
         choice = self._stage if self._stage is not None and self._stage.block == block else None
-        self.cost.observe_forward("verify", block, max(0.0, seconds - draft_seconds), fetched)
+        self.cost.observe_forward("verify", block, max(0.0, seconds - draft_seconds), fetched, host)
         self._verified[block] = self._verified.get(block, 0) + 1
         if self.cache is not None:
             pred_missing = choice.route_missing if choice is not None else 0.0
-            self._extra.setdefault(block, Ewma(self.cost.alpha)).add(fetched - pred_missing)
+            self._extra.setdefault(block, Ewma(self.cost.alpha)).add(fetched + host - pred_missing)
         if self._tails and tokens:
             self._check_tails(tokens)
         if block > 1 and tail:
@@ -679,6 +689,7 @@ class BlockPlanner:
         r = self.report
         r.histogram[block] = r.histogram.get(block, 0) + 1
         r.fetched_experts += fetched
+        r.host_experts += host
         r.committed_tokens += committed
         if choice is not None and choice.predicted_seconds is not None:
             r.predicted_steps += 1

@@ -140,7 +140,8 @@ class CostModel:
         self._last_link: tuple[float, float] | None = None  # cumulative (bytes, busy seconds)
         self._forward: dict[str, dict[int, RecentMedian]] = {k: {} for k in FORWARD_KINDS}
         self._expert_compute: dict[int, Ewma] = {}  # tokens -> device seconds per expert
-        self.cpu_expert_seconds: Callable[[int], float] | None = None  # hybrid execution's hook
+        self.cpu_expert_seconds: Callable[[int], float | None] | None = None  # hybrid execution's hook
+        self.placement: Callable[[int], str] | None = None  # tokens -> the arm serving such a forward's misses
         self.host_layer_overhead = Ewma(alpha)  # seconds a layer's host share costs beyond the kernel
 
     @classmethod
@@ -169,23 +170,38 @@ class CostModel:
         total = sum(lv["bytes"] for lv in scheduler_stats["levels"])
         return self.observe_link(total, scheduler_stats["link_busy_s"])
 
-    def observe_forward(self, kind: str, tokens: int, seconds: float, fetched_experts: float = 0.0) -> None:
-        """A forward of ``kind`` over ``tokens`` tokens took ``seconds`` and fetched
-        ``fetched_experts`` experts over the link; its time without that link time is recorded."""
+    def observe_forward(self, kind: str, tokens: int, seconds: float, fetched_experts: float = 0.0,
+                        host_experts: float = 0.0) -> None:
+        """A forward of ``kind`` over ``tokens`` tokens took ``seconds``, fetched ``fetched_experts``
+        experts over the link and computed ``host_experts`` on the host; its time without serving
+        them is recorded (the two pipes overlap under the "model" placement, else they add up)."""
         if kind not in FORWARD_KINDS:
             raise ValueError(f"unknown forward kind {kind!r}; one of {FORWARD_KINDS}")
-        base = max(0.0, seconds - fetched_experts * self.seconds_per_expert_fetch())
-        self._forward[kind].setdefault(int(tokens), RecentMedian()).add(base)
+        link = fetched_experts * self.seconds_per_expert_fetch()
+        host_one = self.cpu_expert_seconds(tokens) if self.cpu_expert_seconds is not None and host_experts else None
+        host = host_experts * host_one if host_one else 0.0
+        served = max(link, host) if self.placement_of(tokens) == "model" else link + host
+        self._forward[kind].setdefault(int(tokens), RecentMedian()).add(max(0.0, seconds - served))
 
     def observe_expert_compute(self, tokens: int, experts: int, seconds: float) -> None:
         """Device compute of ``experts`` experts over ``tokens`` tokens took ``seconds``."""
         if experts > 0:
             self._expert_compute.setdefault(int(tokens), Ewma(self.alpha)).add(seconds / experts)
 
-    def set_cpu_expert_rate(self, fn: Callable[[int], float] | None) -> None:
+    def set_cpu_expert_rate(self, fn: Callable[[int], float | None] | None,
+                            placement: Callable[[int], str] | None = None) -> None:
         """Hybrid execution's hook: ``fn(tokens)`` = calibrated host seconds to compute one expert
-        over ``tokens`` tokens. None removes the host path."""
+        over ``tokens`` tokens (None: not measured yet). None removes the host path.
+        ``placement(tokens)``: how a forward of that many tokens serves its misses now (the hybrid
+        guard's arm: "off", "model", "host" or "all"); without it, "model"."""
         self.cpu_expert_seconds = fn
+        self.placement = placement if fn is not None else None
+
+    def placement_of(self, tokens: int) -> str:
+        """The placement serving a forward of ``tokens`` tokens' misses ("off" without a host path)."""
+        if self.cpu_expert_seconds is None:
+            return "off"
+        return self.placement(tokens) if self.placement is not None else "model"
 
     def observe_host_overhead(self, seconds: float) -> None:
         """One layer's host share took ``seconds`` beyond its kernel time: the hand-off to the
@@ -302,11 +318,18 @@ class CostModel:
         return self.serve(experts, cache, tokens).seconds
 
     def seconds_per_missing_expert(self, tokens: int) -> float:
-        """What one expert that is not resident costs a forward of ``tokens`` tokens: its fetch,
-        or its host compute when the hybrid hook is set and that is sooner."""
+        """What one expert that is not resident costs a forward of ``tokens`` tokens, by the
+        placement serving it (:meth:`placement_of`): its fetch ("off"); its host compute ("host",
+        "all": the host serves every miss); the two pipes side by side ("model": fetch and host
+        rates add up). Its fetch while the host rate is unmeasured."""
         fetch_one = self.seconds_per_expert_fetch()
-        host_one = self.cpu_expert_seconds(tokens) if self.cpu_expert_seconds is not None else None
-        return fetch_one if host_one is None else min(fetch_one, host_one)
+        arm = self.placement_of(tokens)
+        host_one = self.cpu_expert_seconds(tokens) if arm != "off" else None
+        if not host_one:
+            return fetch_one
+        if arm == "model":
+            return fetch_one * host_one / (fetch_one + host_one)
+        return host_one
 
     def step_seconds(self, kind: str, tokens: int, fetch_experts: float) -> float | None:
         """Predicted time of a ``kind`` forward of ``tokens`` tokens whose missing experts are

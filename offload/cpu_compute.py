@@ -367,6 +367,12 @@ class HybridGuard:
             raise ValueError(f"arm {arm!r} is not one of {self.arms}")
         self.arm, self._pinned = arm, True
 
+    def unpin(self) -> None:
+        """Forget any pinned or kept arm and check every arm from the next step, as a new guard does."""
+        self._pinned, self._choice, self._prev = False, None, None
+        self.hold = self._first_hold
+        self._start_check()
+
     def on_forward(self, tokens: int) -> None:
         now = self.clock()
         prev, self._prev = self._prev, (now, tokens)
@@ -488,15 +494,7 @@ class CpuPlacement:
         self._uses: dict[tuple[int, int], deque] = {}  # (layer, expert) -> forwards that needed it off-cache
         self.decisions = 0
         self.background = 0  # hot CPU experts queued into the cache
-        cost.set_cpu_expert_rate(self.host_seconds)
-
-    def host_seconds(self, tokens: int) -> float | None:
-        """The cost model's host hook: the kernel's seconds for one expert over ``tokens`` tokens,
-        None where a forward of that many tokens takes the guard's "off" arm (every miss fetched),
-        so that the block planner prices such forwards' misses at their fetch."""
-        if self.arm(tokens) == "off":
-            return None
-        return self.runner.seconds_for(tokens)
+        cost.set_cpu_expert_rate(runner.seconds_for, placement=self.arm)
 
     def arm(self, tokens: int) -> str:
         """The placement of a forward of ``tokens`` tokens ("model" without a guard)."""

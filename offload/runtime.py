@@ -466,7 +466,7 @@ class OffloadedModel:
         old = getattr(self, "_cost", None)
         self._cost = None
         if old is not None and old.cpu_expert_seconds is not None:
-            self.cost.set_cpu_expert_rate(old.cpu_expert_seconds)
+            self.cost.set_cpu_expert_rate(old.cpu_expert_seconds, placement=old.placement)
         if self.placer is not None:
             self.placer.cost = self.cost
 

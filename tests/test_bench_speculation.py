@@ -179,6 +179,13 @@ def test_guard_arm_pins_every_arm_and_adds_a_fetch_only_plain_arm(tmp_path, caps
     arms = res["summary"]["float32"]["arms"]
     assert arms["plain-fetch"]["vs_plain_fetch"] == 1.0 and arms["auto@0.9"]["vs_plain_fetch"] > 0
     assert "plain-fetch" in res["markdown"]
+    # --guard-arm guard: no pin; every speculative arm runs its own check from a fresh start
+    assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--tokens", "8",
+                     "--prompts", "1", "--dtypes", "float32", "--acceptance", "0.9", "--blocks", "1",
+                     "--link-gbps", "2", "--cpu-experts", "auto", "--guard-arm", "guard", "--out", str(out)]) == 0
+    runs = {r["arm"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["plain-fetch"]["cpu_experts_per_token"] == 0 and runs["auto@0.9"]["guard"]["checks"] >= 0
+    assert runs["auto@0.9"]["same_tokens_as_plain"]
     with pytest.raises(SystemExit) as exc:
         mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"),
                   "--guard-arm", "host", "--out", str(out)])

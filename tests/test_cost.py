@@ -63,13 +63,36 @@ def test_host_hook_takes_misses_only_when_sooner():
     assert (plan.host, plan.to_fetch) == (2, 0) and plan.seconds == pytest.approx(8e-4)
     plan = m.serve([(0, 1), (0, 2)], cache, tokens=4)  # 1.6 ms on the host: fetch instead
     assert (plan.host, plan.to_fetch) == (0, 2) and plan.seconds == pytest.approx(2e-3)
-    m.observe_forward("verify", 4, 0.002)
-    assert m.step_seconds("verify", 1, 2) == pytest.approx(0.002 + 2 * 4e-4)  # the host path is sooner
-    assert m.step_seconds("verify", 4, 2) == pytest.approx(0.002 + 2 * 1e-3)  # the link is
     m.set_cpu_expert_rate(None)
     assert m.serve([(0, 1)], cache).host == 0
-    m.set_cpu_expert_rate(lambda tokens: None)  # a hook with no price now (not measured, or the host path off)
-    assert m.serve([(0, 1)], cache).host == 0 and m.step_seconds("verify", 4, 2) == pytest.approx(0.002 + 2 * 1e-3)
+    m.set_cpu_expert_rate(lambda tokens: None)  # a hook with no price yet (not measured)
+    assert m.serve([(0, 1)], cache).host == 0
+
+
+@pytest.mark.parametrize("arm,one,four", [
+    ("off", 1e-3, 1e-3),  # every miss fetched
+    ("host", 4e-4, 1.6e-3),  # every miss on the host, however slow
+    ("all", 4e-4, 1.6e-3),
+    ("model", 1e-3 * 4e-4 / 1.4e-3, 1e-3 * 1.6e-3 / 2.6e-3),  # both pipes side by side
+    (None, 1e-3 * 4e-4 / 1.4e-3, 1e-3 * 1.6e-3 / 2.6e-3),  # no placement hook: the cost model's split
+])
+def test_a_missing_expert_is_priced_by_the_placement_that_serves_it(arm, one, four):
+    m = CostModel(1_000_000, link_gbps=1)  # 1 ms per fetch
+    m.set_cpu_expert_rate(lambda tokens: 0.0004 * tokens, placement=None if arm is None else (lambda tokens: arm))
+    m.observe_forward("verify", 4, 0.002)
+    assert m.placement_of(4) == (arm or "model")
+    assert m.seconds_per_missing_expert(1) == pytest.approx(one)
+    assert m.step_seconds("verify", 4, 2) == pytest.approx(0.002 + 2 * four)
+
+
+@pytest.mark.parametrize("arm,base", [("host", 0.010 - 2e-3 - 5 * 4e-4), ("model", 0.010 - 2e-3), ("off", 0.010 - 2e-3)])
+def test_a_forward_is_recorded_without_the_time_serving_its_misses(arm, base):
+    """host: the link's and the host's shares add up; model: they overlap (the longer one counts);
+    off: the host computed nothing, but the hook may still price it (only the link is taken off)."""
+    m = CostModel(1_000_000, link_gbps=1)
+    m.set_cpu_expert_rate(lambda tokens: 0.0004 * tokens, placement=lambda tokens: arm)
+    m.observe_forward("plain", 1, 0.010, fetched_experts=2, host_experts=0 if arm == "off" else 5)
+    assert m.forward_seconds("plain", 1) == pytest.approx(base)
 
 
 def test_forward_time_is_robust_to_one_slow_step():

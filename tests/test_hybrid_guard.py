@@ -107,6 +107,9 @@ def test_a_pinned_arm_is_kept_and_nothing_is_checked():
     assert run(g, clock, 50, 0.01, 0.02) == [True] * 50 and g.arm == "host" and g.checks == 0
     with pytest.raises(ValueError):
         g.pin("gpu")
+    g.unpin()  # checking again from the first arm, as a new guard
+    modes = run(g, clock, 2 * 4 + 1, 0.01, 0.02)  # off's window first, then the host arms' (all faster)
+    assert modes[:2] == [False, False] and all(modes[2:]) and g.checks == 1 and g.arm == "all"
 
 
 def test_bad_settings_are_refused():
@@ -222,9 +225,8 @@ def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
         guard.pin("off")  # as if a check had found the host path slower
         generate(rt, [1, 2, 3], max_new_tokens=4, eos_token_ids=[])
         # the planner's price of a missing expert follows: its fetch while "off", the host's otherwise
-        assert rt.cost.cpu_expert_seconds(1) is None
+        assert rt.cost.placement_of(1) == "off" and rt.cost.placement_of(64) == "model"  # a prefill: the split
         assert rt.cost.seconds_per_missing_expert(1) == rt.cost.seconds_per_expert_fetch()
-        assert rt.cost.cpu_expert_seconds(64) is not None  # a prefill: the cost model's split, whatever the arm
         assert rt.stats()["cpu_experts"]["computed"] == 0 and rt.stats()["cpu_experts"]["guard"]["host_path"] is False
         rt.reset_cache()
         guard.pin("host")  # every miss on the CPU: nothing fetched, not even hot experts in the background
@@ -233,9 +235,10 @@ def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
         assert rt.placer.background == background
         st = rt.stats()
         assert st["cpu_experts"]["computed"] > 0 and st["cpu_experts"]["guard"]["arm"] == "host"
-        host_one = rt.placer.runner.seconds_for(1)
-        assert rt.cost.cpu_expert_seconds(1) == host_one
-        assert rt.cost.seconds_per_missing_expert(1) == min(host_one, rt.cost.seconds_per_expert_fetch())
+        assert rt.cost.placement_of(1) == "host"
+        assert rt.cost.seconds_per_missing_expert(1) == rt.placer.runner.seconds_for(1)
+        rt.forget_costs()  # the measurements go, the host path and its placement stay
+        assert rt.cost.placement_of(1) == "host" and rt.cost.cpu_expert_seconds is not None
         assert st["experts_per_token"]["fetched"] == 0, st["experts_per_token"]
         rt.reset_cache()
         guard.pin("all")  # every routed expert on the CPU: no lookups, so no hits either

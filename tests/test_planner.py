@@ -554,3 +554,53 @@ def test_a_fully_accepted_shadow_probe_brings_the_probe_interval_back(probe_toke
     for t in probe_tokens[1:]:
         shadow_step(p, [t])
     assert p._shadow == [] and p._probe_interval == interval
+
+
+def test_misses_the_host_computes_count_as_the_misses_fetched_do():
+    """Hybrid execution: a planner whose misses are computed on the host (the "host" placement,
+    counted by ``host_counter``, no link bytes) at the price one fetch costs the other planner
+    makes the same choices, and records its forwards without that host time."""
+    import random
+
+    price = 0.0005  # seconds per missing expert, on either pipe; a step's own work 40 ms
+
+    def run(host: bool):
+        rng = random.Random(1)
+        moved = [0.0, 0.0]
+        computed = [0]
+        cost = CostModel(EXPERT_BYTES, link_gbps=EXPERT_BYTES / price / 1e9)
+        if host:
+            cost.set_cpu_expert_rate(lambda tokens: price, placement=lambda tokens: "host")
+        p = BlockPlanner(8, cost, num_layers=L, num_experts=E, top_k=K, cache=FakeCache(),
+                         link_counters=lambda: tuple(moved), host_counter=(lambda: computed[0]) if host else None)
+        pos = 0
+        for _ in range(60):
+            p.begin_step()
+            b = p.plan_draft(8, can_shadow=True)
+            drafted = max(b, p.draft_block, p.shadow_block)
+            if drafted > 1:
+                p.after_draft(drafted, 0.001)
+            misses = 0
+            for layer in range(L):
+                union = set()
+                for _ in range(b):
+                    union |= set(rng.sample(range(E), K))
+                p.on_routed(layer, sorted(union))
+                misses += len(union)
+            if host:
+                computed[0] += misses
+            else:
+                moved[0] += misses * EXPERT_BYTES
+                moved[1] += misses * price
+            new = list(range(pos + 1, pos + b + 1))  # every proposal right
+            p.end_step(b, b - 1, b, 0.001 * (drafted > 1) + 0.040 + misses * price,
+                       draft_seconds=0.001 if drafted > 1 else 0.0, tokens=new,
+                       tail=list(range(pos + b, pos + drafted)) if drafted > b else ())
+            pos += b
+        return p
+
+    link, host = run(False), run(True)
+    assert host.report.histogram == link.report.histogram and max(host.report.histogram) > 1
+    assert host.report.host_experts > 0 and host.report.fetched_experts == 0
+    assert host.cost.forward_seconds("verify", 1) == pytest.approx(link.cost.forward_seconds("verify", 1))
+    assert host.cost.forward_seconds("verify", 1) == pytest.approx(0.040)  # the misses' time is off
