@@ -10,10 +10,16 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_speculation_gpu.py"
 
 
-def test_cpu_dry_run_writes_every_arm(tmp_path):
+def _bench():
+    """benchmarks/bench_speculation_gpu.py as a module."""
     spec = importlib.util.spec_from_file_location("bench_speculation_gpu", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cpu_dry_run_writes_every_arm(tmp_path):
+    mod = _bench()
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "10", "--prompts", "1", "--dtypes", "bfloat16,float32", "--acceptance", "0.9,0.3",
@@ -56,9 +62,7 @@ def test_drafting_share_prices_drafted_steps_at_the_runs_plain_step():
     (-5 + 3) / 58 ms of run."""
     from types import SimpleNamespace as S
 
-    spec = importlib.util.spec_from_file_location("bench_speculation_gpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench()
 
     def step(block, committed, draft, verify, shadow=0):
         return S(block_size=block, committed=[0] * committed, draft_seconds=draft, verify_seconds=verify,
@@ -147,9 +151,7 @@ def test_draft_graphs_benchmark_compares_the_two_paths_on_the_cpu(load_script, t
 def test_cpu_experts_serve_every_arm_when_asked(tmp_path):
     """--cpu-experts all: plain and speculative arms compute their experts on the host's kernel,
     and float32 keeps every arm's tokens equal."""
-    spec = importlib.util.spec_from_file_location("bench_speculation_gpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench()
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--tokens", "8",
                      "--prompts", "1", "--dtypes", "float32", "--acceptance", "0.9", "--cpu-experts", "all",
@@ -163,9 +165,7 @@ def test_cpu_experts_serve_every_arm_when_asked(tmp_path):
 def test_guard_arm_pins_every_arm_and_adds_a_fetch_only_plain_arm(tmp_path, capsys):
     """--guard-arm host: every arm but plain-fetch computes misses on the host's kernel, plain-fetch
     none; the summary compares every arm with plain-fetch too; --guard-arm without auto is refused."""
-    spec = importlib.util.spec_from_file_location("bench_speculation_gpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench()
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--tokens", "8",
                      "--prompts", "1", "--dtypes", "float32", "--acceptance", "0.9", "--blocks", "2",
@@ -173,9 +173,11 @@ def test_guard_arm_pins_every_arm_and_adds_a_fetch_only_plain_arm(tmp_path, caps
     res = json.loads(out.read_text())
     runs = {r["arm"]: r for r in res["runs"]}
     assert set(runs) == {"plain", "plain-fetch", "auto@0.9", "B2@0.9"}
-    assert runs["plain-fetch"]["cpu_experts_per_token"] == 0
+    # plain-fetch: only the prompt's prefill may be split by the cost model (timing-dependent);
+    # the pinned arms also compute every decode miss on the host
     for arm in ("plain", "auto@0.9", "B2@0.9"):
-        assert runs[arm]["cpu_experts_per_token"] > 0 and runs[arm]["same_tokens_as_plain"], arm
+        assert runs[arm]["cpu_experts_per_token"] > runs["plain-fetch"]["cpu_experts_per_token"], arm
+        assert runs[arm]["same_tokens_as_plain"], arm
     arms = res["summary"]["float32"]["arms"]
     assert arms["plain-fetch"]["vs_plain_fetch"] == 1.0 and arms["auto@0.9"]["vs_plain_fetch"] > 0
     assert "plain-fetch" in res["markdown"]
@@ -184,8 +186,8 @@ def test_guard_arm_pins_every_arm_and_adds_a_fetch_only_plain_arm(tmp_path, caps
                      "--prompts", "1", "--dtypes", "float32", "--acceptance", "0.9", "--blocks", "1",
                      "--link-gbps", "2", "--cpu-experts", "auto", "--guard-arm", "guard", "--out", str(out)]) == 0
     runs = {r["arm"]: r for r in json.loads(out.read_text())["runs"]}
-    assert runs["plain-fetch"]["cpu_experts_per_token"] == 0 and runs["auto@0.9"]["guard"]["checks"] >= 0
-    assert runs["auto@0.9"]["same_tokens_as_plain"]
+    assert runs["auto@0.9"]["guard"]["arm"] in ("off", "all", "model", "host")
+    assert runs["auto@0.9"]["same_tokens_as_plain"] and runs["plain-fetch"]["same_tokens_as_plain"]
     with pytest.raises(SystemExit) as exc:
         mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"),
                   "--guard-arm", "host", "--out", str(out)])
