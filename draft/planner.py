@@ -204,9 +204,9 @@ class BlockPlanner:
     ``link_counters`` (bytes, busy seconds) feeds the cost model's link rate and measures each
     step's fetched experts; None without a scheduler. ``host_counter`` (experts computed on the
     host so far; hybrid execution) measures each step's misses that the host served instead: a
-    step's misses are those fetched plus those, each priced as the cost model's placement serves it. ``clock`` (e.g. ``time.process_time``) makes
-    the planner time the steps itself; without it (what generate does) the caller's wall-clock
-    step times are used.
+    step's misses are those fetched plus those, each priced as the cost model's placement serves
+    it. ``clock`` (e.g. ``time.process_time``) makes the planner time the steps itself; without it
+    (what generate does) the caller's wall-clock step times are used.
     """
 
     def __init__(

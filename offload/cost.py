@@ -348,7 +348,8 @@ class CostModel:
             "forward_ms": {k: {t: v * 1e3 for t, v in self.measured_forward(k).items()} for k in FORWARD_KINDS},
             "device_expert_ms": {t: e.value * 1e3 for t, e in sorted(self._expert_compute.items())},
             "host_path": self.cpu_expert_seconds is not None,
-            "host_expert_ms": _ms(self.cpu_expert_seconds(1)) if self.cpu_expert_seconds is not None else None,  # None: "off"
+            "host_expert_ms": _ms(self.cpu_expert_seconds(1)) if self.cpu_expert_seconds is not None else None,
+            "placement": self.placement_of(1),  # how a decode step's misses are served now
             "host_layer_overhead_ms": _ms(self.host_layer_overhead.value),
             "fetch_expert_ms": self.seconds_per_expert_fetch() * 1e3,
         }

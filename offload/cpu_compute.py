@@ -298,9 +298,10 @@ class HybridGuard:
     next forward's start, and is compared only with steps of as many tokens: an arm's time is the
     mean over token counts, weighted by how often each count ran in the check, of its median step
     at each count measured under every arm still in the check (:meth:`_times`); a round whose arms
-    share no token count does not end the check. After each round of windows, arms whose time is more than
-    ``cut`` behind the best leave the check; the check ends after ``rounds`` rounds or when one
-    arm is left. The arm with the lowest median is kept ("off" unless another is faster by more
+    share no token count does not end the check (after ``4 * rounds`` such rounds, each arm's
+    steps are pooled whatever their tokens). After each round of windows, arms whose time is more
+    than ``cut`` behind the best leave the check; the check ends after ``rounds`` rounds or when
+    one arm is left. The arm with the lowest time is kept ("off" unless another is faster by more
     than ``margin``) for ``hold`` decode steps, then checked again the same way; a check that
     confirms the same arm doubles the hold, up to ``max_hold``. A check after a hold (a
     re-check) opens with the kept arm and tries only the arms whose last median was within
@@ -309,9 +310,9 @@ class HybridGuard:
     the link changed), a full check of every arm follows at once. ``on_forward(tokens)`` is a
     forward observer of the runtime.
 
-    The arm rules the forwards it is judged by. A longer forward (a prefill, perhaps a later ``generate`` on the same
-    runtime) reads each expert's weights once per 16 tokens on the CPU and is priced by the cost
-    model's split instead (:meth:`arm_for`), whichever arm decode steps keep."""
+    The arm rules the forwards it is judged by. A longer forward (a prefill, perhaps a later
+    ``generate`` on the same runtime) reads each expert's weights once per 16 tokens on the CPU
+    and is priced by the cost model's split instead (:meth:`arm_for`), whichever arm the steps keep."""
 
     def __init__(self, window: int = 4, rounds: int = 2, hold: int = 64, max_hold: int = 1024, margin: float = 0.02,
                  cut: float = 0.05, recheck: float = 0.25, arms: tuple[str, ...] = GUARD_ARMS,

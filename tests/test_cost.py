@@ -111,7 +111,7 @@ def test_expert_compute_rate():
     m.observe_expert_compute(1, 4, 0.002)
     assert m.device_expert_seconds(2) == pytest.approx(0.0005)
     d = m.to_dict()
-    assert d["device_expert_ms"] == {1: pytest.approx(0.5)} and d["host_path"] is False
+    assert d["device_expert_ms"] == {1: pytest.approx(0.5)} and d["host_path"] is False and d["placement"] == "off"
 
 
 def test_place_layer_without_host_fetches_everything():
