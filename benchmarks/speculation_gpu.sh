@@ -7,12 +7,15 @@
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh spec    # the planner (and an arm without its overdraft) against graphed
 #                                                            # plain decoding (bench_speculation_gpu.py), float32 then bf16
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh plain   # the loop's plain step taken apart (bench_plain_step.py)
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh hybrid  # spec with every miss computed on the CPU (the hybrid
+#                                                            # guard pinned to GUARD_ARM, default host), plus the
+#                                                            # fetch-only plain arm plain-fetch every arm is compared with
 #
 # Every result lands in $OUT as JSON with a .log of its progress; the checkpoints in $WORK.
 # A CPU check of this script in a minute: PRESET=tiny DEVICE=cpu EXTRA="--link-gbps 2" TOKENS=12.
 set -uo pipefail
 STAGE="${1:-}"
-case "$STAGE" in draft|spec|plain) ;; *) echo "Error: stage must be draft, spec or plain, got '$STAGE'" >&2; exit 2 ;; esac
+case "$STAGE" in draft|spec|plain|hybrid) ;; *) echo "Error: stage must be draft, spec, plain or hybrid, got '$STAGE'" >&2; exit 2 ;; esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/out}"
 WORK="${WORK:-/tmp/spec}"
@@ -26,6 +29,7 @@ PROMPTS="${PROMPTS:-2}"          # spec: prompts per dtype
 ACCEPT="${ACCEPT:-0.9,0.7,0.3}"  # spec: oracle acceptance rates
 BLOCKS="${BLOCKS:-1}"            # spec: fixed block lengths to run besides the planner (1: none)
 DTYPES="${DTYPES:-float32 bfloat16}"
+GUARD_ARM="${GUARD_ARM:-host}"   # hybrid: the pinned placement (host, model, all, off) or guard (no pin)
 COMMON=(--checkpoint-dir "$CKPT" --preset "$PRESET" --device "$DEVICE")
 mkdir -p "$OUT" "$WORK"
 cd "$ROOT"
@@ -50,6 +54,12 @@ case "$STAGE" in
     for dt in $DTYPES; do
       run "spec_$dt" "$PY" benchmarks/bench_speculation_gpu.py "${COMMON[@]}" $EXTRA --dtypes "$dt" --blocks "$BLOCKS" \
         --tokens "$TOKENS" --prompts "$PROMPTS" --acceptance "$ACCEPT" --no-overdraft-arm --out "$OUT/spec_$dt.json"
+    done ;;
+  hybrid)
+    for dt in $DTYPES; do
+      run "hybrid_$dt" "$PY" benchmarks/bench_speculation_gpu.py "${COMMON[@]}" $EXTRA --dtypes "$dt" --blocks "$BLOCKS" \
+        --tokens "$TOKENS" --prompts "$PROMPTS" --acceptance "$ACCEPT" --cpu-experts auto --guard-arm "$GUARD_ARM" \
+        --out "$OUT/hybrid_$dt.json"
     done ;;
   plain)
     run plain_step_float32 "$PY" benchmarks/bench_plain_step.py "${COMMON[@]}" $EXTRA --dtype float32 --profile \

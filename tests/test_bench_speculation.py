@@ -192,3 +192,22 @@ def test_guard_arm_pins_every_arm_and_adds_a_fetch_only_plain_arm(tmp_path, caps
         mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"),
                   "--guard-arm", "host", "--out", str(out)])
     assert exc.value.code == 2 and "--guard-arm needs --cpu-experts auto" in capsys.readouterr().err
+
+
+def test_the_gpu_stage_script_runs_its_hybrid_stage_on_the_cpu(tmp_path):
+    """benchmarks/speculation_gpu.sh hybrid (CPU check: tiny preset, simulated link): one JSON per
+    dtype with the fetch-only plain arm; an unknown stage is refused with exit code 2."""
+    import os
+    import subprocess
+    import sys
+
+    script = SCRIPT.parent / "speculation_gpu.sh"
+    env = {**os.environ, "PRESET": "tiny", "DEVICE": "cpu", "EXTRA": "--link-gbps 2", "TOKENS": "6", "PROMPTS": "1",
+           "ACCEPT": "0.9", "BLOCKS": "2", "DTYPES": "float32", "PYTHON": sys.executable,
+           "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work")}
+    done = subprocess.run(["bash", str(script), "hybrid"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    res = json.loads((tmp_path / "out" / "hybrid_float32.json").read_text())
+    assert res["config"]["guard_arm"] == "host" and {r["arm"] for r in res["runs"]} >= {"plain", "plain-fetch", "B2@0.9"}
+    bad = subprocess.run(["bash", str(script), "bogus"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "stage must be" in bad.stderr
