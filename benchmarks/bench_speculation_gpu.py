@@ -194,8 +194,10 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
             for arm in order:
                 rt.reset_cache()
                 rt.forget_costs()
-                if arm == "plain-fetch" or args.guard_arm not in (None, "guard"):
-                    guard.pin("off" if arm == "plain-fetch" else args.guard_arm)
+                if arm == "plain-fetch":
+                    guard.pin("off", longer=True)  # fetch-only, the prompt's prefill too
+                elif args.guard_arm not in (None, "guard"):
+                    guard.pin(args.guard_arm)
                 elif args.guard_arm == "guard":
                     guard.unpin()  # every arm's own check, from its first step
                 if arm in ("plain", "plain-fetch"):

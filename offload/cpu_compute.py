@@ -332,6 +332,7 @@ class HybridGuard:
         self._best = 0.0  # the best median of the last completed check
         self._choice: str | None = None
         self._pinned = False  # pin(): one arm kept, nothing checked
+        self._pin_longer = False  # pin(longer=True): the pinned arm rules prefills too
         self._prev: tuple[float, int] | None = None  # (start, tokens) of the previous forward
         self._start_check()
 
@@ -342,8 +343,9 @@ class HybridGuard:
 
     def arm_for(self, tokens: int) -> str:
         """The placement of a forward of ``tokens`` tokens: the kept (or tried) arm where the
-        guard's measurements speak for it, the cost model's split ("model") for longer ones."""
-        return self.arm if tokens <= self.max_tokens else "model"
+        guard's measurements speak for it, the cost model's split ("model") for longer ones
+        (unless pinned with ``longer=True``)."""
+        return self.arm if tokens <= self.max_tokens or self._pin_longer else "model"
 
     def _start_check(self, full: bool = True) -> None:
         if full or self._choice is None:
@@ -362,15 +364,17 @@ class HybridGuard:
         self._holding = 0  # decode steps left in the hold (0: checking)
         self.arm = self._live[0]
 
-    def pin(self, arm: str) -> None:
-        """Keep ``arm`` from now on, checking nothing (benchmarks measure one arm's steady steps)."""
+    def pin(self, arm: str, longer: bool = False) -> None:
+        """Keep ``arm`` from now on, checking nothing (benchmarks measure one arm's steady steps);
+        with ``longer`` it rules the longer forwards (prefills) too: ``pin("off", longer=True)`` is
+        fetch-only throughout."""
         if arm not in self.arms:
             raise ValueError(f"arm {arm!r} is not one of {self.arms}")
-        self.arm, self._pinned = arm, True
+        self.arm, self._pinned, self._pin_longer = arm, True, longer
 
     def unpin(self) -> None:
         """Forget any pinned or kept arm and check every arm from the next step, as a new guard does."""
-        self._pinned, self._choice, self._prev = False, None, None
+        self._pinned, self._pin_longer, self._choice, self._prev = False, False, None, None
         self.hold = self._first_hold
         self._start_check()
 

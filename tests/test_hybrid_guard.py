@@ -256,6 +256,10 @@ def test_longer_forwards_than_it_judges_take_the_cost_models_split():
         g.pin(arm)
         assert g.arm_for(1) == arm and g.arm_for(8) == arm
         assert g.arm_for(9) == "model"
+    g.pin("off", longer=True)  # fetch-only throughout: prefills too
+    assert g.arm_for(1) == g.arm_for(9) == "off"
+    g.unpin()
+    assert g.arm_for(9) == "model"
     with pytest.raises(ValueError):
         HybridGuard(max_tokens=0)
 
