@@ -239,7 +239,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                         row["planner"] = {k: res.planner[k] for k in ("predicted_step_ms", "measured_step_ms",
                                                                        "step_time_abs_error_ms", "probes", "shadow_probes",
                                                                        "retreats", "overdrafted_blocks",
-                                                                       "acceptance_conditional", "block_histogram")}
+                                                                       "acceptance_conditional", "block_histogram",
+                                                                       "plain_step_ms", "realized_vs_plain")}
                         row["cost"] = res.planner["cost"]
                     row["draft_pass"] = draft_pass_kind(draft)
                 results[arm] = row

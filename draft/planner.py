@@ -698,5 +698,10 @@ class BlockPlanner:
             r.abs_error_seconds += abs(choice.predicted_seconds - seconds)
 
     def to_dict(self) -> dict:
+        plain = self._plain_steady.value
         return {**self.report.to_dict(), "acceptance_conditional": self.acceptance.conditional(),
+                # what the planner prices plain decoding at (recent steady plain steps), and the
+                # realized rate of its recent drafted steps against it (the floor's and retreat's view)
+                "plain_step_ms": None if plain is None else 1e3 * plain,
+                "realized_vs_plain": self._realized_ratio(),
                 "home_block": self.home_block, "cost": self.cost.to_dict()}

@@ -158,6 +158,8 @@ def test_a_speculative_incumbent_that_measurably_loses_retreats_to_plain_decodin
     else:
         assert chosen == [2] * 8 + [1] * 6 and p.report.retreats == 1, chosen
         assert not p._hold_plain and p.to_dict()["retreats"] == 1
+    d = p.to_dict()  # the plain price and the realized ratio the retreat and floor read
+    assert d["plain_step_ms"] == pytest.approx(plain * 1e3) and d["realized_vs_plain"] == pytest.approx(p._realized_ratio())
 
 
 @pytest.mark.parametrize("settle,drafts_again", [(3, True), (0, False)])
