@@ -352,12 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-experts", choices=("off", "auto", "all"), default="off",
                     help="Hybrid expert execution for every arm, plain included (generate's --cpu-experts; default off).")
     ap.add_argument("--guard-arm", choices=("off", "model", "host", "all", "guard"), default=None,
-                    help="With --cpu-experts auto: pin the hybrid guard's placement for every arm (guard: none, "
-                         "each arm starts a fresh check; off: fetch "
-                         "every miss; model: the cost model's split; host: every miss not in flight on the CPU; all: every "
-                         "routed expert on the CPU) "
-                         "and add an arm plain-fetch (plain decoding, every miss fetched) that every arm is also "
-                         "compared with (vs_plain_fetch).")
+                    help="With --cpu-experts auto: pin the hybrid guard's placement for every arm (off: fetch every "
+                         "miss; model: the cost model's split; host: every miss not in flight on the CPU; all: every "
+                         "routed expert on the CPU; guard: no pin, each arm starts a fresh check), and add an arm "
+                         "plain-fetch (plain decoding, fetch-only) that every arm is also compared with (vs_plain_fetch).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--predictor", default=DEFAULT_PREDICTOR,
                     help=f"Route-ahead predictor of the speculative arms (default: generate's, {DEFAULT_PREDICTOR}).")

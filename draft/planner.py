@@ -664,14 +664,15 @@ class BlockPlanner:
         if counters is not None:
             fetched = max(0.0, counters[0] - self._step_bytes0) / self.cost.expert_bytes
             self.cost.observe_link(*counters)
-            if steady:
-                self._plain_fetched.add(fetched + host)
+        missed = fetched + host  # the step's misses, whichever pipe served them
+        if counters is not None and steady:
+            self._plain_fetched.add(missed)
         choice = self._stage if self._stage is not None and self._stage.block == block else None
         self.cost.observe_forward("verify", block, max(0.0, seconds - draft_seconds), fetched, host)
         self._verified[block] = self._verified.get(block, 0) + 1
         if self.cache is not None:
             pred_missing = choice.route_missing if choice is not None else 0.0
-            self._extra.setdefault(block, Ewma(self.cost.alpha)).add(fetched + host - pred_missing)
+            self._extra.setdefault(block, Ewma(self.cost.alpha)).add(missed - pred_missing)
         if self._tails and tokens:
             self._check_tails(tokens)
         if block > 1 and tail:

@@ -178,8 +178,7 @@ class CostModel:
         if kind not in FORWARD_KINDS:
             raise ValueError(f"unknown forward kind {kind!r}; one of {FORWARD_KINDS}")
         link = fetched_experts * self.seconds_per_expert_fetch()
-        host_one = self.cpu_expert_seconds(tokens) if self.cpu_expert_seconds is not None and host_experts else None
-        host = host_experts * host_one if host_one else 0.0
+        host = host_experts * (self.host_expert_seconds(tokens) or 0.0) if host_experts else 0.0
         served = max(link, host) if self.placement_of(tokens) == "model" else link + host
         self._forward[kind].setdefault(int(tokens), RecentMedian()).add(max(0.0, seconds - served))
 
@@ -196,6 +195,11 @@ class CostModel:
         guard's arm: "off", "model", "host" or "all"); without it, "model"."""
         self.cpu_expert_seconds = fn
         self.placement = placement if fn is not None else None
+
+    def host_expert_seconds(self, tokens: int) -> float | None:
+        """The host kernel's seconds for one expert over ``tokens`` tokens (None: no host path, or
+        not measured yet)."""
+        return self.cpu_expert_seconds(tokens) if self.cpu_expert_seconds is not None else None
 
     def placement_of(self, tokens: int) -> str:
         """The placement serving a forward of ``tokens`` tokens' misses ("off" without a host path)."""
@@ -260,7 +264,7 @@ class CostModel:
         resident, in_flight, missing = self.experts_to_fetch(experts, cache)
         plan = ServePlan(resident=resident, in_flight=in_flight)
         fetch_one = self.seconds_per_expert_fetch()
-        host_one = self.cpu_expert_seconds(tokens) if self.cpu_expert_seconds is not None else None
+        host_one = self.host_expert_seconds(tokens)
         if host_one is not None and host_one < fetch_one:
             plan.host = missing
             plan.host_seconds = missing * host_one
@@ -324,7 +328,7 @@ class CostModel:
         rates add up). Its fetch while the host rate is unmeasured."""
         fetch_one = self.seconds_per_expert_fetch()
         arm = self.placement_of(tokens)
-        host_one = self.cpu_expert_seconds(tokens) if arm != "off" else None
+        host_one = self.host_expert_seconds(tokens) if arm != "off" else None
         if not host_one:
             return fetch_one
         if arm == "model":
@@ -348,7 +352,7 @@ class CostModel:
             "forward_ms": {k: {t: v * 1e3 for t, v in self.measured_forward(k).items()} for k in FORWARD_KINDS},
             "device_expert_ms": {t: e.value * 1e3 for t, e in sorted(self._expert_compute.items())},
             "host_path": self.cpu_expert_seconds is not None,
-            "host_expert_ms": _ms(self.cpu_expert_seconds(1)) if self.cpu_expert_seconds is not None else None,
+            "host_expert_ms": _ms(self.host_expert_seconds(1)),
             "placement": self.placement_of(1),  # how a decode step's misses are served now
             "host_layer_overhead_ms": _ms(self.host_layer_overhead.value),
             "fetch_expert_ms": self.seconds_per_expert_fetch() * 1e3,

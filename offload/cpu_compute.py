@@ -385,7 +385,7 @@ class HybridGuard:
             return  # after a prefill, or before one (the gap may hold anything): not a step
         self._step(now - prev[0], prev[1])
 
-    def _step(self, seconds: float, tokens: int = 1) -> None:
+    def _step(self, seconds: float, tokens: int) -> None:
         """One step of ``tokens`` tokens ran with the current arm and took ``seconds``."""
         if self._pinned:
             return
