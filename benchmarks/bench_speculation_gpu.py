@@ -49,6 +49,7 @@ import torch
 
 from pdflash.draft.offloaded import DEFAULT_PREDICTOR
 from pdflash.machine import machine_info
+from pdflash.offload.cache import EVICTION_POLICIES
 
 TARGETS = {0.9: 1.6, 0.7: 1.2, 0.3: 0.97}  # auto / plain, same run (issue: speculation that pays)
 PROMPTS = (
@@ -156,8 +157,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
     t0 = time.perf_counter()
     rt = OffloadedModel.load(args.checkpoint_dir, device=args.device, dtype=dtype, expert_cache_experts=slots,
                              block_tokens=trained, link_gbps=args.link_gbps, cpu_experts=args.cpu_experts,
-                             progress=False)
-    _log(f"[{dtype}] loaded in {time.perf_counter() - t0:.1f} s; cache {rt.cache.capacity}/{total} experts")
+                             eviction=args.eviction, progress=False)
+    _log(f"[{dtype}] loaded in {time.perf_counter() - t0:.1f} s; cache {rt.cache.capacity}/{total} experts, {args.eviction} eviction")
     rows: list[dict] = []
     try:
         draft = load_draft(args.checkpoint_dir / "draft", rt.model)
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                          "miss; model: the cost model's split; host: every miss not in flight on the CPU; all: every "
                          "routed expert on the CPU; guard: no pin, each arm starts a fresh check), and add an arm "
                          "plain-fetch (plain decoding, fetch-only) that every arm is also compared with (vs_plain_fetch).")
+    ap.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru", help="The expert cache's eviction policy.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--predictor", default=DEFAULT_PREDICTOR,
                     help=f"Route-ahead predictor of the speculative arms (default: generate's, {DEFAULT_PREDICTOR}).")

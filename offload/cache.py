@@ -8,6 +8,12 @@ prefetch is promoted in place, never fetched twice.
 
 Slot states: FREE -> ARRIVING (copy submitted; ``ticket``) -> RESIDENT -> FREE (evicted).
 
+Eviction policies: "lru"; "balanced", LRU that takes its victim from the layers holding more than
+an equal share of the slots first, then from the layer asking, so that a forward touching more
+experts than the cache holds (a verify block: the union of its tokens' routes) does not push out
+every layer it passed before the next forward comes back to it, as a plain LRU does with a cyclic
+scan larger than itself; "lfu" (decayed use counts); "lookahead" (LRU sparing ``protected`` keys).
+
 Pins. Slots used by the layer being computed are pinned and never evicted.
 
 CUDA ordering invariant: a slot may be overwritten only when no queued GPU work
@@ -46,7 +52,7 @@ from pdflash.native import Band, Scheduler, WaitStatus, make_key
 from pdflash.offload.host_store import HostStore
 from pdflash.offload.stats import FetchStats
 
-EVICTION_POLICIES = ("lru", "lfu", "lookahead")
+EVICTION_POLICIES = ("lru", "balanced", "lfu", "lookahead")
 
 
 class SlotState(enum.IntEnum):
@@ -126,6 +132,7 @@ class ExpertCache:
         self._pinned: set[int] = set()
         self._deferred: set[int] = set()
         self._tick = 0
+        self._held = [0] * self.num_layers  # slots (arriving or resident) holding each layer's experts
         self.stats = FetchStats(self.num_layers)
 
     # -- inspection ------------------------------------------------------------------
@@ -346,6 +353,7 @@ class ExpertCache:
         slot.band = slot.cur_band = band
         slot.prefetched = False
         self._table[key] = s
+        self._held[key[0]] += 1
         self._arriving.add(s)
 
     def _resubmit(self, s: int) -> None:
@@ -374,6 +382,7 @@ class ExpertCache:
         slot = self._slot[s]
         if slot.key is not None:
             del self._table[slot.key]
+            self._held[slot.key[0]] -= 1
         self._lru.pop(s, None)
         self._arriving.discard(s)
         self._slot[s] = _Slot()
@@ -382,7 +391,9 @@ class ExpertCache:
     def _evictable(self, s: int) -> bool:
         return s not in self._pinned and s not in self._deferred
 
-    def _victim(self) -> int | None:
+    def _victim(self, layer: int) -> int | None:
+        if self.policy == "balanced":
+            return self._balanced_victim(layer)
         if self.policy == "lfu":
             best, best_score = None, None
             for s in self._lru:  # LRU order breaks ties
@@ -403,11 +414,27 @@ class ExpertCache:
                 fallback = s
         return fallback
 
+    def _balanced_victim(self, layer: int) -> int | None:
+        """LRU slot of a layer over its share, else of ``layer`` itself, else any LRU slot."""
+        share = self.capacity / self.num_layers
+        own = fallback = None
+        for s in self._lru:
+            if not self._evictable(s):
+                continue
+            held_by = self._slot[s].key[0]
+            if self._held[held_by] > share:
+                return s
+            if own is None and held_by == layer:
+                own = s
+            if fallback is None:
+                fallback = s
+        return own if own is not None else fallback
+
     def _acquire(self, for_demand: bool, layer: int) -> int | None:
         """A free slot: free list, else evict by policy; a demand may take back a prefetch in flight."""
         if self._free:
             return self._free.pop()
-        v = self._victim()
+        v = self._victim(layer)
         if v is not None:
             if self._slot[v].prefetched:
                 self.stats.prefetch_wasted += 1

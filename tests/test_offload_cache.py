@@ -92,6 +92,37 @@ def test_lookahead_policy_spares_predicted_experts(store, sched):
     assert cache.is_resident(2, 0) and not cache.is_resident(0, 1)
 
 
+def _cyclic_hits(store, sched, policy):
+    """Forwards touching 2 experts in each of 3 layers (6 keys) through a 4-slot cache: the scan is
+    larger than the cache, as a verify block's union is at a 25 % cache. Returns the hit count."""
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=4, policy=policy)
+    for _ in range(4):
+        cache.begin_forward(1)
+        for layer in range(LAYERS):
+            _fetch(cache, layer, 0)
+            _fetch(cache, layer, 1)
+            cache.end_layer()
+    assert sum(cache._held) == len(cache._table) <= 4
+    return cache.stats.hits
+
+
+def test_balanced_keeps_a_share_of_every_layer_where_lru_thrashes(store, sched):
+    # LRU: each layer's experts are evicted by the two layers after it before the next forward
+    # comes back, so no forward after the first ever hits. Balanced: the layer that overflows
+    # gives back its own slots, so every layer keeps one of its two experts (share 4 / 3).
+    assert _cyclic_hits(store, sched, "lru") == 0
+    assert _cyclic_hits(store, sched, "balanced") >= 3 * 3 - 1
+
+
+def test_balanced_takes_from_layers_over_their_share_first(store, sched):
+    cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=3, policy="balanced")
+    _fill_and_use(cache, [(0, 0), (1, 0), (1, 1)])  # layer 1 holds 2 > share 1; (0, 0) is the LRU
+    _fill_and_use(cache, [(2, 0)])
+    assert cache.is_resident(0, 0) and not cache.is_resident(1, 0) and cache.is_resident(1, 1)
+    _fill_and_use(cache, [(2, 1)])  # nobody over share: the asking layer's own LRU slot goes
+    assert cache.resident() == {0: [0], 1: [1], 2: [1]}
+
+
 def test_pinned_slots_are_never_evicted(store, sched):
     cache = ExpertCache(store, sched, torch.device("cpu"), n_slots=2)
     _fetch(cache, 0, 0)
