@@ -49,7 +49,7 @@ import torch
 
 from pdflash.draft.offloaded import DEFAULT_PREDICTOR
 from pdflash.machine import machine_info
-from pdflash.offload.cache import EVICTION_POLICIES
+from pdflash.offload.cache import DEFAULT_EVICTION, EVICTION_POLICIES
 
 TARGETS = {0.9: 1.6, 0.7: 1.2, 0.3: 0.97}  # auto / plain, same run (issue: speculation that pays)
 PROMPTS = (
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                          "miss; model: the cost model's split; host: every miss not in flight on the CPU; all: every "
                          "routed expert on the CPU; guard: no pin, each arm starts a fresh check), and add an arm "
                          "plain-fetch (plain decoding, fetch-only) that every arm is also compared with (vs_plain_fetch).")
-    ap.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru", help="The expert cache's eviction policy.")
+    ap.add_argument("--eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION, help="The expert cache's eviction policy.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--predictor", default=DEFAULT_PREDICTOR,
                     help=f"Route-ahead predictor of the speculative arms (default: generate's, {DEFAULT_PREDICTOR}).")

@@ -334,7 +334,7 @@ def generate(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with the tokens, text, timing and fetch statistics.")] = False,
     link_gbps: Annotated[float | None, typer.Option(help="Host-to-device link rate in GB/s. On the CPU: simulate a link of this speed, so offloading costs real time. On CUDA: pace the real copies to this rate, emulating a slower PCIe link (e.g. 25 for PCIe 4.0 x16).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the tokenizer's chat template as a user message.")] = False,
-    eviction: Annotated[str, typer.Option(help="Expert cache eviction policy: lru, balanced (LRU taken first from layers over an equal share: keeps every layer's hot experts when a verify block touches more experts than the cache holds), lfu (frequency with decay) or lookahead (spare predicted experts).")] = "lru",
+    eviction: Annotated[str, typer.Option(help="Expert cache eviction policy: balanced (from a layer over an equal share of the slots, else the one whose layer comes back last: keeps part of every layer when a verify block touches more experts than the cache holds), lru, lfu (frequency with decay) or lookahead (spare predicted experts).")] = "balanced",
     lookahead_depth: Annotated[int, typer.Option(min=0, help="Prefetch by applying the routers of the next N layers to the current hidden state (0: off).")] = 0,
     history_depth: Annotated[int, typer.Option(min=0, help="Prefetch the most used experts of the next N layers in the background band (0: off).")] = 0,
     draft: Annotated[Path | None, typer.Option(help="DFlash draft checkpoint directory: decode speculatively (greedy output stays identical).")] = None,

@@ -2,7 +2,7 @@
 
 Load and run
     rt = OffloadedModel.load(model_dir, *, device="cpu", dtype=None, expert_cache_mib=None,
-                             expert_cache_experts=None, block_tokens=1, eviction="lru", link_gbps=None,
+                             expert_cache_experts=None, block_tokens=1, eviction="balanced", link_gbps=None,
                              workers=2, chunk_mib=4.0, lookahead_depth=0, history_depth=0,
                              route_ahead_priority=Band.ROUTE_AHEAD, background_priority=Band.BACKGROUND,
                              preload=False, progress=False)

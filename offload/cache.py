@@ -8,11 +8,13 @@ prefetch is promoted in place, never fetched twice.
 
 Slot states: FREE -> ARRIVING (copy submitted; ``ticket``) -> RESIDENT -> FREE (evicted).
 
-Eviction policies: "lru"; "balanced", LRU that takes its victim from the layers holding more than
-an equal share of the slots first, then from the layer asking, so that a forward touching more
-experts than the cache holds (a verify block: the union of its tokens' routes) does not push out
-every layer it passed before the next forward comes back to it, as a plain LRU does with a cyclic
-scan larger than itself; "lfu" (decayed use counts); "lookahead" (LRU sparing ``protected`` keys).
+Eviction policies: "lru"; "balanced": the victim comes from a layer holding more than an equal
+share of the slots, else from the layer whose next use is furthest (forwards walk the layers in
+order: the running layer's unused experts, then the layer just passed, and so on back), so a
+forward touching more experts than the cache holds (a verify block: the union of its tokens'
+routes) does not push out every layer before the next forward comes back to it, as LRU does with
+a cyclic scan larger than itself; "lfu" (decayed use counts); "lookahead" (LRU sparing
+``protected`` keys).
 
 Pins. Slots used by the layer being computed are pinned and never evicted.
 
@@ -53,6 +55,7 @@ from pdflash.offload.host_store import HostStore
 from pdflash.offload.stats import FetchStats
 
 EVICTION_POLICIES = ("lru", "balanced", "lfu", "lookahead")
+DEFAULT_EVICTION = "balanced"
 
 
 class SlotState(enum.IntEnum):
@@ -95,7 +98,7 @@ class ExpertCache:
         scheduler: Scheduler,
         device: torch.device,
         n_slots: int,
-        policy: str = "lru",
+        policy: str = DEFAULT_EVICTION,
         lfu_decay: float = 0.8,
     ):
         if policy not in EVICTION_POLICIES:
@@ -133,6 +136,7 @@ class ExpertCache:
         self._deferred: set[int] = set()
         self._tick = 0
         self._held = [0] * self.num_layers  # slots (arriving or resident) holding each layer's experts
+        self._at = 0  # the layer a forward looked up or requested last (balanced eviction)
         self.stats = FetchStats(self.num_layers)
 
     # -- inspection ------------------------------------------------------------------
@@ -183,6 +187,7 @@ class ExpertCache:
 
     def lookup(self, layer: int, expert: int) -> int | None:
         """Slot of a resident expert (counted as a hit and pinned), else None."""
+        self._at = layer
         s = self._table.get((layer, expert))
         if s is None:
             return None
@@ -199,6 +204,7 @@ class ExpertCache:
     def request(self, layer: int, expert: int) -> Fetch | None:
         """Start (or promote) the copy of a non-resident expert; None if every slot is pinned."""
         key = (layer, expert)
+        self._at = layer
         s = self._table.get(key)
         lc = self.stats.layers[layer]
         if s is not None:  # a prefetch is on the way: promote it in place
@@ -391,9 +397,9 @@ class ExpertCache:
     def _evictable(self, s: int) -> bool:
         return s not in self._pinned and s not in self._deferred
 
-    def _victim(self, layer: int) -> int | None:
+    def _victim(self) -> int | None:
         if self.policy == "balanced":
-            return self._balanced_victim(layer)
+            return self._balanced_victim()
         if self.policy == "lfu":
             best, best_score = None, None
             for s in self._lru:  # LRU order breaks ties
@@ -414,27 +420,30 @@ class ExpertCache:
                 fallback = s
         return fallback
 
-    def _balanced_victim(self, layer: int) -> int | None:
-        """LRU slot of a layer over its share, else of ``layer`` itself, else any LRU slot."""
+    def _balanced_victim(self) -> int | None:
+        """The evictable slot of a layer over its share, else the one whose layer comes back last.
+
+        Forwards walk the layers in order, so a layer's next use is its distance ahead of the
+        layer being computed (``_at``), whose own unused experts come back last of all (next
+        forward). Within a layer, least recently used first.
+        """
         share = self.capacity / self.num_layers
-        own = fallback = None
+        n, at = self.num_layers, self._at
+        best, best_rank = None, None
         for s in self._lru:
             if not self._evictable(s):
                 continue
             held_by = self._slot[s].key[0]
-            if self._held[held_by] > share:
-                return s
-            if own is None and held_by == layer:
-                own = s
-            if fallback is None:
-                fallback = s
-        return own if own is not None else fallback
+            rank = (self._held[held_by] > share, (held_by - at - 1) % n)
+            if best_rank is None or rank > best_rank:
+                best, best_rank = s, rank
+        return best
 
     def _acquire(self, for_demand: bool, layer: int) -> int | None:
         """A free slot: free list, else evict by policy; a demand may take back a prefetch in flight."""
         if self._free:
             return self._free.pop()
-        v = self._victim(layer)
+        v = self._victim()
         if v is not None:
             if self._slot[v].prefetched:
                 self.stats.prefetch_wasted += 1

@@ -26,7 +26,7 @@ import torch
 
 from pdflash import PdflashError
 from pdflash.native import Band, Scheduler, SchedulerError
-from pdflash.offload.cache import EVICTION_POLICIES, ExpertCache
+from pdflash.offload.cache import DEFAULT_EVICTION, EVICTION_POLICIES, ExpertCache
 from pdflash.offload.checkpoint import Checkpoint
 from pdflash.offload.cpu_compute import resolve_mode
 from pdflash.offload.experts import OffloadedExperts
@@ -112,7 +112,7 @@ class OffloadedModel:
         expert_cache_mib: float | None = None,
         expert_cache_experts: int | None = None,
         block_tokens: int = 1,
-        eviction: str = "lru",
+        eviction: str = DEFAULT_EVICTION,
         link_gbps: float | None = None,
         workers: int = 2,
         chunk_mib: float = 4.0,
