@@ -143,14 +143,25 @@ def check_dedup(backend: str, device: int) -> Check:
         key = make_key(2, 5)
         t1 = s.submit(key, src, dst, priority=Band.BACKGROUND)
         t2 = s.submit(key, src, dst, priority=Band.BACKGROUND)
+        promote_s = time.monotonic()
         t3 = s.submit(key, src, dst, priority=Band.ON_DEMAND)  # promotes in place
         st = s.wait(t1, timeout=60)
         lv = s.stats()["levels"]
         exact = bufs.same(src, dst)
+        rec = next((r for r in s.drain_trace() if r["ticket"] == t1), None)
     copied_once = lv[0]["bytes"] + lv[2]["bytes"] == 8 * MiB * k + 2 * MiB
-    ok = t1 == t2 == t3 and st is WaitStatus.DONE and lv[0]["promoted"] == 1 and exact and copied_once
     dedups = lv[2]["deduplicated"] + lv[0]["deduplicated"]
-    return Check("dedup and promote in place", ok, f"one ticket for 3 submits, {dedups} deduplicated, 1 promoted")
+    promoted = lv[0]["promoted"]
+    # A copy that started before the promoting submit is not promoted (it is already moving);
+    # that happens when this thread is held off the CPU while the filler drains.
+    started_first = rec is not None and rec["start_s"] is not None and rec["start_s"] < promote_s
+    promote_ok = promoted == 1 or (started_first and promoted == 0)
+    ok = t1 == t2 == t3 and st is WaitStatus.DONE and promote_ok and exact and copied_once
+    detail = (f"{'one ticket' if t1 == t2 == t3 else 'distinct tickets'} for 3 submits, {dedups} deduplicated, "
+              f"{promoted} promoted{' (the copy had started before the promote: not exercised)' if started_first else ''}, "
+              f"status {st.name}, {'exact' if exact else 'BYTES DIFFER'}, "
+              f"{'copied once' if copied_once else 'bytes copied: ' + str(lv[0]['bytes'] + lv[2]['bytes'])}")
+    return Check("dedup and promote in place", ok, detail)
 
 
 def check_cancel(backend: str, device: int) -> Check:
