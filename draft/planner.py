@@ -31,8 +31,10 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   Otherwise the first block is verified: once drafting runs it stays unless plain decoding is
   predicted ``plain_margin`` ahead, so a block that pays a little keeps paying (measured: a
   shadow start that then needed ``switch_margin`` gave that up, docs/benchmarks.md, session 14).
-- Acceptance per position: a Beta posterior mean, prior ``prior_mean`` / ``prior_weight``, over
-  counts that decay by ``decay`` per verified block, so the estimate follows the text.
+- Acceptance per position: a Beta posterior mean over counts that decay by ``decay`` per verified
+  block, so the estimate follows the text, shrunk toward the run's own long-run acceptance at that
+  position (counts that decay more slowly, themselves shrunk toward ``prior_mean``), not toward a
+  fixed prior mean (AcceptanceModel).
 - Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
   (recent medians of measured verify and draft forwards, the step's own link time removed) and the
   link rate (the scheduler's counters). The experts a block will fetch are predicted from
@@ -123,31 +125,57 @@ class AcceptanceModel:
     Position i (1-based) has ``reached[i]`` (blocks in which positions 1 .. i-1 were accepted and
     i was drafted) and ``accepted[i]``, both multiplied by ``decay`` before each block is added
     (recent blocks weigh more); its conditional acceptance is the Beta posterior mean
-    (accepted + w m) / (reached + w), prior mean m and weight w.
+    (accepted + w m_i) / (reached + w), with w = ``prior_weight``.
+
+    The prior mean m_i is the run's own long-run acceptance at position i: the same posterior over
+    counts that decay by ``slow_decay`` (1: never), with prior mean ``prior_mean``. A fixed prior
+    mean next to counts that decay keeps its share for ever: weight 4 next to at most
+    1 / (1 - decay) = 10 blocks held a measured 0.9 near 0.81, and a planner on an H100 at
+    P = 0.9 kept blocks of 2 where blocks of 4 and 8 paid more (docs/benchmarks.md, session 19).
+    A position rarely reached keeps an estimate near ``prior_mean``: taking it to accept like the
+    one before it (tried) moved the embedded pair to blocks of 8 where 4 paid more.
+    ``slow_decay`` None keeps the fixed prior mean.
     """
 
-    def __init__(self, positions: int, prior_mean: float = 0.5, prior_weight: float = 1.0, decay: float = 1.0):
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {decay}")
+    def __init__(self, positions: int, prior_mean: float = 0.5, prior_weight: float = 1.0, decay: float = 1.0,
+                 slow_decay: float | None = None):
+        for name, d in (("decay", decay), ("slow_decay", 1.0 if slow_decay is None else slow_decay)):
+            if not 0.0 < d <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {d}")
         self.positions = positions
         self.prior_mean = prior_mean
         self.prior_weight = prior_weight
         self.decay = decay
+        self.slow_decay = slow_decay
         self.reached = [0.0] * positions
         self.accepted = [0.0] * positions
+        self.slow_reached = [0.0] * positions
+        self.slow_accepted = [0.0] * positions
+
+    def prior_means(self) -> list[float]:
+        """m_i: ``prior_mean`` everywhere, or the long-run estimates (see the class docstring)."""
+        if self.slow_decay is None:
+            return [self.prior_mean] * self.positions
+        w, m = self.prior_weight, self.prior_mean
+        return [(a + w * m) / (r + w) for a, r in zip(self.slow_accepted, self.slow_reached)]
 
     def conditional(self) -> list[float]:
-        w, m = self.prior_weight, self.prior_mean
-        return [(a + w * m) / (r + w) for a, r in zip(self.accepted, self.reached)]
+        w = self.prior_weight
+        return [(a + w * m) / (r + w) for a, r, m in zip(self.accepted, self.reached, self.prior_means())]
 
     def record(self, drafted: int, accepted: int) -> None:
         """A block verified ``drafted`` proposals and accepted the first ``accepted``."""
         if self.decay < 1.0:
             self.reached = [r * self.decay for r in self.reached]
             self.accepted = [a * self.decay for a in self.accepted]
+        if self.slow_decay is not None and self.slow_decay < 1.0:
+            self.slow_reached = [r * self.slow_decay for r in self.slow_reached]
+            self.slow_accepted = [a * self.slow_decay for a in self.slow_accepted]
         for i in range(min(drafted, accepted + 1, self.positions)):
             self.reached[i] += 1
             self.accepted[i] += i < accepted
+            self.slow_reached[i] += 1
+            self.slow_accepted[i] += i < accepted
 
 
 @dataclass
@@ -278,7 +306,8 @@ class BlockPlanner:
         self._probe_interval = probe_every  # doubles after each probe that leaves plain decoding ahead
         self.remeasure_plain_every = remeasure_plain_every
         self.remeasure_unless = remeasure_unless
-        self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1), prior_mean=0.6, prior_weight=4.0, decay=0.9)
+        self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1), prior_mean=0.6, prior_weight=4.0, decay=0.9,
+                                                       slow_decay=0.98)
         self._incumbent: int | None = None  # the block length being run (None during the cold start)
         self._spec_run = 0  # speculative steps in a row
         self._plain_run = 0  # plain steps in a row since the last drafted one (a shadow probe counts as drafted)
