@@ -241,7 +241,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                                                                        "step_time_abs_error_ms", "probes", "shadow_probes",
                                                                        "retreats", "overdrafted_blocks",
                                                                        "acceptance_conditional", "block_histogram",
-                                                                       "plain_step_ms", "realized_vs_plain")}
+                                                                       "plain_step_ms", "realized_vs_plain", "candidates")}
                         row["cost"] = res.planner["cost"]
                     row["draft_pass"] = draft_pass_kind(draft)
                 results[arm] = row

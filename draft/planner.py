@@ -734,4 +734,10 @@ class BlockPlanner:
                 # realized rate of its recent drafted steps against it (the floor's and retreat's view)
                 "plain_step_ms": None if plain is None else 1e3 * plain,
                 "realized_vs_plain": self._realized_ratio(),
-                "home_block": self.home_block, "cost": self.cost.to_dict()}
+                "home_block": self.home_block, "cost": self.cost.to_dict(),
+                # every length as the planner prices it now: what a run's choices are read against
+                "candidates": {str(c.block): {
+                    "expected_tokens": c.expected_tokens,
+                    "predicted_ms": None if c.predicted_seconds is None else 1e3 * c.predicted_seconds,
+                    "tokens_per_second": self._rate(c), "fetch_experts": c.fetch_experts,
+                } for c in self._candidates(1, self.max_block)}}

@@ -667,6 +667,12 @@ def test_a_link_bound_target_at_high_acceptance_runs_long_blocks():
             shares.append(sum(c for b, c in h.items() if b >= 4) / sum(h.values()))
         return sum(shares) / len(shares)
 
+    p = _link_bound_run(None)
+    cands = p.to_dict()["candidates"]  # the report prices every length as the decision does
+    assert set(cands) == {str(b) for b in range(1, 9)}
+    for c in p._candidates(1, 8):
+        assert cands[str(c.block)]["tokens_per_second"] == pytest.approx(p._rate(c))
+        assert cands[str(c.block)]["expected_tokens"] == pytest.approx(c.expected_tokens)
     fixed = long_share(lambda: AcceptanceModel(7, prior_mean=0.6, prior_weight=4.0, decay=0.9))
     longrun = long_share(lambda: None)  # the planner's own model
     assert longrun > 0.7 and longrun > fixed + 0.05, (longrun, fixed)
