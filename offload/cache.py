@@ -131,6 +131,7 @@ class ExpertCache:
         self._table: dict[tuple[int, int], int] = {}
         self._free = list(range(n - 1, -1, -1))  # pop() hands out slot 0 first
         self._lru: OrderedDict[int, None] = OrderedDict()  # resident slots, least recently used first
+        self._layer_lru = [OrderedDict() for _ in range(self.num_layers)]  # the same, per layer (balanced)
         self._arriving: set[int] = set()
         self._pinned: set[int] = set()
         self._deferred: set[int] = set()
@@ -271,7 +272,7 @@ class ExpertCache:
                 self.sched.promote(make_key(layer, expert), band)
                 slot.cur_band = band
             elif slot.state == SlotState.RESIDENT:
-                self._lru.move_to_end(s)  # about to be used: keep it
+                self._touch(s)  # about to be used: keep it
             self.stats.prefetch_redundant += 1
             return False
         s = self._acquire(for_demand=False, layer=layer)
@@ -373,10 +374,11 @@ class ExpertCache:
             slot.state = SlotState.RESIDENT
             self._arriving.discard(s)
             self._lru[s] = None
+            self._layer_lru[slot.key[0]][s] = None
 
     def _use(self, s: int) -> None:
         slot = self._slot[s]
-        self._lru.move_to_end(s)
+        self._touch(s)
         if slot.prefetched:
             slot.prefetched = False
             self.stats.prefetch_used += 1
@@ -384,12 +386,20 @@ class ExpertCache:
         slot.freq = slot.freq * d + 1.0
         slot.freq_tick = self._tick
 
+    def _touch(self, s: int) -> None:
+        """Most recently used now."""
+        self._lru.move_to_end(s)
+        key = self._slot[s].key
+        if key is not None:
+            self._layer_lru[key[0]].move_to_end(s)
+
     def _free_slot(self, s: int) -> None:
         slot = self._slot[s]
+        self._lru.pop(s, None)
         if slot.key is not None:
             del self._table[slot.key]
             self._held[slot.key[0]] -= 1
-        self._lru.pop(s, None)
+            self._layer_lru[slot.key[0]].pop(s, None)
         self._arriving.discard(s)
         self._slot[s] = _Slot()
         self._free.append(s)
@@ -425,19 +435,21 @@ class ExpertCache:
 
         Forwards walk the layers in order, so a layer's next use is its distance ahead of the
         layer being computed (``_at``), whose own unused experts come back last of all (next
-        forward). Within a layer, least recently used first.
+        forward): layers are tried from ``_at`` backwards. Within a layer, least recently used
+        first. O(layers) per eviction, not O(slots): a scan of every slot cost 11 ms per forward
+        on the gpt-oss-120b shape (600 slots) in Python.
         """
         share = self.capacity / self.num_layers
         n, at = self.num_layers, self._at
-        best, best_rank = None, None
-        for s in self._lru:
-            if not self._evictable(s):
-                continue
-            held_by = self._slot[s].key[0]
-            rank = (self._held[held_by] > share, (held_by - at - 1) % n)
-            if best_rank is None or rank > best_rank:
-                best, best_rank = s, rank
-        return best
+        order = [(at - d) % n for d in range(n)]  # furthest next use first
+        for over_only in (True, False):
+            for layer in order:
+                if over_only and self._held[layer] <= share:
+                    continue
+                for s in self._layer_lru[layer]:
+                    if self._evictable(s):
+                        return s
+        return None
 
     def _acquire(self, for_demand: bool, layer: int) -> int | None:
         """A free slot: free list, else evict by policy; a demand may take back a prefetch in flight."""

@@ -94,6 +94,32 @@ def test_lookahead_policy_spares_predicted_experts(store, sched):
     assert cache.is_resident(2, 0) and not cache.is_resident(0, 1)
 
 
+class _CheckedBalanced(ExpertCache):
+    """Balanced eviction checked at every eviction against a scan of every resident slot in LRU
+    order: the victim is the evictable slot of the highest (over its layer's share, distance of
+    its layer behind the running one), the least recently used on a tie."""
+
+    victims = 0
+
+    def _balanced_victim(self):
+        got = super()._balanced_victim()
+        share, n = self.capacity / self.num_layers, self.num_layers
+        best, rank = None, None
+        for s in self._lru:
+            if s in self._pinned or s in self._deferred:
+                continue
+            layer = self._slot[s].key[0]
+            r = (self._held[layer] > share, (layer - self._at - 1) % n)
+            if rank is None or r > rank:
+                best, rank = s, r
+        assert got == best
+        if self.victims % 50 == 0:  # the per-layer lists: each layer's slots in the global LRU order
+            for layer, d in enumerate(self._layer_lru):
+                assert list(d) == [s for s in self._lru if self._slot[s].key[0] == layer]
+        _CheckedBalanced.victims += 1
+        return got
+
+
 def _copies_per_layer(policy: str, block: int, forwards: int = 30) -> float:
     """Copies per layer per forward when forwards of ``block`` tokens with random top-4 routes walk
     24 layers of 32 experts through 192 slots (a 25 % cache), looking up every expert of a layer
@@ -102,7 +128,8 @@ def _copies_per_layer(policy: str, block: int, forwards: int = 30) -> float:
     host = HostStore(ExpertLayout.build([("w", (16,), torch.uint8)], quantized=False), layers, experts, pin=False)
     rng = random.Random(0)
     with Scheduler(backend="memcpy", workers=2) as s:
-        cache = ExpertCache(host, s, torch.device("cpu"), n_slots=192, policy=policy)
+        cache = (_CheckedBalanced if policy == "balanced" else ExpertCache)(host, s, torch.device("cpu"), n_slots=192,
+                                                                             policy=policy)
         for step in range(forwards):
             if step == 10:  # past the cold start
                 cache.zero_stats()
@@ -125,7 +152,9 @@ def test_balanced_keeps_every_layers_share_where_lru_thrashes(block):
     # balanced keeps 8 of each layer's experts, so about a quarter of the union hits.
     union = 32 * (1 - (1 - 4 / 32) ** block)
     assert _copies_per_layer("lru", block) > 0.97 * union
+    before = _CheckedBalanced.victims
     assert _copies_per_layer("balanced", block) < 0.85 * union
+    assert _CheckedBalanced.victims - before > 1000  # each victim checked against a scan of every slot
 
 
 def test_balanced_takes_from_layers_over_their_share_then_from_the_furthest_next_use(store, sched):
@@ -209,3 +238,23 @@ def test_the_cli_default_eviction_is_the_runtimes():
 
     assert inspect.signature(generate).parameters["eviction"].default == DEFAULT_EVICTION
     assert inspect.signature(OffloadedModel.load).parameters["eviction"].default == DEFAULT_EVICTION
+
+
+def test_eviction_benchmark_replays_and_rejects_bad_arguments(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_eviction.py"
+    spec = importlib.util.spec_from_file_location("bench_eviction", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "e.json"
+    assert bench.main(["--shapes", "gpt-oss-20b", "--blocks", "1,4", "--forwards", "3", "--warmup", "2",
+                       "--out", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["block"], r["policy"]) for r in rows] == [(1, "lru"), (1, "balanced"), (4, "lru"), (4, "balanced")]
+    four = {r["policy"]: r["copies_per_layer"] for r in rows if r["block"] == 4}
+    assert four["balanced"] < four["lru"]
+    assert bench.main(["--shapes", "nope"]) == 2 and bench.main(["--blocks", "x"]) == 2
