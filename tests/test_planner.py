@@ -561,6 +561,19 @@ def test_a_fully_accepted_shadow_probe_brings_the_probe_interval_back(probe_toke
     assert p._shadow == [] and p._probe_interval == interval
 
 
+def _route_block(p, rng, block: int, miss_share: float = 1.0) -> int:
+    """Random top-K routes of ``block`` tokens in every layer, handed to the planner; returns the
+    misses: each expert of a layer's union misses with probability ``miss_share`` (1: all)."""
+    misses = 0
+    for layer in range(L):
+        union = set()
+        for _ in range(block):
+            union |= set(rng.sample(range(E), K))
+        p.on_routed(layer, sorted(union))
+        misses += len(union) if miss_share >= 1.0 else sum(rng.random() < miss_share for _ in union)
+    return misses
+
+
 def test_misses_the_host_computes_count_as_the_misses_fetched_do():
     """Hybrid execution: a planner whose misses are computed on the host (the "host" placement,
     counted by ``host_counter``, no link bytes) at the price one fetch costs the other planner
@@ -585,13 +598,7 @@ def test_misses_the_host_computes_count_as_the_misses_fetched_do():
             drafted = max(b, p.draft_block, p.shadow_block)
             if drafted > 1:
                 p.after_draft(drafted, 0.001)
-            misses = 0
-            for layer in range(L):
-                union = set()
-                for _ in range(b):
-                    union |= set(rng.sample(range(E), K))
-                p.on_routed(layer, sorted(union))
-                misses += len(union)
+            misses = _route_block(p, rng, b)
             if host:
                 computed[0] += misses
             else:
@@ -631,13 +638,7 @@ def _link_bound_run(acceptance_model, p_accept=0.9, steps=80, seed=3):
         drafted = max(b, p.draft_block, p.shadow_block)
         if drafted > 1:
             p.after_draft(drafted, 0.0046)
-        misses = 0
-        for layer in range(L):
-            union = set()
-            for _ in range(b):
-                union |= set(rng.sample(range(E), K))
-            p.on_routed(layer, sorted(union))
-            misses += sum(rng.random() < 0.75 for _ in union)
+        misses = _route_block(p, rng, b, miss_share=0.75)
         moved[0] += misses * EXPERT_BYTES
         moved[1] += misses * price
         run = 0  # proposals right up to the first refused draw, wrong after it (as oracle mode checks them)
