@@ -366,19 +366,28 @@ class BlockPlanner:
         value = self.cost.fetch_equivalents(in_flight, missing)
         return out + [value] * (limit - len(out))
 
-    def _extra_fetch(self, block: int, known: dict[int, float] | None = None) -> float:
-        if known is None:
-            known = {b: e.value for b, e in self._extra.items() if e.value is not None}
+    def _known_extra(self) -> dict[int, float]:
+        """B -> measured correction (experts fetched beyond the route-ahead set's missing ones)."""
+        return {b: e.value for b, e in self._extra.items() if e.value is not None}
+
+    def _fetch(self, block: int, route: Sequence[float], known: dict[int, float]) -> float:
+        """Experts' worth of link time a block of ``block`` tokens is predicted to fetch: its
+        route-ahead set's missing experts (``route``, index B - 1) plus the measured correction of
+        B; for an unmeasured B, the nearest measured length's whole prediction (its route plus its
+        correction) scaled by the ratio of random unions. Not B's route plus the nearer length's
+        scaled correction: a block of 2 whose last step's experts were still resident learned a
+        correction of about its whole fetch, and a block of 4's route, reaching further back to
+        experts evicted since, added them a second time (a replay of the H100 run of session 19
+        priced blocks of 4 at 1.3-1.6x their fetch and kept blocks of 2)."""
         u = distinct_experts(block, self.num_experts, self.top_k)
         if block in known:
-            return known[block]
+            return max(0.0, route[block - 1] + known[block])
         if known:
             near = min(known, key=lambda b: (abs(b - block), b))
-            return known[near] * u / distinct_experts(near, self.num_experts, self.top_k)
-        if self.cache is None:
-            return 0.0
+            whole = max(0.0, route[near - 1] + known[near])
+            return whole * u / distinct_experts(near, self.num_experts, self.top_k)
         share = min(1.0, self.cache.capacity / float(self.num_layers * self.num_experts))
-        return self.num_layers * u * (1.0 - share)
+        return max(0.0, route[block - 1] + self.num_layers * u * (1.0 - share))
 
     def _verify_seconds(self, block: int, fetch: float) -> float | None:
         """Predicted verify step of ``block`` tokens fetching ``fetch`` experts' worth: the cost
@@ -398,8 +407,9 @@ class BlockPlanner:
         """(predicted missing of the route-ahead set, total experts' worth of link time) for B."""
         if self.cache is None:
             return 0.0, 0.0
-        pred = self._route_missing(block)[block - 1]
-        return pred, max(0.0, pred + self._extra_fetch(block))
+        known = self._known_extra()
+        route = self._route_missing(max([block, *known]))
+        return route[block - 1], self._fetch(block, route, known)
 
     def drafted_for(self, block: int, can_shadow: bool | None = None) -> int:
         """Positions a verified block of ``block`` drafts: ``overdraft`` times as many (up to
@@ -413,12 +423,12 @@ class BlockPlanner:
         """Choices for B = low .. limit with the acceptance expected now and the predicted step
         times (B = 1: steady plain decoding once measured; B > 1: draft + verify + fetches)."""
         probs = self.acceptance.conditional()
-        route = self._route_missing(limit) if self.cache is not None else [0.0] * limit
-        known = {b: e.value for b, e in self._extra.items() if e.value is not None}
+        known = self._known_extra()
+        route = self._route_missing(max([limit, *known])) if self.cache is not None else [0.0] * limit
         out = []
         for block in range(low, limit + 1):
             route_missing = route[block - 1]
-            fetch = max(0.0, route_missing + self._extra_fetch(block, known)) if self.cache is not None else 0.0
+            fetch = self._fetch(block, route, known) if self.cache is not None else 0.0
             if block == 1 and self._plain_steady.value is not None:
                 t = self._plain_steady.value  # measured, fetches included
             else:
