@@ -41,7 +41,8 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   route-ahead's ``previous`` rule: the union of the experts of the last B committed positions, per
   layer, checked against the cache (resident, in flight, missing), plus a per-B correction
   measured as the EWMA of (experts actually fetched - experts predicted missing). An unmeasured B
-  is predicted from the nearest measured ones.
+  is priced at the nearest measured length's whole prediction times the ratio of their random
+  unions (``_fetch``).
 - A length verified fewer than ``settle`` times is priced at no more than ``outlier`` times what the
   other measured lengths interpolate to: one slow first block (another process on the machine)
   would otherwise price it alone, and once plain decoding leads, shadow probes refresh the
