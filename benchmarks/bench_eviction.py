@@ -34,12 +34,14 @@ SHAPES = {  # layers, experts, top-k, cache slots (25 % of the 20b's experts; 8 
 
 
 def replay(policy: str, layers: int, experts: int, top_k: int, slots: int, block: int, forwards: int,
-           warmup: int, seed: int) -> dict:
+           warmup: int, seed: int, cache_cls=ExpertCache, after_forward=None) -> dict:
+    """One replay; ``cache_cls`` builds the cache (tests pass a checked subclass) and
+    ``after_forward(cache)``, if given, runs after each forward."""
     host = HostStore(ExpertLayout.build([("w", (16,), torch.uint8)], quantized=False), layers, experts, pin=False)
     rng = random.Random(seed)
     host_s = 0.0
     with Scheduler(backend="memcpy", workers=2) as sched:
-        cache = ExpertCache(host, sched, torch.device("cpu"), n_slots=slots, policy=policy)
+        cache = cache_cls(host, sched, torch.device("cpu"), n_slots=slots, policy=policy)
         for step in range(warmup + forwards):
             if step == warmup:
                 cache.zero_stats()
@@ -54,6 +56,8 @@ def replay(policy: str, layers: int, experts: int, top_k: int, slots: int, block
                 for f in fetches:
                     cache.wait(f)
                 cache.end_layer()
+            if after_forward is not None:
+                after_forward(cache)
         st = cache.stats
     union = experts * (1 - (1 - top_k / experts) ** block)
     return {"copies_per_layer": st.demand_fetches / forwards / layers, "union_per_layer": union,

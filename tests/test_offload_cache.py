@@ -1,7 +1,5 @@
 """ExpertCache on its own: bytes land where they belong, eviction policies, pins, prefetch accounting."""
 
-import random
-
 import pytest
 import torch
 
@@ -120,29 +118,29 @@ class _CheckedBalanced(ExpertCache):
         return got
 
 
+def _bench_eviction():
+    """benchmarks/bench_eviction.py as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_eviction.py"
+    spec = importlib.util.spec_from_file_location("bench_eviction", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def _copies_per_layer(policy: str, block: int, forwards: int = 30) -> float:
     """Copies per layer per forward when forwards of ``block`` tokens with random top-4 routes walk
     24 layers of 32 experts through 192 slots (a 25 % cache), looking up every expert of a layer
-    before requesting its misses, as the forward pass does (offload/experts.py)."""
-    layers, experts = 24, 32
-    host = HostStore(ExpertLayout.build([("w", (16,), torch.uint8)], quantized=False), layers, experts, pin=False)
-    rng = random.Random(0)
-    with Scheduler(backend="memcpy", workers=2) as s:
-        cache = (_CheckedBalanced if policy == "balanced" else ExpertCache)(host, s, torch.device("cpu"), n_slots=192,
-                                                                             policy=policy)
-        for step in range(forwards):
-            if step == 10:  # past the cold start
-                cache.zero_stats()
-            cache.begin_forward(block)
-            for layer in range(layers):
-                used = sorted(set().union(*(rng.sample(range(experts), 4) for _ in range(block))))
-                misses = [e for e in used if cache.lookup(layer, e) is None]  # the hits pinned first
-                fetches = [cache.request(layer, e) for e in misses]
-                for f in fetches:
-                    cache.wait(f)
-                cache.end_layer()
-            assert sum(cache._held) == len(cache._table) <= 192
-        return cache.stats.demand_fetches / (forwards - 10) / layers
+    before requesting its misses, as the forward pass does (the eviction benchmark's replay)."""
+    def check(cache):
+        assert sum(cache._held) == len(cache._table) <= 192
+
+    r = _bench_eviction().replay(policy, 24, 32, 4, 192, block, forwards - 10, 10, 0,
+                                 cache_cls=_CheckedBalanced if policy == "balanced" else ExpertCache,
+                                 after_forward=check)
+    return r["copies_per_layer"]
 
 
 @pytest.mark.parametrize("block", [4, 8])
@@ -241,13 +239,7 @@ def test_the_cli_default_eviction_is_the_runtimes():
 
 
 def test_eviction_benchmark_replays_and_rejects_bad_arguments(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_eviction.py"
-    spec = importlib.util.spec_from_file_location("bench_eviction", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_eviction()
     out = tmp_path / "e.json"
     assert bench.main(["--shapes", "gpt-oss-20b", "--blocks", "1,4", "--forwards", "3", "--warmup", "2",
                        "--out", str(out)]) == 0
