@@ -153,16 +153,17 @@ class AcceptanceModel:
         self.slow_reached = [0.0] * positions
         self.slow_accepted = [0.0] * positions
 
+    def _posterior(self, accepted: list[float], reached: list[float], means: list[float]) -> list[float]:
+        w = self.prior_weight
+        return [(a + w * m) / (r + w) for a, r, m in zip(accepted, reached, means)]
+
     def prior_means(self) -> list[float]:
         """m_i: ``prior_mean`` everywhere, or the long-run estimates (see the class docstring)."""
-        if self.slow_decay is None:
-            return [self.prior_mean] * self.positions
-        w, m = self.prior_weight, self.prior_mean
-        return [(a + w * m) / (r + w) for a, r in zip(self.slow_accepted, self.slow_reached)]
+        fixed = [self.prior_mean] * self.positions
+        return fixed if self.slow_decay is None else self._posterior(self.slow_accepted, self.slow_reached, fixed)
 
     def conditional(self) -> list[float]:
-        w = self.prior_weight
-        return [(a + w * m) / (r + w) for a, r, m in zip(self.accepted, self.reached, self.prior_means())]
+        return self._posterior(self.accepted, self.reached, self.prior_means())
 
     def record(self, drafted: int, accepted: int) -> None:
         """A block verified ``drafted`` proposals and accepted the first ``accepted``."""
