@@ -50,6 +50,7 @@ import torch
 from pdflash.draft.offloaded import DEFAULT_PREDICTOR
 from pdflash.machine import machine_info
 from pdflash.offload.cache import DEFAULT_EVICTION, EVICTION_POLICIES
+from pdflash.offload.cpu_compute import GUARD_ARMS
 
 TARGETS = {0.9: 1.6, 0.7: 1.2, 0.3: 0.97}  # auto / plain, same run (issue: speculation that pays)
 PROMPTS = (
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link.")
     ap.add_argument("--cpu-experts", choices=("off", "auto", "all"), default="off",
                     help="Hybrid expert execution for every arm, plain included (generate's --cpu-experts; default off).")
-    ap.add_argument("--guard-arm", choices=("off", "model", "host", "all", "guard"), default=None,
+    ap.add_argument("--guard-arm", choices=(*GUARD_ARMS, "guard"), default=None,
                     help="With --cpu-experts auto: pin the hybrid guard's placement for every arm (off: fetch every "
                          "miss; model: the cost model's split; host: every miss not in flight on the CPU; all: every "
                          "routed expert on the CPU; guard: no pin, each arm starts a fresh check), and add an arm "
