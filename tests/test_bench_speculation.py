@@ -1,7 +1,6 @@
 """benchmarks/bench_speculation_gpu.py runs end to end on the CPU with the tiny pair (the GPU
 command runs the same code on the gpt-oss-20b shape)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,16 +9,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_speculation_gpu.py"
 
 
-def _bench():
-    """benchmarks/bench_speculation_gpu.py as a module."""
-    spec = importlib.util.spec_from_file_location("bench_speculation_gpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_cpu_dry_run_writes_every_arm(tmp_path):
-    mod = _bench()
+def test_cpu_dry_run_writes_every_arm(tmp_path, load_script):
+    mod = load_script("benchmarks/bench_speculation_gpu.py")
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "10", "--prompts", "1", "--dtypes", "bfloat16,float32", "--acceptance", "0.9,0.3",
@@ -56,13 +47,13 @@ def test_cpu_dry_run_writes_every_arm(tmp_path):
                   "--out", str(out)])
 
 
-def test_drafting_share_prices_drafted_steps_at_the_runs_plain_step():
+def test_drafting_share_prices_drafted_steps_at_the_runs_plain_step(load_script):
     """Steady plain steps of 9 and 11 ms (median 10 ms; the first step follows none); a verified
     block committing 2 tokens in 15 ms gains 5 ms, a shadow probe (1 token in 13 ms) costs 3 ms:
     (-5 + 3) / 58 ms of run."""
     from types import SimpleNamespace as S
 
-    mod = _bench()
+    mod = load_script("benchmarks/bench_speculation_gpu.py")
 
     def step(block, committed, draft, verify, shadow=0):
         return S(block_size=block, committed=[0] * committed, draft_seconds=draft, verify_seconds=verify,
@@ -148,10 +139,10 @@ def test_draft_graphs_benchmark_compares_the_two_paths_on_the_cpu(load_script, t
     assert "--blocks" in capsys.readouterr().err
 
 
-def test_cpu_experts_serve_every_arm_when_asked(tmp_path):
+def test_cpu_experts_serve_every_arm_when_asked(tmp_path, load_script):
     """--cpu-experts all: plain and speculative arms compute their experts on the host's kernel,
     and float32 keeps every arm's tokens equal."""
-    mod = _bench()
+    mod = load_script("benchmarks/bench_speculation_gpu.py")
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--tokens", "8",
                      "--prompts", "1", "--dtypes", "float32", "--acceptance", "0.9", "--cpu-experts", "all",
@@ -162,10 +153,10 @@ def test_cpu_experts_serve_every_arm_when_asked(tmp_path):
         assert r["same_tokens_as_plain"] and r["cpu_experts_per_token"] > 0, r
 
 
-def test_guard_arm_pins_every_arm_and_adds_a_fetch_only_plain_arm(tmp_path, capsys):
+def test_guard_arm_pins_every_arm_and_adds_a_fetch_only_plain_arm(tmp_path, capsys, load_script):
     """--guard-arm host: every arm but plain-fetch computes misses on the host's kernel, plain-fetch
     none; the summary compares every arm with plain-fetch too; --guard-arm without auto is refused."""
-    mod = _bench()
+    mod = load_script("benchmarks/bench_speculation_gpu.py")
     out = tmp_path / "spec.json"
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--tokens", "8",
                      "--prompts", "1", "--dtypes", "float32", "--acceptance", "0.9", "--blocks", "2",

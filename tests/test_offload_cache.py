@@ -118,40 +118,29 @@ class _CheckedBalanced(ExpertCache):
         return got
 
 
-def _bench_eviction():
-    """benchmarks/bench_eviction.py as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_eviction.py"
-    spec = importlib.util.spec_from_file_location("bench_eviction", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def _copies_per_layer(policy: str, block: int, forwards: int = 30) -> float:
+def _copies_per_layer(bench, policy: str, block: int, forwards: int = 30) -> float:
     """Copies per layer per forward when forwards of ``block`` tokens with random top-4 routes walk
     24 layers of 32 experts through 192 slots (a 25 % cache), looking up every expert of a layer
     before requesting its misses, as the forward pass does (the eviction benchmark's replay)."""
     def check(cache):
         assert sum(cache._held) == len(cache._table) <= 192
 
-    r = _bench_eviction().replay(policy, 24, 32, 4, 192, block, forwards - 10, 10, 0,
-                                 cache_cls=_CheckedBalanced if policy == "balanced" else ExpertCache,
-                                 after_forward=check)
+    r = bench.replay(policy, 24, 32, 4, 192, block, forwards - 10, 10, 0,
+                     cache_cls=_CheckedBalanced if policy == "balanced" else ExpertCache,
+                     after_forward=check)
     return r["copies_per_layer"]
 
 
 @pytest.mark.parametrize("block", [4, 8])
-def test_balanced_keeps_every_layers_share_where_lru_thrashes(block):
+def test_balanced_keeps_every_layers_share_where_lru_thrashes(block, load_script):
     # A block's union (13.2 experts per layer for 4 tokens, 20.9 for 8) exceeds the 8 slots per
     # layer: LRU evicts each layer before the next forward comes back and copies the whole union;
     # balanced keeps 8 of each layer's experts, so about a quarter of the union hits.
     union = 32 * (1 - (1 - 4 / 32) ** block)
-    assert _copies_per_layer("lru", block) > 0.97 * union
+    bench = load_script("benchmarks/bench_eviction.py")
+    assert _copies_per_layer(bench, "lru", block) > 0.97 * union
     before = _CheckedBalanced.victims
-    assert _copies_per_layer("balanced", block) < 0.85 * union
+    assert _copies_per_layer(bench, "balanced", block) < 0.85 * union
     assert _CheckedBalanced.victims - before > 1000  # each victim checked against a scan of every slot
 
 
@@ -238,8 +227,8 @@ def test_the_cli_default_eviction_is_the_runtimes():
     assert inspect.signature(OffloadedModel.load).parameters["eviction"].default == DEFAULT_EVICTION
 
 
-def test_eviction_benchmark_replays_and_rejects_bad_arguments(tmp_path):
-    bench = _bench_eviction()
+def test_eviction_benchmark_replays_and_rejects_bad_arguments(tmp_path, load_script):
+    bench = load_script("benchmarks/bench_eviction.py")
     out = tmp_path / "e.json"
     assert bench.main(["--shapes", "gpt-oss-20b", "--blocks", "1,4", "--forwards", "3", "--warmup", "2",
                        "--out", str(out)]) == 0
