@@ -112,6 +112,8 @@ def planner_options(args, kind: str = "auto") -> dict | None:
         opts["home_block"] = args.home_block
     if args.first_block == "home":
         opts["first_by_cost"] = False
+    if args.trace:
+        opts["trace"] = True
     return opts or None
 
 
@@ -243,6 +245,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                                                                        "retreats", "overdrafted_blocks",
                                                                        "acceptance_conditional", "block_histogram",
                                                                        "plain_step_ms", "realized_vs_plain", "candidates")}
+                        if "trace" in res.planner:
+                            row["planner"]["trace"] = res.planner["trace"]
                         row["cost"] = res.planner["cost"]
                     row["draft_pass"] = draft_pass_kind(draft)
                 results[arm] = row
@@ -372,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="Comma-separated kinds of the planner's probes while plain decoding leads, one auto arm "
                          "each: shadow (arm auto: drafted and checked against the committed tokens, the default), "
                          "real (arm auto-real: drafted and verified as a block).")
+    ap.add_argument("--trace", action="store_true",
+                    help="Keep the planner's per-step trace in its rows (block, prediction against measurement, predicted "
+                         "and missed experts, every length's predicted rate).")
     ap.add_argument("--no-overdraft-arm", action="store_true",
                     help="Add an arm auto-noover: the planner drafting only the blocks it verifies (overdraft 1).")
     ap.add_argument("--no-retreat-arm", action="store_true",

@@ -42,7 +42,10 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   layer, checked against the cache (resident, in flight, missing), plus a per-B correction
   measured as the EWMA of (experts actually fetched - experts predicted missing). An unmeasured B
   is priced at the nearest measured length's whole prediction times the ratio of their random
-  unions (``_fetch``).
+  unions (``_fetch``); so is a B last measured more than ``fresh_steps`` steps ago: its
+  correction was learned against another history (the route of a block of 4 after blocks of 4
+  reaches one step back, after blocks of 2 two steps, to experts evicted since), and next to
+  today's route it counts the same experts twice.
 - A length verified fewer than ``settle`` times is priced at no more than ``outlier`` times what the
   other measured lengths interpolate to: one slow first block (another process on the machine)
   would otherwise price it alone, and once plain decoding leads, shadow probes refresh the
@@ -236,7 +239,9 @@ class BlockPlanner:
     host so far; hybrid execution) measures each step's misses that the host served instead: a
     step's misses are those fetched plus those, each priced as the cost model's placement serves
     it. ``clock`` (e.g. ``time.process_time``) makes the planner time the steps itself; without it
-    (what generate does) the caller's wall-clock step times are used.
+    (what generate does) the caller's wall-clock step times are used. ``trace`` keeps a record per
+    step (``to_dict()["trace"]``: the block, the incumbent, its prediction against its measurement,
+    the experts predicted against those missed, every length's predicted rate as decided).
     """
 
     def __init__(
@@ -266,8 +271,10 @@ class BlockPlanner:
         min_repeat_gap: int = 4,
         remeasure_plain_every: int = 24,
         remeasure_unless: float | None = 1.5,
+        fresh_steps: int | None = 8,
         acceptance: AcceptanceModel | None = None,
         clock: Callable[[], float] | None = None,
+        trace: bool = False,
     ):
         if max_block < 1:
             raise ValueError(f"max_block must be at least 1, got {max_block}")
@@ -316,6 +323,9 @@ class BlockPlanner:
         self._history: deque[tuple[int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (tokens, layer -> experts) per step
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
+        self._extra_at: dict[int, int] = {}  # B -> the step that last updated its correction
+        self.fresh_steps = fresh_steps  # a correction older than this many steps is not used (None: all are)
+        self._steps = 0
         self._plain_steady = RecentMedian()  # measured plain steps that followed a plain step
         self._plain_fetched = Ewma(cost.alpha)  # experts fetched per plain step
         self._prev_block: int | None = None
@@ -329,6 +339,8 @@ class BlockPlanner:
         self._probe = False
         self._draft_clock = 0.0
         self.last_measured_seconds: float | None = None  # the last step, in the planner's clock
+        self.trace: list[dict] | None = [] if trace else None  # per step, see end_step (to_dict()["trace"])
+        self._rates: list[float | None] = []  # the last decision's predicted rate of B = 1 ..
         self.report = PlannerReport(clock="wall" if clock is None else getattr(clock, "__name__", "custom"))
 
     # -- inputs ----------------------------------------------------------------------
@@ -369,8 +381,13 @@ class BlockPlanner:
         return out + [value] * (limit - len(out))
 
     def _known_extra(self) -> dict[int, float]:
-        """B -> measured correction (experts fetched beyond the route-ahead set's missing ones)."""
-        return {b: e.value for b, e in self._extra.items() if e.value is not None}
+        """B -> measured correction (experts fetched beyond the route-ahead set's missing ones), of
+        the lengths measured in the last ``fresh_steps`` steps (all of them if none was)."""
+        known = {b: e.value for b, e in self._extra.items() if e.value is not None}
+        if self.fresh_steps is None:
+            return known
+        fresh = {b: v for b, v in known.items() if self._steps - self._extra_at.get(b, self._steps) < self.fresh_steps}
+        return fresh or known
 
     def _fetch(self, block: int, route: Sequence[float], known: dict[int, float]) -> float:
         """Experts' worth of link time a block of ``block`` tokens is predicted to fetch: its
@@ -458,6 +475,7 @@ class BlockPlanner:
         inc = min(self._incumbent or self.home_block, limit)
         cands = self._candidates(1, limit)
         current = cands[inc - 1]
+        self._rates = [self._rate(c) for c in cands]
         best = self._fastest(cands)
         if best is None or self._rate(current) is None:
             return current
@@ -548,6 +566,7 @@ class BlockPlanner:
         the committed tokens to :meth:`end_step` and a plain step may draft
         :attr:`shadow_block` positions (greedy decoding), see the module's docstring."""
         self._stage = None
+        self._rates = []
         self._probe = self._repeat_probe = self._drafting = False
         self.shadow_block = 0
         self.draft_block = 0
@@ -714,6 +733,8 @@ class BlockPlanner:
         if self.cache is not None:
             pred_missing = choice.route_missing if choice is not None else 0.0
             self._extra.setdefault(block, Ewma(self.cost.alpha)).add(missed - pred_missing)
+            self._extra_at[block] = self._steps
+        self._steps += 1
         if self._tails and tokens:
             self._check_tails(tokens)
         if block > 1 and tail:
@@ -728,6 +749,17 @@ class BlockPlanner:
             self._repeat_gap = self.min_repeat_gap if accepted else min(64, 2 * self._repeat_gap)
         self._history.append((committed, self._current))
         self._current = {}
+        if self.trace is not None:
+            self.trace.append({
+                "block": block, "incumbent": self._incumbent, "accepted": accepted, "committed": committed,
+                "probe": self._probe or bool(self.shadow_block),
+                "predicted_ms": None if choice is None or choice.predicted_seconds is None
+                else round(1e3 * choice.predicted_seconds, 2),
+                "measured_ms": round(1e3 * seconds, 2),
+                "predicted_fetch": None if choice is None else round(choice.fetch_experts, 1),
+                "missed": round(missed, 1),
+                "rates": [None if r is None else round(r, 2) for r in self._rates],  # tokens/s of B = 1 .. as decided
+            })
         r = self.report
         r.histogram[block] = r.histogram.get(block, 0) + 1
         r.fetched_experts += fetched
@@ -752,4 +784,5 @@ class BlockPlanner:
                     "expected_tokens": c.expected_tokens,
                     "predicted_ms": None if c.predicted_seconds is None else 1e3 * c.predicted_seconds,
                     "tokens_per_second": self._rate(c), "fetch_experts": c.fetch_experts,
-                } for c in self._candidates(1, self.max_block)}}
+                } for c in self._candidates(1, self.max_block)},
+                **({"trace": self.trace} if self.trace is not None else {})}

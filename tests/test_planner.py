@@ -281,6 +281,46 @@ def test_an_unmeasured_length_scales_the_nearest_measured_prediction_not_its_cor
     assert fetch4 == pytest.approx(10.0 * ratio)
 
 
+def test_a_stale_correction_is_priced_like_an_unmeasured_length():
+    """A block of 4 learned its correction (10 experts) when the route of the last block of 4
+    predicted few of its experts missing. After 8 steps of blocks of 2 (correction 6), the route of
+    4 tokens reaches experts evicted since: route + the old correction would count them twice. The
+    block of 4 is priced from the block of 2's whole prediction instead, as an unmeasured length."""
+    def setup(fresh):
+        p = planner(link_gbps=1, fresh_steps=fresh)
+        for block, extra in [(4, 10.0)] + [(2, 6.0)] * 8:
+            p.begin_step()
+            p.on_routed(0, [block, block + 1])
+            p.end_step(block, block - 1, block, 0.01)
+            p._extra[block] = Ewma()
+            p._extra[block].add(extra)
+        return p
+
+    ratio = distinct_experts(4, E, K) / distinct_experts(2, E, K)
+    stale = setup(None)
+    route2, fetch2 = stale.fetch_experts(2)
+    route4, fetch4 = stale.fetch_experts(4)
+    assert route2 == route4 == 2.0  # the history's experts, none resident
+    assert fetch4 == 2.0 + 10.0  # the old correction on today's route
+    fresh = setup(8)
+    assert fresh.fetch_experts(2) == (2.0, 8.0)
+    assert fresh.fetch_experts(4) == (2.0, pytest.approx(8.0 * ratio))
+    assert fresh.to_dict().get("trace") is None
+
+
+def test_the_trace_records_each_step_as_decided():
+    p = planner(link_gbps=1, trace=True)
+    teach(p, accept_rate=0.9)
+    for _ in range(5):
+        step(p)
+    trace = p.to_dict()["trace"]
+    assert len(trace) == 5
+    for t in trace:
+        assert t["measured_ms"] == pytest.approx(10.0)
+        assert len(t["rates"]) == 8 and t["rates"][t["block"] - 1] is not None
+        assert t["predicted_fetch"] is not None and t["missed"] == 0.0
+
+
 def test_own_clock_replaces_the_callers_step_times():
     now = [0.0]
     p = planner(link_gbps=1000, clock=lambda: now[0])
@@ -659,7 +699,7 @@ class RecentCache(FakeCache):
         return missing
 
 
-def _link_bound_run(acceptance_model, p_accept=0.9, steps=80, seed=3):
+def _link_bound_run(acceptance_model, p_accept=0.9, steps=80, seed=3, **planner_kw):
     """The H100 regime of session 19 (docs/benchmarks.md), scaled to 4 layers: a verify forward's own
     work 23 ms whatever its length, a draft pass 4.6 ms, each missing expert 1.9 ms of link, a
     cache that keeps each layer's 8 most recently used experts, oracle acceptance P per position.
@@ -670,7 +710,7 @@ def _link_bound_run(acceptance_model, p_accept=0.9, steps=80, seed=3):
     price = 0.0019
     moved = [0.0, 0.0]
     cost = CostModel(EXPERT_BYTES, link_gbps=EXPERT_BYTES / price / 1e9)
-    kw = {} if acceptance_model is None else {"acceptance": acceptance_model}
+    kw = dict(planner_kw) if acceptance_model is None else {"acceptance": acceptance_model, **planner_kw}
     cache = RecentCache()
     p = BlockPlanner(8, cost, num_layers=L, num_experts=E, top_k=K, cache=cache,
                      link_counters=lambda: tuple(moved), **kw)
