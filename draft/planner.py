@@ -320,7 +320,7 @@ class BlockPlanner:
         self._incumbent: int | None = None  # the block length being run (None during the cold start)
         self._spec_run = 0  # speculative steps in a row
         self._plain_run = 0  # plain steps in a row since the last drafted one (a shadow probe counts as drafted)
-        self._history: deque[tuple[int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (tokens, layer -> experts) per step
+        self._history: deque[tuple[int, int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (committed, routed, layer -> experts) per step
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
         self._extra_at: dict[int, int] = {}  # B -> the step that last updated its correction
@@ -355,13 +355,18 @@ class BlockPlanner:
     # -- predictions -------------------------------------------------------------------
     def _route_missing(self, limit: int) -> list[float]:
         """Route-ahead's ``previous`` rule for B = 1 .. ``limit`` in one pass: the experts of the
-        latest steps that cover B committed tokens, as experts' worth of link time still to come
-        (missing, or in flight at ``in_flight_weight``) against the cache now; index B - 1."""
+        latest B committed tokens, as experts' worth of link time still to come (missing, or in
+        flight at ``in_flight_weight``) against the cache now; index B - 1. A step's experts are
+        the union over the tokens its forward routed (its block, committed or not); where B needs
+        ``k`` of a step's tokens, that step adds its share u(k) / u(routed) of what it adds whole (u: the random union of
+        ``distinct_experts``). Whole, a block of 4 behind the latest step priced the next block
+        of 2 with the experts of 4 tokens (on an H100: 250-390 predicted for 150-230 fetched)."""
         out: list[float] = []
         seen: dict[int, set[int]] = {}  # layer -> experts counted
         state_of = self.cache.state_of
         in_flight = missing = covered = 0
-        for tokens, experts in reversed(self._history):
+        before = 0.0  # the value of the steps before the one being added
+        for tokens, routed, experts in reversed(self._history):
             for layer, es in experts.items():
                 done = seen.setdefault(layer, set())
                 for e in es - done:
@@ -371,10 +376,14 @@ class BlockPlanner:
                     elif state != "resident":
                         missing += 1
                 done |= es
-            covered += tokens
             value = self.cost.fetch_equivalents(in_flight, missing)
-            while len(out) < min(covered, limit):
-                out.append(value)
+            whole = distinct_experts(routed, self.num_experts, self.top_k)
+            while len(out) < min(covered + tokens, limit):
+                k = len(out) + 1 - covered  # of this step's tokens, the ones B = len(out) + 1 needs
+                share = 1.0 if k >= routed else distinct_experts(k, self.num_experts, self.top_k) / whole
+                out.append(before + (value - before) * share)
+            covered += tokens
+            before = value
             if len(out) >= limit:
                 break
         value = self.cost.fetch_equivalents(in_flight, missing)
@@ -747,7 +756,7 @@ class BlockPlanner:
             self._check_shadow(tokens)
         if self._repeat_probe:  # repetition that the draft did not follow: trust the hint less
             self._repeat_gap = self.min_repeat_gap if accepted else min(64, 2 * self._repeat_gap)
-        self._history.append((committed, self._current))
+        self._history.append((committed, block, self._current))
         self._current = {}
         if self.trace is not None:
             self.trace.append({

@@ -260,6 +260,20 @@ def test_route_ahead_set_counts_missing_experts_of_the_latest_steps():
     assert p.fetch_experts(8) == (3.0, pytest.approx(3.0 * distinct_experts(8, E, K) / distinct_experts(2, E, K)))
 
 
+def test_a_shorter_block_takes_its_share_of_a_longer_steps_route():
+    """The latest step verified a block of 4 (its experts: the union of 4 tokens' routes, 8 of them
+    missing now) and committed 3 tokens. A block of 1, 2 or 3 needs the experts of that many
+    tokens, not all 4: u(B) / u(4) of them; a block of 4 reaches the step before, whole (one more
+    missing expert)."""
+    p = planner(link_gbps=1)
+    for block, committed, experts in ((1, 1, [20]), (4, 3, list(range(8)))):
+        p.begin_step()
+        p.on_routed(0, experts)
+        p.end_step(block, committed - 1, committed, 0.01)
+    share = [distinct_experts(b, E, K) / distinct_experts(4, E, K) for b in (1, 2, 3)]
+    assert p._route_missing(4) == pytest.approx([8 * share[0], 8 * share[1], 8 * share[2], 9.0])
+
+
 def test_an_unmeasured_length_scales_the_nearest_measured_prediction_not_its_correction():
     """A block of 2 whose last step's experts are still resident predicts none of its route
     missing and learns a correction of its whole fetch (here 10 experts). A block of 4, never
