@@ -20,6 +20,7 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 - ``auto-real@P`` (with ``--probes shadow,real`` or ``real``): the planner with every probe a verified block, no shadow probes;
 - ``auto-noretreat@P`` (with ``--no-retreat-arm``): the planner without its retreat rule (draft/planner.py);
 - ``auto-noover@P`` (with ``--no-overdraft-arm``): the planner drafting only the blocks it verifies (overdraft 1);
+- ``auto-m105@P`` (with ``--margin-arm``): the planner with a 5 % margin between two speculative lengths;
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
@@ -101,6 +102,7 @@ ARM_OPTIONS = {
     "auto-real": {"shadow_probes": False},  # every probe a verified block
     "auto-noretreat": {"retreat": None},  # no retreat rule
     "auto-noover": {"overdraft": 1},  # draft only the blocks it verifies
+    "auto-m105": {"spec_margin": 1.05},  # a 5 % margin between two speculative lengths (default 15 %)
 }
 
 
@@ -170,6 +172,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         autos = [{"shadow": "auto", "real": "auto-real"}[k] for k in args.probes]
         autos += ["auto-noretreat"] if args.no_retreat_arm else []
         autos += ["auto-noover"] if args.no_overdraft_arm else []
+        autos += ["auto-m105"] if args.margin_arm else []
         arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in autos + [f"B{b}" for b in blocks]]
         guard = rt.placer.guard if rt.placer is not None else None
         if args.guard_arm:
@@ -379,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="Keep the planner's per-step trace in its rows (block, prediction against measurement, predicted "
                          "and missed experts, every length's predicted rate).")
+    ap.add_argument("--margin-arm", action="store_true",
+                    help="Add an arm auto-m105: the planner with a 5 %% margin between two speculative lengths.")
     ap.add_argument("--no-overdraft-arm", action="store_true",
                     help="Add an arm auto-noover: the planner drafting only the blocks it verifies (overdraft 1).")
     ap.add_argument("--no-retreat-arm", action="store_true",

@@ -8,8 +8,12 @@ B = 1 is plain decoding.
 
 Each step (:meth:`BlockPlanner.plan_draft`) the planner keeps running its current block length,
 the *incumbent*, unless another B's predicted rate beats the incumbent's by a margin:
-``switch_margin`` between two speculative lengths, ``plain_margin`` to leave speculation for plain
-decoding, and ``switch_margin`` to come back. The whole chosen block is verified (the draft
+``spec_margin`` between two speculative lengths (default: ``switch_margin``, 15 %),
+``plain_margin`` (30 %) to leave speculation for plain decoding, and ``switch_margin`` to come
+back. A smaller margin between speculative lengths was measured (session 20, docs/benchmarks.md):
+on an H100 at P = 0.9 blocks of 4 priced 14.9 % ahead of the incumbent blocks of 2 (measured
+1.49x plain decoding against the planner's 1.22x) were kept out by the 15 % margin, but at 5 % the
+embedded pair on a CPU switched on noise ("def fibonacci(n):" 0.82-1.12x plain decoding). The whole chosen block is verified (the draft
 drafts it, or up to twice it: overdraft, below). Why margins: acceptance varies along a text (the draft sees little context at
 the start, so early blocks are accepted less), and a rate estimated from a handful of blocks is
 noisy; on the embedded pair planners that followed their estimates lost to a fixed block of 4 on
@@ -260,6 +264,7 @@ class BlockPlanner:
         shadow_probes: bool = True,
         overdraft: float = 2.0,
         switch_margin: float = 1.15,
+        spec_margin: float | None = None,
         plain_margin: float = 1.3,
         floor: float = 0.7,
         floor_window: int = 16,
@@ -301,6 +306,7 @@ class BlockPlanner:
         self._step_host0 = 0
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.switch_margin, self.plain_margin = switch_margin, plain_margin
+        self.spec_margin = switch_margin if spec_margin is None else spec_margin  # between two speculative lengths
         self.floor = floor
         self.retreat = retreat  # None: no retreat
         self.settle, self.outlier = settle, outlier
@@ -488,7 +494,10 @@ class BlockPlanner:
         best = self._fastest(cands)
         if best is None or self._rate(current) is None:
             return current
-        margin = self.plain_margin if best.block == 1 else self.switch_margin
+        if best.block == 1:
+            margin = self.plain_margin
+        else:
+            margin = self.switch_margin if current.block == 1 else self.spec_margin
         return best if self._rate(best) > margin * self._rate(current) else current
 
     def _below_floor(self) -> bool:

@@ -2,6 +2,7 @@
 with margins against noise, a realized floor, and probes."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,20 +109,33 @@ def test_cheap_link_and_high_acceptance_choose_long_blocks():
 
 def test_noise_level_differences_keep_the_incumbent():
     """A block length predicted a few percent faster than the one running does not move the
-    planner; one ahead by more than switch_margin does."""
-    p = planner(link_gbps=20, acceptance=AcceptanceModel(7, prior_mean=0.6, prior_weight=4.0, decay=0.9))  # fixed prior mean
+    planner; one ahead by more than spec_margin (between two speculative lengths) does."""
+    p = planner(link_gbps=20, acceptance=AcceptanceModel(7, prior_mean=0.6, prior_weight=4.0, decay=0.9),  # fixed prior mean
+                spec_margin=1.15)
     teach(p, accept_rate=0.6)
     for _ in range(2):
         step(p, seconds=p._plain_steady.value)
     rates = {c.block: p._rate(c) for c in p._candidates(1, 8)}
     best = max(rates, key=rates.get)
-    close = [b for b in range(2, 9) if b != best and rates[b] * p.switch_margin >= rates[best]]
-    far = [b for b in range(2, 9) if rates[b] * p.switch_margin < rates[best]]
+    close = [b for b in range(2, 9) if b != best and rates[b] * p.spec_margin >= rates[best]]
+    far = [b for b in range(2, 9) if rates[b] * p.spec_margin < rates[best]]
     assert close and far, rates
     p._incumbent = close[0]
     assert step(p, seconds=0.005) == close[0]
     p._incumbent = far[0]
     assert step(p, seconds=0.005) == best
+
+
+@pytest.mark.parametrize("incumbent, moves", [(2, True), (1, False)])
+def test_a_speculative_length_gives_way_at_the_small_margin_plain_decoding_at_the_large(incumbent, moves):
+    """Blocks of 4 predicted 10 % ahead: a running block of 2 gives way to them (spec_margin 5 %);
+    running plain decoding does not (switch_margin 15 %)."""
+    p = planner(link_gbps=20, spec_margin=1.05)
+    p._incumbent = incumbent
+    rates = {1: 100.0, 2: 100.0, 4: 110.0}
+    p._candidates = lambda low, limit: [SimpleNamespace(block=b, rate=rates.get(b, 50.0)) for b in range(low, limit + 1)]
+    p._rate = lambda c: c.rate
+    assert p._decide(8).block == (4 if moves else incumbent)
 
 
 def test_a_speculative_run_that_realizes_less_than_the_floor_goes_plain_and_probes():
@@ -598,7 +612,7 @@ def test_short_blocks_that_are_always_accepted_measure_longer_ones_only_by_overd
     margin. Here every proposal is right and a verify forward costs 10 ms + 4 ms per token (known
     for every length): with the tail checked, the planner measures positions 2 and 3 and moves to
     longer blocks."""
-    p = planner(link_gbps=1000, home_block=2, first_by_cost=False, overdraft=overdraft)
+    p = planner(link_gbps=1000, home_block=2, first_by_cost=False, overdraft=overdraft, spec_margin=1.15)  # session 16's margin
     for b in range(1, 9):
         p.cost.observe_forward("verify", b, 0.010 + 0.004 * b)
         p.cost.observe_forward("draft", b, 0.001)
