@@ -13,12 +13,14 @@ the *incumbent*, unless another B's predicted rate beats the incumbent's by a ma
 back. A smaller margin between speculative lengths was measured (session 20, docs/benchmarks.md):
 on an H100 at P = 0.9 blocks of 4 priced 14.9 % ahead of the incumbent blocks of 2 (measured
 1.49x plain decoding against the planner's 1.22x) were kept out by the 15 % margin, but at 5 % the
-embedded pair on a CPU switched on noise ("def fibonacci(n):" 0.82-1.12x plain decoding). The whole chosen block is verified (the draft
-drafts it, or up to twice it: overdraft, below). Why margins: acceptance varies along a text (the draft sees little context at
-the start, so early blocks are accepted less), and a rate estimated from a handful of blocks is
-noisy; on the embedded pair planners that followed their estimates lost to a fixed block of 4 on
-6-7 of 8 prompts, while a wrong switch to speculation costs little there (docs/benchmarks.md,
-sessions 10-11). For the same reason the draft's own per-proposal confidence does not shorten a drafted
+embedded pair on a CPU switched on noise ("def fibonacci(n):" 0.82-1.12x plain decoding).
+
+The whole chosen block is verified (the draft drafts it, or up to twice it: overdraft, below).
+Why margins: acceptance varies along a text (the draft sees little context at the start, so
+early blocks are accepted less), and a rate estimated from a handful of blocks is noisy; on the
+embedded pair planners that followed their estimates lost to a fixed block of 4 on 6-7 of 8
+prompts, while a wrong switch to speculation costs little there (docs/benchmarks.md, sessions
+10-11). For the same reason the draft's own per-proposal confidence does not shorten a drafted
 block: measured, verifying fewer proposals when it was low lost to verifying them all.
 
 - Cold start: two plain steps (the second prices steady plain decoding), then the first drafted
@@ -364,9 +366,10 @@ class BlockPlanner:
         latest B committed tokens, as experts' worth of link time still to come (missing, or in
         flight at ``in_flight_weight``) against the cache now; index B - 1. A step's experts are
         the union over the tokens its forward routed (its block, committed or not); where B needs
-        ``k`` of a step's tokens, that step adds its share u(k) / u(routed) of what it adds whole (u: the random union of
-        ``distinct_experts``). Whole, a block of 4 behind the latest step priced the next block
-        of 2 with the experts of 4 tokens (on an H100: 250-390 predicted for 150-230 fetched)."""
+        ``k`` of a step's tokens, that step adds its share u(k) / u(routed) of what it adds whole
+        (u: the random union, ``distinct_experts``). Whole, a block of 4 behind the latest step
+        priced the next block of 2 with the experts of 4 tokens (on an H100: 250-390 predicted for
+        150-230 fetched)."""
         out: list[float] = []
         seen: dict[int, set[int]] = {}  # layer -> experts counted
         state_of = self.cache.state_of
