@@ -21,6 +21,7 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 - ``auto-noretreat@P`` (with ``--no-retreat-arm``): the planner without its retreat rule (draft/planner.py);
 - ``auto-noover@P`` (with ``--no-overdraft-arm``): the planner drafting only the blocks it verifies (overdraft 1);
 - ``auto-m105@P`` (with ``--margin-arm``): the planner with a 5 % margin between two speculative lengths;
+- ``auto-notrial@P`` (with ``--no-trial-arm``): the planner without trials (draft/planner.py);
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
@@ -103,6 +104,7 @@ ARM_OPTIONS = {
     "auto-noretreat": {"retreat": None},  # no retreat rule
     "auto-noover": {"overdraft": 1},  # draft only the blocks it verifies
     "auto-m105": {"spec_margin": 1.05},  # a 5 % margin between two speculative lengths (default 15 %)
+    "auto-notrial": {"trial_margin": None},  # no trials of a length priced a little ahead
 }
 
 
@@ -173,6 +175,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         autos += ["auto-noretreat"] if args.no_retreat_arm else []
         autos += ["auto-noover"] if args.no_overdraft_arm else []
         autos += ["auto-m105"] if args.margin_arm else []
+        autos += ["auto-notrial"] if args.no_trial_arm else []
         arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in autos + [f"B{b}" for b in blocks]]
         guard = rt.placer.guard if rt.placer is not None else None
         if args.guard_arm:
@@ -245,7 +248,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     if res.planner is not None:
                         row["planner"] = {k: res.planner[k] for k in ("predicted_step_ms", "measured_step_ms",
                                                                        "step_time_abs_error_ms", "probes", "shadow_probes",
-                                                                       "retreats", "overdrafted_blocks",
+                                                                       "retreats", "trials", "trials_kept",
+                                                                       "overdrafted_blocks",
                                                                        "acceptance_conditional", "block_histogram",
                                                                        "plain_step_ms", "realized_vs_plain", "candidates")}
                         if "trace" in res.planner:
@@ -382,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true",
                     help="Keep the planner's per-step trace in its rows (block, prediction against measurement, predicted "
                          "and missed experts, every length's predicted rate).")
+    ap.add_argument("--no-trial-arm", action="store_true",
+                    help="Add an arm auto-notrial: the planner without trials of a length priced a little ahead.")
     ap.add_argument("--margin-arm", action="store_true",
                     help="Add an arm auto-m105: the planner with a 5 %% margin between two speculative lengths.")
     ap.add_argument("--no-overdraft-arm", action="store_true",

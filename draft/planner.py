@@ -14,6 +14,11 @@ back. A smaller margin between speculative lengths was measured (session 20, doc
 on an H100 at P = 0.9 blocks of 4 priced 14.9 % ahead of the incumbent blocks of 2 (measured
 1.49x plain decoding against the planner's 1.22x) were kept out by the 15 % margin, but at 5 % the
 embedded pair on a CPU switched on noise ("def fibonacci(n):" 0.82-1.12x plain decoding).
+Instead, a speculative length priced more than ``trial_margin`` (5 %) but less than the margin
+ahead of the speculative incumbent is *tried*: it runs ``trial_blocks`` (4) blocks, and stays the
+incumbent only if they realize more tokens per second than the incumbent's own recent blocks did;
+otherwise the incumbent comes back and that length is not tried for ``trial_cooldown`` (32)
+steps. The realized rate, not a narrower margin on predictions, decides.
 
 The whole chosen block is verified (the draft drafts it, or up to twice it: overdraft, below).
 Why margins: acceptance varies along a text (the draft sees little context at the start, so
@@ -207,6 +212,8 @@ class PlannerReport:
     shadow_probes: int = 0  # of those, drafted and checked against later committed tokens, not verified
     overdrafted: int = 0  # verified blocks that drafted positions past the block (overdraft)
     retreats: int = 0  # times a speculative incumbent that measurably lost handed over to plain decoding
+    trials: int = 0  # lengths run for trial_blocks blocks against the speculative incumbent's realized rate
+    trials_kept: int = 0  # of those, the ones that realized more and stayed
     predicted_seconds: float = 0.0  # summed over steps that had a prediction
     measured_seconds: float = 0.0  # the same steps, measured
     predicted_steps: int = 0
@@ -224,6 +231,8 @@ class PlannerReport:
             "shadow_probes": self.shadow_probes,
             "overdrafted_blocks": self.overdrafted,
             "retreats": self.retreats,
+            "trials": self.trials,
+            "trials_kept": self.trials_kept,
             "predicted_step_ms": 1e3 * self.predicted_seconds / n if n else None,
             "measured_step_ms": 1e3 * self.measured_seconds / n if n else None,
             "step_time_abs_error_ms": 1e3 * self.abs_error_seconds / n if n else None,
@@ -267,6 +276,9 @@ class BlockPlanner:
         overdraft: float = 2.0,
         switch_margin: float = 1.15,
         spec_margin: float | None = None,
+        trial_margin: float | None = 1.05,
+        trial_blocks: int = 4,
+        trial_cooldown: int = 32,
         plain_margin: float = 1.3,
         floor: float = 0.7,
         floor_window: int = 16,
@@ -309,6 +321,9 @@ class BlockPlanner:
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.switch_margin, self.plain_margin = switch_margin, plain_margin
         self.spec_margin = switch_margin if spec_margin is None else spec_margin  # between two speculative lengths
+        self.trial_margin, self.trial_blocks, self.trial_cooldown = trial_margin, trial_blocks, trial_cooldown
+        self._trial: dict | None = None  # a running trial: block, prev(ious incumbent), base (its realized rate), left
+        self._no_trial_until: dict[int, int] = {}  # B -> the step before which B is not tried again
         self.floor = floor
         self.retreat = retreat  # None: no retreat
         self.settle, self.outlier = settle, outlier
@@ -495,13 +510,26 @@ class BlockPlanner:
         current = cands[inc - 1]
         self._rates = [self._rate(c) for c in cands]
         best = self._fastest(cands)
+        if self._trial is not None:  # a trial runs its blocks; end_step judges it
+            return cands[min(self._trial["block"], limit) - 1]
         if best is None or self._rate(current) is None:
             return current
         if best.block == 1:
             margin = self.plain_margin
         else:
             margin = self.switch_margin if current.block == 1 else self.spec_margin
-        return best if self._rate(best) > margin * self._rate(current) else current
+        if self._rate(best) > margin * self._rate(current):
+            return best
+        if (self.trial_margin is not None and best.block > 1 and current.block > 1 and best.block != current.block
+                and self._rate(best) > self.trial_margin * self._rate(current)
+                and self._steps >= self._no_trial_until.get(best.block, 0) and len(self._run) >= self.trial_blocks):
+            seconds = sum(t for _, t in self._run)
+            if seconds > 0:  # the incumbent's realized rate, what the trial's blocks must beat
+                self._trial = {"block": best.block, "prev": current.block, "left": self.trial_blocks,
+                               "base": sum(c for c, _ in self._run) / seconds}
+                self.report.trials += 1
+                return best
+        return current
 
     def _below_floor(self) -> bool:
         """The last ``floor_window`` drafted steps together committed fewer than ``floor`` times
@@ -657,10 +685,27 @@ class BlockPlanner:
         return best.block
 
     def _set_incumbent(self, block: int) -> None:
-        """Run ``block`` from now on; a new incumbent's own blocks are counted afresh (retreat)."""
+        """Run ``block`` from now on; a new incumbent's own blocks are counted afresh (retreat); a
+        trial of another length ends unjudged."""
         if block != self._incumbent:
             self._run.clear()
+        if self._trial is not None and block != self._trial["block"]:
+            self._trial = None
         self._incumbent = block
+
+    def _judge_trial(self) -> None:
+        """After its blocks, a trial's length stays the incumbent if they realized more tokens per
+        second than the incumbent it replaced did; otherwise that one runs again and the length is
+        not tried for ``trial_cooldown`` steps."""
+        trial = self._trial
+        seconds = sum(t for _, t in self._run)
+        kept = seconds > 0 and sum(c for c, _ in self._run) / seconds > trial["base"]
+        self._trial = None
+        if kept:
+            self.report.trials_kept += 1
+        else:
+            self._no_trial_until[trial["block"]] = self._steps + 1 + self.trial_cooldown  # (this step not yet counted)
+            self._set_incumbent(trial["prev"])
 
     def shadow_proposals(self, proposals: Sequence[int]) -> None:
         """The shadow probe's proposals (this step's ``shadow_block - 1``), to be checked against
@@ -734,6 +779,10 @@ class BlockPlanner:
                 self._hold_plain = False  # a probe that paid: the predictions decide again
         if block > 1 and not self._probe and block == self._incumbent:  # a block of the incumbent's own
             self._run.append((committed, seconds))
+            if self._trial is not None and block == self._trial["block"]:
+                self._trial["left"] -= 1
+                if self._trial["left"] <= 0:
+                    self._judge_trial()
         # a plain step after a plain step (a shadow probe's step also ran the draft)
         steady = not self._drafting and not self.shadow_block and block == 1 and self._prev_block == 1
         if steady:

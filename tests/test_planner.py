@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdflash.draft.planner import AcceptanceModel, BlockPlanner, distinct_experts, expected_committed
+from pdflash.draft.planner import AcceptanceModel, BlockPlanner, Choice, distinct_experts, expected_committed
 from pdflash.offload.cost import CostModel, Ewma, RecentMedian
 
 L, E, K = 4, 32, 4
@@ -136,6 +136,27 @@ def test_a_speculative_length_gives_way_at_the_small_margin_plain_decoding_at_th
     p._candidates = lambda low, limit: [SimpleNamespace(block=b, rate=rates.get(b, 50.0)) for b in range(low, limit + 1)]
     p._rate = lambda c: c.rate
     assert p._decide(8).block == (4 if moves else incumbent)
+
+
+@pytest.mark.parametrize("trial_seconds, kept", [(0.030, True), (0.080, False)])
+def test_a_length_priced_a_little_ahead_is_tried_and_stays_only_if_it_realizes_more(trial_seconds, kept):
+    """Blocks of 4 priced 10 % ahead of running blocks of 2: inside the 15 % margin, past the 5 %
+    trial margin. After 4 blocks of 2 (100 tokens per second realized) 4 blocks of 4 run as a trial:
+    at 133 tokens per second they stay; at 50 the blocks of 2 come back, and blocks of 4 are not
+    tried again for trial_cooldown steps."""
+    p = planner(link_gbps=20, trial_blocks=4, trial_cooldown=10, floor=0.0, remeasure_plain_every=100)
+    teach(p, accept_rate=0.9)
+    rates = {1: 50.0, 2: 100.0, 4: 110.0}
+    p._candidates = lambda low, limit: [Choice(b, rates.get(b, 10.0) * 0.01, 0.01, 0.0, 0.0) for b in range(low, limit + 1)]
+    p._set_incumbent(2)
+    chosen = [step(p, seconds=lambda b: trial_seconds if b == 4 else 0.02 * b / 2) for _ in range(20)]
+    assert chosen[:8] == [2] * 4 + [4] * 4 and p.report.trials >= 1
+    if kept:
+        assert chosen[8:] == [4] * 12 and p.report.trials == p.report.trials_kept == 1, chosen
+    else:  # back to 2; 4 again once the cooldown has passed and 4 blocks of 2 ran since
+        assert chosen[8:18] == [2] * 10 and chosen[18:] == [4] * 2, chosen
+        assert p.report.trials == 2 and p.report.trials_kept == 0
+    assert p.to_dict()["trials"] == p.report.trials
 
 
 def test_a_speculative_run_that_realizes_less_than_the_floor_goes_plain_and_probes():
@@ -612,7 +633,8 @@ def test_short_blocks_that_are_always_accepted_measure_longer_ones_only_by_overd
     margin. Here every proposal is right and a verify forward costs 10 ms + 4 ms per token (known
     for every length): with the tail checked, the planner measures positions 2 and 3 and moves to
     longer blocks."""
-    p = planner(link_gbps=1000, home_block=2, first_by_cost=False, overdraft=overdraft, spec_margin=1.15)  # session 16's margin
+    p = planner(link_gbps=1000, home_block=2, first_by_cost=False, overdraft=overdraft, spec_margin=1.15,
+                trial_margin=None)  # session 16's margin, no trials: overdraft alone
     for b in range(1, 9):
         p.cost.observe_forward("verify", b, 0.010 + 0.004 * b)
         p.cost.observe_forward("draft", b, 0.001)
