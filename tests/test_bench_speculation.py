@@ -15,11 +15,11 @@ def test_cpu_dry_run_writes_every_arm(tmp_path, load_script):
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "10", "--prompts", "1", "--dtypes", "bfloat16,float32", "--acceptance", "0.9,0.3",
                      "--blocks", "2,8", "--probes", "shadow,real", "--no-retreat-arm", "--no-overdraft-arm",
-                     "--out", str(out)]) == 0
+                     "--margin-arm", "--no-trial-arm", "--trace", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["summary"]) == {"bfloat16", "float32"}
-    arms = {"plain", "auto@0.9", "auto-real@0.9", "auto-noretreat@0.9", "auto-noover@0.9", "B2@0.9",
-            "auto@0.3", "auto-real@0.3", "auto-noretreat@0.3", "auto-noover@0.3", "B2@0.3"}  # 8 exceeds the tiny draft's 4
+    autos = ("auto", "auto-real", "auto-noretreat", "auto-noover", "auto-m105", "auto-notrial")
+    arms = {"plain"} | {f"{a}@{p}" for a in autos + ("B2",) for p in ("0.9", "0.3")}  # 8 exceeds the tiny draft's 4
     for dtype, s in res["summary"].items():
         assert set(s["arms"]) == arms and set(s["targets"]) == {"auto@0.9", "auto@0.3"}
         assert s["arms"]["plain"]["vs_plain"] == 1.0
@@ -37,6 +37,9 @@ def test_cpu_dry_run_writes_every_arm(tmp_path, load_script):
             if r["arm"].startswith("auto-real"):
                 assert r["planner"]["shadow_probes"] == 0
             assert r["planner"]["retreats"] >= 0
+            assert len(r["planner"]["trace"]) == r["verify_steps"]  # --trace: one record per step
+            if r["arm"].startswith("auto-notrial"):
+                assert r["planner"]["trials"] == 0
             if r["arm"].startswith(("auto-noover", "auto-real")):  # nothing drafted past a verified block
                 assert r["planner"]["overdrafted_blocks"] == 0
             assert "drafting_share" in r and "steady_plain_ms" in r
