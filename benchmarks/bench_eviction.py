@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pdflash.draft.planner import distinct_experts
 from pdflash.native import Scheduler
 from pdflash.offload.cache import EVICTION_POLICIES, ExpertCache
 from pdflash.offload.host_store import ExpertLayout, HostStore
@@ -59,8 +60,8 @@ def replay(policy: str, layers: int, experts: int, top_k: int, slots: int, block
             if after_forward is not None:
                 after_forward(cache)
         st = cache.stats
-    union = experts * (1 - (1 - top_k / experts) ** block)
-    return {"copies_per_layer": st.demand_fetches / forwards / layers, "union_per_layer": union,
+    return {"copies_per_layer": st.demand_fetches / forwards / layers,
+            "union_per_layer": distinct_experts(block, experts, top_k),
             "hit_rate": st.hit_rate(), "host_ms_per_forward": 1e3 * host_s / forwards}
 
 

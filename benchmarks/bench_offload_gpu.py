@@ -57,6 +57,7 @@ import torch
 
 from pdflash import PdflashError
 from pdflash.machine import machine_info
+from pdflash.offload.cache import DEFAULT_EVICTION
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.generate import decode_one_token, prefill
 from pdflash.offload.runtime import OffloadedModel
@@ -363,7 +364,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="Measured decode tokens per run.")
     ap.add_argument("--cache-fraction", type=float, default=0.25, help="Share of all experts the offload cache holds.")
     ap.add_argument("--lookahead", type=int, nargs="+", default=[0, 1], help="Lookahead depths to run offloaded (0: no prefetch).")
-    ap.add_argument("--eviction", default="balanced", help="Eviction policy of the offloaded runs.")
+    ap.add_argument("--eviction", default=DEFAULT_EVICTION, help="Eviction policy of the offloaded runs.")
     ap.add_argument("--chunk-mib", type=float, nargs="+", default=[4.0],
                     help="Scheduler chunk size(s) of the offloaded runs; several values sweep (one load each).")
     ap.add_argument("--workers", type=int, nargs="+", default=[2], help="Scheduler copy thread count(s) of the offloaded runs.")

@@ -84,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdflash.cli.generate import _load_options
     from pdflash.draft import draft_block_size
+    from pdflash.offload.cache import DEFAULT_EVICTION
     from pdflash.offload.embedded import embedded_draft, embedded_target
     from pdflash.offload.runtime import OffloadedModel
 
     model = args.model or embedded_target()
     draft = args.draft or embedded_draft()
     opts = _load_options(device=args.device, dtype="auto", expert_cache_mib=None,
-                         expert_cache_experts=args.expert_cache_experts, link_gbps=args.link_gbps, eviction="balanced",
+                         expert_cache_experts=args.expert_cache_experts, link_gbps=args.link_gbps, eviction=DEFAULT_EVICTION,
                          lookahead_depth=0, history_depth=0, show_progress=False)
     opts["block_tokens"] = draft_block_size(draft, None)  # as generate loads it: the cache minimum covers a verify block
     per_prompt = {}

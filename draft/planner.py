@@ -322,7 +322,8 @@ class BlockPlanner:
         self.switch_margin, self.plain_margin = switch_margin, plain_margin
         self.spec_margin = switch_margin if spec_margin is None else spec_margin  # between two speculative lengths
         self.trial_margin, self.trial_blocks, self.trial_cooldown = trial_margin, trial_blocks, trial_cooldown
-        self._trial: dict | None = None  # a running trial: block, prev(ious incumbent), base (its realized rate), left
+        # a running trial: (its length, the incumbent before it, that one's realized rate)
+        self._trial: tuple[int, int, float] | None = None
         self._no_trial_until: dict[int, int] = {}  # B -> the step before which B is not tried again
         self.floor = floor
         self.retreat = retreat  # None: no retreat
@@ -508,10 +509,11 @@ class BlockPlanner:
         inc = min(self._incumbent or self.home_block, limit)
         cands = self._candidates(1, limit)
         current = cands[inc - 1]
-        self._rates = [self._rate(c) for c in cands]
+        if self.trace is not None:
+            self._rates = [self._rate(c) for c in cands]
+        if self._trial is not None:  # a trial (the incumbent now) runs its blocks; end_step judges it
+            return current
         best = self._fastest(cands)
-        if self._trial is not None:  # a trial runs its blocks; end_step judges it
-            return cands[min(self._trial["block"], limit) - 1]
         if best is None or self._rate(current) is None:
             return current
         if best.block == 1:
@@ -523,13 +525,17 @@ class BlockPlanner:
         if (self.trial_margin is not None and best.block > 1 and current.block > 1 and best.block != current.block
                 and self._rate(best) > self.trial_margin * self._rate(current)
                 and self._steps >= self._no_trial_until.get(best.block, 0) and len(self._run) >= self.trial_blocks):
-            seconds = sum(t for _, t in self._run)
-            if seconds > 0:  # the incumbent's realized rate, what the trial's blocks must beat
-                self._trial = {"block": best.block, "prev": current.block, "left": self.trial_blocks,
-                               "base": sum(c for c, _ in self._run) / seconds}
+            base = self._run_rate()  # the incumbent's realized rate, what the trial's blocks must beat
+            if base is not None:
+                self._trial = (best.block, current.block, base)
                 self.report.trials += 1
                 return best
         return current
+
+    def _run_rate(self) -> float | None:
+        """Tokens per second the incumbent's own recent blocks realized (None before any time)."""
+        seconds = sum(t for _, t in self._run)
+        return sum(c for c, _ in self._run) / seconds if seconds > 0 else None
 
     def _below_floor(self) -> bool:
         """The last ``floor_window`` drafted steps together committed fewer than ``floor`` times
@@ -689,7 +695,7 @@ class BlockPlanner:
         trial of another length ends unjudged."""
         if block != self._incumbent:
             self._run.clear()
-        if self._trial is not None and block != self._trial["block"]:
+        if self._trial is not None and block != self._trial[0]:
             self._trial = None
         self._incumbent = block
 
@@ -697,15 +703,14 @@ class BlockPlanner:
         """After its blocks, a trial's length stays the incumbent if they realized more tokens per
         second than the incumbent it replaced did; otherwise that one runs again and the length is
         not tried for ``trial_cooldown`` steps."""
-        trial = self._trial
-        seconds = sum(t for _, t in self._run)
-        kept = seconds > 0 and sum(c for c, _ in self._run) / seconds > trial["base"]
+        block, prev, base = self._trial
+        rate = self._run_rate()  # the trial's own blocks: the run was cleared when it began
         self._trial = None
-        if kept:
+        if rate is not None and rate > base:
             self.report.trials_kept += 1
         else:
-            self._no_trial_until[trial["block"]] = self._steps + 1 + self.trial_cooldown  # (this step not yet counted)
-            self._set_incumbent(trial["prev"])
+            self._no_trial_until[block] = self._steps + 1 + self.trial_cooldown  # (this step not yet counted)
+            self._set_incumbent(prev)
 
     def shadow_proposals(self, proposals: Sequence[int]) -> None:
         """The shadow probe's proposals (this step's ``shadow_block - 1``), to be checked against
@@ -779,10 +784,8 @@ class BlockPlanner:
                 self._hold_plain = False  # a probe that paid: the predictions decide again
         if block > 1 and not self._probe and block == self._incumbent:  # a block of the incumbent's own
             self._run.append((committed, seconds))
-            if self._trial is not None and block == self._trial["block"]:
-                self._trial["left"] -= 1
-                if self._trial["left"] <= 0:
-                    self._judge_trial()
+            if self._trial is not None and len(self._run) >= self.trial_blocks:
+                self._judge_trial()
         # a plain step after a plain step (a shadow probe's step also ran the draft)
         steady = not self._drafting and not self.shadow_block and block == 1 and self._prev_block == 1
         if steady:

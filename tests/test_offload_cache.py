@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pdflash import PdflashError
+from pdflash.draft.planner import distinct_experts
 from pdflash.native import Band, Scheduler
 from pdflash.offload.cache import ExpertCache
 from pdflash.offload.host_store import ExpertLayout, HostStore
@@ -136,7 +137,7 @@ def test_balanced_keeps_every_layers_share_where_lru_thrashes(block, load_script
     # A block's union (13.2 experts per layer for 4 tokens, 20.9 for 8) exceeds the 8 slots per
     # layer: LRU evicts each layer before the next forward comes back and copies the whole union;
     # balanced keeps 8 of each layer's experts, so about a quarter of the union hits.
-    union = 32 * (1 - (1 - 4 / 32) ** block)
+    union = distinct_experts(block, 32, 4)
     bench = load_script("benchmarks/bench_eviction.py")
     assert _copies_per_layer(bench, "lru", block) > 0.97 * union
     before = _CheckedBalanced.victims
