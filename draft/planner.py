@@ -153,13 +153,14 @@ class AcceptanceModel:
     """
 
     def __init__(self, positions: int, prior_mean: float = 0.5, prior_weight: float = 1.0, decay: float = 1.0,
-                 slow_decay: float | None = None):
+                 slow_decay: float | None = None, slow_weight: float | None = None):
         for name, d in (("decay", decay), ("slow_decay", 1.0 if slow_decay is None else slow_decay)):
             if not 0.0 < d <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {d}")
         self.positions = positions
         self.prior_mean = prior_mean
         self.prior_weight = prior_weight
+        self.slow_weight = prior_weight if slow_weight is None else slow_weight
         self.decay = decay
         self.slow_decay = slow_decay
         self.reached = [0.0] * positions
@@ -167,17 +168,16 @@ class AcceptanceModel:
         self.slow_reached = [0.0] * positions
         self.slow_accepted = [0.0] * positions
 
-    def _posterior(self, accepted: list[float], reached: list[float], means: list[float]) -> list[float]:
-        w = self.prior_weight
+    def _posterior(self, accepted: list[float], reached: list[float], means: list[float], w: float) -> list[float]:
         return [(a + w * m) / (r + w) for a, r, m in zip(accepted, reached, means)]
 
     def prior_means(self) -> list[float]:
         """m_i: ``prior_mean`` everywhere, or the long-run estimates (see the class docstring)."""
         fixed = [self.prior_mean] * self.positions
-        return fixed if self.slow_decay is None else self._posterior(self.slow_accepted, self.slow_reached, fixed)
+        return fixed if self.slow_decay is None else self._posterior(self.slow_accepted, self.slow_reached, fixed, self.slow_weight)
 
     def conditional(self) -> list[float]:
-        return self._posterior(self.accepted, self.reached, self.prior_means())
+        return self._posterior(self.accepted, self.reached, self.prior_means(), self.prior_weight)
 
     def record(self, drafted: int, accepted: int) -> None:
         """A block verified ``drafted`` proposals and accepted the first ``accepted``."""
@@ -279,6 +279,7 @@ class BlockPlanner:
         trial_margin: float | None = 1.05,
         trial_blocks: int = 4,
         trial_cooldown: int = 32,
+        trial_from_plain: bool = True,
         plain_margin: float = 1.3,
         floor: float = 0.7,
         floor_window: int = 16,
@@ -286,6 +287,7 @@ class BlockPlanner:
         settle: int = 3,
         outlier: float = 1.5,
         probe_every: int = 8,
+        probe_after_accept: int | None = 2,
         max_probe_interval: int = 64,
         min_repeat_gap: int = 4,
         remeasure_plain_every: int = 24,
@@ -322,6 +324,7 @@ class BlockPlanner:
         self.switch_margin, self.plain_margin = switch_margin, plain_margin
         self.spec_margin = switch_margin if spec_margin is None else spec_margin  # between two speculative lengths
         self.trial_margin, self.trial_blocks, self.trial_cooldown = trial_margin, trial_blocks, trial_cooldown
+        self.trial_from_plain = trial_from_plain
         # a running trial: (its length, the incumbent before it, that one's realized rate)
         self._trial: tuple[int, int, float] | None = None
         self._no_trial_until: dict[int, int] = {}  # B -> the step before which B is not tried again
@@ -332,6 +335,7 @@ class BlockPlanner:
         self.clock = clock  # None: the step times the caller passes; else the planner times steps itself
         self._t0 = 0.0
         self.probe_every = probe_every
+        self.probe_after_accept = probe_every if probe_after_accept is None else probe_after_accept
         self.max_probe_interval = max_probe_interval
         self.min_repeat_gap = min_repeat_gap
         self._repeat_gap = min_repeat_gap  # doubles after each repeat probe that accepted nothing
@@ -340,7 +344,7 @@ class BlockPlanner:
         self.remeasure_plain_every = remeasure_plain_every
         self.remeasure_unless = remeasure_unless
         self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1), prior_mean=0.6, prior_weight=4.0, decay=0.9,
-                                                       slow_decay=0.98)
+                                                       slow_decay=0.98, slow_weight=2.0)
         self._incumbent: int | None = None  # the block length being run (None during the cold start)
         self._spec_run = 0  # speculative steps in a row
         self._plain_run = 0  # plain steps in a row since the last drafted one (a shadow probe counts as drafted)
@@ -522,15 +526,22 @@ class BlockPlanner:
             margin = self.switch_margin if current.block == 1 else self.spec_margin
         if self._rate(best) > margin * self._rate(current):
             return best
-        if (self.trial_margin is not None and best.block > 1 and current.block > 1 and best.block != current.block
+        from_plain = current.block == 1 and self.trial_from_plain
+        if (self.trial_margin is not None and best.block > 1 and (current.block > 1 or from_plain) and best.block != current.block
                 and self._rate(best) > self.trial_margin * self._rate(current)
-                and self._steps >= self._no_trial_until.get(best.block, 0) and len(self._run) >= self.trial_blocks):
-            base = self._run_rate()  # the incumbent's realized rate, what the trial's blocks must beat
+                and self._steps >= self._no_trial_until.get(best.block, 0)
+                and (from_plain or len(self._run) >= self.trial_blocks)):
+            base = self._plain_rate() if from_plain else self._run_rate()  # what the trial's blocks must beat
             if base is not None:
                 self._trial = (best.block, current.block, base)
                 self.report.trials += 1
                 return best
         return current
+
+    def _plain_rate(self) -> float | None:
+        """Tokens per second of steady plain decoding (None before it is measured)."""
+        plain = self._plain_steady.value
+        return 1.0 / plain if plain else None
 
     def _run_rate(self) -> float | None:
         """Tokens per second the incumbent's own recent blocks realized (None before any time)."""
@@ -738,7 +749,7 @@ class BlockPlanner:
             return  # every token matched and proposals remain: the next steps decide
         self.acceptance.record(len(self._shadow), self._shadow_accepted)
         if self._shadow_accepted == len(self._shadow):
-            self._probe_interval = self.probe_every  # all accepted: look again at the base rate
+            self._probe_interval = self.probe_after_accept  # all accepted: look again soon
         self._shadow = []
 
     def _check_tails(self, tokens: Sequence[int], checks: list[list] | None = None) -> None:
