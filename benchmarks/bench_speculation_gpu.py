@@ -22,6 +22,9 @@ generate`` process starts), in an order shuffled per prompt with a fixed seed:
 - ``auto-noover@P`` (with ``--no-overdraft-arm``): the planner drafting only the blocks it verifies (overdraft 1);
 - ``auto-m105@P`` (with ``--margin-arm``): the planner with a 5 % margin between two speculative lengths;
 - ``auto-notrial@P`` (with ``--no-trial-arm``): the planner without trials (draft/planner.py);
+- ``auto-prev@P`` (with ``--previous-arm``): the planner before four changes, for an A/B in one run: route-ahead
+  fetch prediction only, no trials from plain decoding, probes every 8 steps after a fully accepted one, long-run
+  acceptance weight 4;
 - ``B<n>@P``: the same with a fixed block length n.
 
 Verify blocks replay CUDA graphs per block length (on CUDA). Per run: tokens/s after the first
@@ -105,6 +108,10 @@ ARM_OPTIONS = {
     "auto-noover": {"overdraft": 1},  # draft only the blocks it verifies
     "auto-m105": {"spec_margin": 1.05},  # a 5 % margin between two speculative lengths (default 15 %)
     "auto-notrial": {"trial_margin": None},  # no trials of a length priced a little ahead
+    # the planner before its fetch prediction by the smaller recent error, its trials from plain decoding,
+    # its quick probe after a fully accepted one and its long-run acceptance weight of 2 (all 2026-12-05, late)
+    "auto-prev": {"fetch_prediction": "route", "trial_from_plain": False, "probe_after_accept": None,
+                  "long_run_weight": 4.0},
 }
 
 
@@ -176,6 +183,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         autos += ["auto-noover"] if args.no_overdraft_arm else []
         autos += ["auto-m105"] if args.margin_arm else []
         autos += ["auto-notrial"] if args.no_trial_arm else []
+        autos += ["auto-prev"] if args.previous_arm else []
         arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in autos + [f"B{b}" for b in blocks]]
         guard = rt.placer.guard if rt.placer is not None else None
         if args.guard_arm:
@@ -388,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                          "and missed experts, every length's predicted rate).")
     ap.add_argument("--no-trial-arm", action="store_true",
                     help="Add an arm auto-notrial: the planner without trials of a length priced a little ahead.")
+    ap.add_argument("--previous-arm", action="store_true",
+                    help="Add an arm auto-prev: the planner with the route-ahead fetch prediction only, no trials from "
+                         "plain decoding, no quick probe after a fully accepted one, long-run acceptance weight 4.")
     ap.add_argument("--margin-arm", action="store_true",
                     help="Add an arm auto-m105: the planner with a 5 %% margin between two speculative lengths.")
     ap.add_argument("--no-overdraft-arm", action="store_true",

@@ -57,6 +57,14 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   correction was learned against another history (the route of a block of 4 after blocks of 4
   reaches one step back, after blocks of 2 two steps, to experts evicted since), and next to
   today's route it counts the same experts twice.
+- Two predictions of a block's fetch are kept side by side: that route-ahead one, and the recent
+  mean of the experts B's own steps missed (an unmeasured B: the nearest measured length's, scaled
+  by the ratio of random unions). Every step whose misses are measured adds each one's absolute
+  error to an EWMA, and the one with the smaller recent error prices the blocks. On the
+  gpt-oss-20b-shaped checkpoint (synthetic weights: consecutive tokens' routes share little) the
+  route-ahead prediction erred by 15-35 experts a step where the mean erred by 11-16, in every
+  GPU run of sessions 20-21; its swings moved the rate of blocks of 2 between 15 and 39 tokens/s
+  from one step to the next. Where routes do repeat, the route-ahead one has the smaller error.
 - A length verified fewer than ``settle`` times is priced at no more than ``outlier`` times what the
   other measured lengths interpolate to: one slow first block (another process on the machine)
   would otherwise price it alone, and once plain decoding leads, shadow probes refresh the
@@ -201,8 +209,10 @@ class Choice:
     block: int
     expected_tokens: float
     predicted_seconds: float | None
-    fetch_experts: float  # experts' worth of link time predicted for the block
-    route_missing: float  # the part of it from the route-ahead set's missing / in-flight experts
+    fetch_experts: float  # experts' worth of link time predicted for the block (by the predictor in use)
+    route_missing: float  # the route-ahead set's missing / in-flight experts
+    fetch_route: float = 0.0  # the route-ahead prediction (route_missing plus B's measured correction)
+    fetch_mean: float | None = None  # the recent-mean prediction (what B's own steps fetched), None before any
 
 
 @dataclass
@@ -280,6 +290,8 @@ class BlockPlanner:
         trial_blocks: int = 4,
         trial_cooldown: int = 32,
         trial_from_plain: bool = True,
+        fetch_prediction: str = "best",
+        long_run_weight: float = 2.0,
         plain_margin: float = 1.3,
         floor: float = 0.7,
         floor_window: int = 16,
@@ -325,6 +337,9 @@ class BlockPlanner:
         self.spec_margin = switch_margin if spec_margin is None else spec_margin  # between two speculative lengths
         self.trial_margin, self.trial_blocks, self.trial_cooldown = trial_margin, trial_blocks, trial_cooldown
         self.trial_from_plain = trial_from_plain
+        if fetch_prediction not in ("best", "route", "mean"):
+            raise ValueError(f"fetch_prediction must be best, route or mean, got {fetch_prediction!r}")
+        self.fetch_prediction = fetch_prediction
         # a running trial: (its length, the incumbent before it, that one's realized rate)
         self._trial: tuple[int, int, float] | None = None
         self._no_trial_until: dict[int, int] = {}  # B -> the step before which B is not tried again
@@ -344,7 +359,7 @@ class BlockPlanner:
         self.remeasure_plain_every = remeasure_plain_every
         self.remeasure_unless = remeasure_unless
         self.acceptance = acceptance or AcceptanceModel(max(1, max_block - 1), prior_mean=0.6, prior_weight=4.0, decay=0.9,
-                                                       slow_decay=0.98, slow_weight=2.0)
+                                                       slow_decay=0.98, slow_weight=long_run_weight)
         self._incumbent: int | None = None  # the block length being run (None during the cold start)
         self._spec_run = 0  # speculative steps in a row
         self._plain_run = 0  # plain steps in a row since the last drafted one (a shadow probe counts as drafted)
@@ -352,6 +367,9 @@ class BlockPlanner:
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
         self._extra_at: dict[int, int] = {}  # B -> the step that last updated its correction
+        self._missed_by: dict[int, Ewma] = {}  # B -> EWMA of the experts its steps missed
+        self._err_route = Ewma(cost.alpha)  # recent absolute error of the route-ahead prediction, experts
+        self._err_mean = Ewma(cost.alpha)  # the same, of the recent-mean prediction
         self.fresh_steps = fresh_steps  # a correction older than this many steps is not used (None: all are)
         self._steps = 0
         self._plain_steady = RecentMedian()  # measured plain steps that followed a plain step
@@ -418,14 +436,38 @@ class BlockPlanner:
         value = self.cost.fetch_equivalents(in_flight, missing)
         return out + [value] * (limit - len(out))
 
-    def _known_extra(self) -> dict[int, float]:
-        """B -> measured correction (experts fetched beyond the route-ahead set's missing ones), of
-        the lengths measured in the last ``fresh_steps`` steps (all of them if none was)."""
-        known = {b: e.value for b, e in self._extra.items() if e.value is not None}
+    def _fresh(self, by_block: dict[int, Ewma]) -> dict[int, float]:
+        """B -> the value of a per-B measurement, of the lengths measured in the last
+        ``fresh_steps`` steps (all of them if none was)."""
+        known = {b: e.value for b, e in by_block.items() if e.value is not None}
         if self.fresh_steps is None:
             return known
         fresh = {b: v for b, v in known.items() if self._steps - self._extra_at.get(b, self._steps) < self.fresh_steps}
         return fresh or known
+
+    def _known_extra(self) -> dict[int, float]:
+        """B -> measured correction (experts fetched beyond the route-ahead set's missing ones)."""
+        return self._fresh(self._extra)
+
+    def _fetch_mean(self, block: int, means: dict[int, float]) -> float | None:
+        """The recent-mean prediction: what B's own recent steps fetched (``means``), or for an
+        unmeasured B the nearest measured length's scaled by the ratio of random unions; None
+        before any step was measured."""
+        if block in means:
+            return means[block]
+        if not means:
+            return None
+        near = min(means, key=lambda b: (abs(b - block), b))
+        return means[near] * distinct_experts(block, self.num_experts, self.top_k) / distinct_experts(
+            near, self.num_experts, self.top_k)
+
+    def _use_mean(self) -> bool:
+        """Whether the recent-mean prediction prices the blocks: ``fetch_prediction`` "mean", or
+        "best" and it has had the smaller recent error (see the module docstring)."""
+        if self.fetch_prediction != "best":
+            return self.fetch_prediction == "mean"
+        route, mean = self._err_route.value, self._err_mean.value
+        return route is not None and mean is not None and mean < route
 
     def _fetch(self, block: int, route: Sequence[float], known: dict[int, float]) -> float:
         """Experts' worth of link time a block of ``block`` tokens is predicted to fetch: its
@@ -464,9 +506,8 @@ class BlockPlanner:
         """(predicted missing of the route-ahead set, total experts' worth of link time) for B."""
         if self.cache is None:
             return 0.0, 0.0
-        known = self._known_extra()
-        route = self._route_missing(max([block, *known]))
-        return route[block - 1], self._fetch(block, route, known)
+        c = self._candidate(block)
+        return c.route_missing, c.fetch_experts
 
     def drafted_for(self, block: int, can_shadow: bool | None = None) -> int:
         """Positions a verified block of ``block`` drafts: ``overdraft`` times as many (up to
@@ -482,10 +523,14 @@ class BlockPlanner:
         probs = self.acceptance.conditional()
         known = self._known_extra()
         route = self._route_missing(max([limit, *known])) if self.cache is not None else [0.0] * limit
+        means = self._fresh(self._missed_by)
+        use_mean = self._use_mean()
         out = []
         for block in range(low, limit + 1):
             route_missing = route[block - 1]
-            fetch = self._fetch(block, route, known) if self.cache is not None else 0.0
+            by_route = self._fetch(block, route, known) if self.cache is not None else 0.0
+            by_mean = self._fetch_mean(block, means) if self.cache is not None else None
+            fetch = by_mean if use_mean and by_mean is not None else by_route
             if block == 1 and self._plain_steady.value is not None:
                 t = self._plain_steady.value  # measured, fetches included
             else:
@@ -493,7 +538,7 @@ class BlockPlanner:
                 if t is not None and block > 1:
                     draft = self.cost.forward_seconds("draft", self.drafted_for(block))
                     t = None if draft is None else draft + t
-            out.append(Choice(block, expected_committed(probs, block), t, fetch, route_missing))
+            out.append(Choice(block, expected_committed(probs, block), t, fetch, route_missing, by_route, by_mean))
         return out
 
     def _candidate(self, block: int) -> Choice:
@@ -818,6 +863,11 @@ class BlockPlanner:
             pred_missing = choice.route_missing if choice is not None else 0.0
             self._extra.setdefault(block, Ewma(self.cost.alpha)).add(missed - pred_missing)
             self._extra_at[block] = self._steps
+            if counters is not None or self.host_counter is not None:  # the misses were measured
+                self._missed_by.setdefault(block, Ewma(self.cost.alpha)).add(missed)
+            if choice is not None and choice.fetch_mean is not None:
+                self._err_route.add(abs(choice.fetch_route - missed))
+                self._err_mean.add(abs(choice.fetch_mean - missed))
         self._steps += 1
         if self._tails and tokens:
             self._check_tails(tokens)
@@ -841,6 +891,8 @@ class BlockPlanner:
                 else round(1e3 * choice.predicted_seconds, 2),
                 "measured_ms": round(1e3 * seconds, 2),
                 "predicted_fetch": None if choice is None else round(choice.fetch_experts, 1),
+                "fetch_route": None if choice is None else round(choice.fetch_route, 1),
+                "fetch_mean": None if choice is None or choice.fetch_mean is None else round(choice.fetch_mean, 1),
                 "missed": round(missed, 1),
                 "rates": [None if r is None else round(r, 2) for r in self._rates],  # tokens/s of B = 1 .. as decided
             })

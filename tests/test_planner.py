@@ -840,3 +840,48 @@ def test_acceptance_is_shrunk_toward_the_runs_long_run_acceptance():
     assert longrun.conditional()[3:] == pytest.approx([0.6] * 4)  # never reached: the prior mean
     with pytest.raises(ValueError, match="slow_decay"):
         AcceptanceModel(2, slow_decay=0.0)
+
+
+@pytest.mark.parametrize("route_right", [True, False], ids=["route-right", "route-wrong"])
+def test_the_fetch_prediction_with_the_smaller_recent_error_prices_the_blocks(route_right):
+    """Each step routes 1 or 3 experts per layer in turn. Where the next step fetches what the last
+    one routed (route-ahead right) the route prediction is exact and the recent mean of what steps
+    fetched (alternately 4 and 12) is off by 4: the route prices the blocks. Where every step
+    fetches 8 whatever the routes (on the gpt-oss-20b-shaped checkpoint the route-ahead prediction
+    erred 30-110 % more than that mean, session 21), the mean prices them."""
+    moved = [0.0, 0.0]
+    cost = CostModel(EXPERT_BYTES, link_gbps=1.0)
+    p = BlockPlanner(8, cost, num_layers=L, num_experts=E, top_k=K, cache=FakeCache(),
+                     link_counters=lambda: tuple(moved))
+    last = 0
+    for i in range(30):
+        p.begin_step()
+        assert p.plan_draft(1) == 1
+        fetched = last if route_right else 8
+        moved[0] += fetched * EXPERT_BYTES
+        moved[1] += fetched * EXPERT_BYTES / 1e9
+        width = 1 if i % 2 == 0 else 3
+        for layer in range(L):
+            p.on_routed(layer, range(width))
+        last = width * L
+        p.end_step(1, 0, 1, 0.01)
+    assert p._use_mean() != route_right, (p._err_route.value, p._err_mean.value)
+    c = p._candidate(1)
+    assert c.fetch_experts == (c.fetch_mean if not route_right else c.fetch_route)
+    if route_right:
+        assert c.fetch_route == pytest.approx(last, abs=0.5)  # this step fetches what the last routed
+    else:
+        assert c.fetch_mean == pytest.approx(8.0, abs=0.1)
+    no_counters = planner(link_gbps=1.0)  # misses not measured: no recent mean, the route prices
+    for _ in range(3):
+        step(no_counters, limit=1)
+    assert no_counters._candidate(1).fetch_mean is None and not no_counters._use_mean()
+
+
+def test_the_fetch_prediction_can_be_pinned():
+    """``fetch_prediction`` "route" / "mean" pins one prediction (benchmark arms); anything else is refused."""
+    assert not planner(link_gbps=1.0, fetch_prediction="route")._use_mean()
+    assert planner(link_gbps=1.0, fetch_prediction="mean")._use_mean()
+    with pytest.raises(ValueError, match="fetch_prediction"):
+        planner(link_gbps=1.0, fetch_prediction="guess")
+    assert planner(link_gbps=1.0, long_run_weight=4.0).acceptance.slow_weight == 4.0
