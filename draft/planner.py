@@ -18,7 +18,9 @@ Instead, a speculative length priced more than ``trial_margin`` (5 %) but less t
 ahead of the speculative incumbent is *tried*: it runs ``trial_blocks`` (4) blocks, and stays the
 incumbent only if they realize more tokens per second than the incumbent's own recent blocks did;
 otherwise the incumbent comes back and that length is not tried for ``trial_cooldown`` (32)
-steps. The realized rate, not a narrower margin on predictions, decides.
+steps. The realized rate, not a narrower margin on predictions, decides. The same holds between
+plain decoding and a speculative length priced 5-15 % ahead of it (``trial_from_plain``): its
+trial blocks must beat steady plain decoding's measured rate.
 
 The whole chosen block is verified (the draft drafts it, or up to twice it: overdraft, below).
 Why margins: acceptance varies along a text (the draft sees little context at the start, so
@@ -44,8 +46,10 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   shadow start that then needed ``switch_margin`` gave that up, docs/benchmarks.md, session 14).
 - Acceptance per position: a Beta posterior mean over counts that decay by ``decay`` per verified
   block, so the estimate follows the text, shrunk toward the run's own long-run acceptance at that
-  position (counts that decay more slowly, themselves shrunk toward ``prior_mean``), not toward a
-  fixed prior mean (AcceptanceModel).
+  position (counts that decay more slowly, themselves shrunk toward ``prior_mean`` with weight
+  ``long_run_weight``, 2), not toward a fixed prior mean (AcceptanceModel). With weight 4 at both
+  levels one refused first block held position 1 near 0.4-0.55 through several fully accepted
+  probes at P = 0.9 (session 21).
 - Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
   (recent medians of measured verify and draft forwards, the step's own link time removed) and the
   link rate (the scheduler's counters). The experts a block will fetch are predicted from
@@ -90,9 +94,11 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   at z = 2 it fired in none of 24 runs there (session 16).
 - Probes: while plain decoding is the incumbent, after ``probe_every`` plain steps the best
   speculative B runs once, so acceptance keeps being measured (the interval doubles, up to
-  ``max_probe_interval``, while plain stays ahead, and returns to ``probe_every`` after a shadow
-  probe whose every proposal was accepted: the draft fits the text again, and one refused block
-  otherwise keeps a run plain, as a prompt at P = 0.9 on an H100 did for 46 steps, session 17); when the last committed tokens repeat an
+  ``max_probe_interval``, while plain stays ahead, and falls to ``probe_after_accept`` (2) after
+  a shadow probe whose every proposal was accepted: the draft fits the text again, and one refused
+  block otherwise keeps a run plain, as a prompt at P = 0.9 on an H100 did for 46 steps, session
+  17; not doubling while a speculative length is priced within 10 % of plain decoding was tried,
+  session 21, and cost "def fibonacci(n):" 5 % on the embedded pair); when the last committed tokens repeat an
   earlier stretch of the sequence, the probe comes early (at most every ``min_repeat_gap`` plain
   steps, a gap that doubles after each such probe whose proposals were all refused).
 - Shadow probes: where the caller can compare proposals with what is committed (greedy decoding:

@@ -885,3 +885,4 @@ def test_the_fetch_prediction_can_be_pinned():
     with pytest.raises(ValueError, match="fetch_prediction"):
         planner(link_gbps=1.0, fetch_prediction="guess")
     assert planner(link_gbps=1.0, long_run_weight=4.0).acceptance.slow_weight == 4.0
+
