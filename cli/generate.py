@@ -288,7 +288,17 @@ def _planner_rows(planner: dict | None) -> list[tuple[str, str]]:
     return [("step time predicted / measured",
              f"{planner['predicted_step_ms']:.1f} / {planner['measured_step_ms']:.1f} {unit} "
              f"(mean abs error {planner['step_time_abs_error_ms']:.1f} ms, {planner['predicted_steps']} steps)"),
-            ("planner probes", f"{planner['probes']} ({planner['shadow_probes']} in shadow: drafted, not verified)")]
+            ("planner probes", f"{planner['probes']} ({planner['shadow_probes']} in shadow: drafted, not verified)"),
+            *_fetch_prediction_rows(planner.get("fetch_prediction"))]
+
+
+def _fetch_prediction_rows(fp: dict | None) -> list[tuple[str, str]]:
+    """Which prediction priced the blocks' fetches, with both recent errors (experts per step)."""
+    if not fp or fp["route_error"] is None or fp["mean_error"] is None:
+        return []
+    name = {"mean": "recent mean", "route": "route-ahead"}
+    return [("fetch priced by", f"{name[fp['in_use']]} (recent error: route-ahead {fp['route_error']:.1f}, "
+                                f"recent mean {fp['mean_error']:.1f} experts per step)")]
 
 
 def _moved(rt) -> float:

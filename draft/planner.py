@@ -188,7 +188,9 @@ class AcceptanceModel:
     def prior_means(self) -> list[float]:
         """m_i: ``prior_mean`` everywhere, or the long-run estimates (see the class docstring)."""
         fixed = [self.prior_mean] * self.positions
-        return fixed if self.slow_decay is None else self._posterior(self.slow_accepted, self.slow_reached, fixed, self.slow_weight)
+        if self.slow_decay is None:
+            return fixed
+        return self._posterior(self.slow_accepted, self.slow_reached, fixed, self.slow_weight)
 
     def conditional(self) -> list[float]:
         return self._posterior(self.accepted, self.reached, self.prior_means(), self.prior_weight)
@@ -578,7 +580,8 @@ class BlockPlanner:
         if self._rate(best) > margin * self._rate(current):
             return best
         from_plain = current.block == 1 and self.trial_from_plain
-        if (self.trial_margin is not None and best.block > 1 and (current.block > 1 or from_plain) and best.block != current.block
+        if (self.trial_margin is not None and best.block > 1 and best.block != current.block
+                and (current.block > 1 or from_plain)
                 and self._rate(best) > self.trial_margin * self._rate(current)
                 and self._steps >= self._no_trial_until.get(best.block, 0)
                 and (from_plain or len(self._run) >= self.trial_blocks)):
@@ -921,6 +924,9 @@ class BlockPlanner:
                 "plain_step_ms": None if plain is None else 1e3 * plain,
                 "realized_vs_plain": self._realized_ratio(),
                 "home_block": self.home_block, "cost": self.cost.to_dict(),
+                # which fetch prediction prices blocks now, and both recent absolute errors (experts per step)
+                "fetch_prediction": {"mode": self.fetch_prediction, "in_use": "mean" if self._use_mean() else "route",
+                                     "route_error": self._err_route.value, "mean_error": self._err_mean.value},
                 # every length as the planner prices it now: what a run's choices are read against
                 "candidates": {str(c.block): {
                     "expected_tokens": c.expected_tokens,

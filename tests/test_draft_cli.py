@@ -130,9 +130,12 @@ def test_generate_with_draft_is_lossless_and_reports_speculation(run, mx_pair):
         auto = json.loads(out)
         assert auto["block_size"] == "auto" and auto["token_ids"] == plain["token_ids"] and "planner" in auto
         assert auto["planner"]["shadow_probes"] <= auto["planner"]["probes"]
+        fp = auto["planner"]["fetch_prediction"]  # which fetch prediction priced the blocks, and both errors
+        assert fp["mode"] == "best" and fp["in_use"] in ("route", "mean")
     code, out, err = _gen(run, mx_pair, "--draft", mx_pair / "draft", "--expert-cache-experts", 8)
     assert code == 0, err
     assert "planner probes" in out and "shadow" in out  # the table names the probes of each kind
+    assert "fetch priced by" in out
 
 
 def test_oracle_acceptance_mode_is_labelled_everywhere(run, mx_pair):

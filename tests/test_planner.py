@@ -866,6 +866,9 @@ def test_the_fetch_prediction_with_the_smaller_recent_error_prices_the_blocks(ro
         last = width * L
         p.end_step(1, 0, 1, 0.01)
     assert p._use_mean() != route_right, (p._err_route.value, p._err_mean.value)
+    report = p.to_dict()["fetch_prediction"]  # what --json shows
+    assert report["in_use"] == ("route" if route_right else "mean") and report["mode"] == "best"
+    assert report["route_error"] == p._err_route.value and report["mean_error"] == p._err_mean.value
     c = p._candidate(1)
     assert c.fetch_experts == (c.fetch_mean if not route_right else c.fetch_route)
     if route_right:
