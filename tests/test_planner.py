@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdflash.draft.planner import AcceptanceModel, BlockPlanner, Choice, distinct_experts, expected_committed
+from pdflash.draft.replay import link_bound_run, route_block
 from pdflash.offload.cost import CostModel, Ewma, RecentMedian
 
 L, E, K = 4, 32, 4
@@ -676,19 +677,6 @@ def test_a_fully_accepted_shadow_probe_brings_the_probe_interval_back(probe_toke
     assert p._shadow == [] and p._probe_interval == interval
 
 
-def _route_block(p, rng, block: int, cache: "RecentCache | None" = None) -> int:
-    """Random top-K routes of ``block`` tokens in every layer, handed to the planner; returns the
-    misses: the whole union, or what ``cache`` did not hold."""
-    misses = 0
-    for layer in range(L):
-        union = set()
-        for _ in range(block):
-            union |= set(rng.sample(range(E), K))
-        p.on_routed(layer, sorted(union))
-        misses += len(union) if cache is None else cache.use(layer, sorted(union))
-    return misses
-
-
 def test_misses_the_host_computes_count_as_the_misses_fetched_do():
     """Hybrid execution: a planner whose misses are computed on the host (the "host" placement,
     counted by ``host_counter``, no link bytes) at the price one fetch costs the other planner
@@ -713,7 +701,7 @@ def test_misses_the_host_computes_count_as_the_misses_fetched_do():
             drafted = max(b, p.draft_block, p.shadow_block)
             if drafted > 1:
                 p.after_draft(drafted, 0.001)
-            misses = _route_block(p, rng, b)
+            misses = route_block(p, rng, b)
             if host:
                 computed[0] += misses
             else:
@@ -733,62 +721,11 @@ def test_misses_the_host_computes_count_as_the_misses_fetched_do():
     assert host.cost.forward_seconds("verify", 1) == pytest.approx(0.040)  # the misses' time is off
 
 
-class RecentCache(FakeCache):
-    """Each layer keeps its ``keep`` most recently used experts (what balanced eviction keeps of a
-    layer at a 25 % cache); ``use`` returns how many of a step's experts were missing."""
-
-    def __init__(self, keep: int = 8):
-        super().__init__()
-        self.keep = keep
-        self.recent: dict[int, list[int]] = {}
-
-    def use(self, layer: int, experts) -> int:
-        recent = self.recent.setdefault(layer, [])
-        missing = sum(e not in recent for e in experts)
-        recent[:] = [e for e in recent if e not in experts] + list(experts)
-        del recent[: max(0, len(recent) - self.keep)]
-        self.resident = {(la, e) for la, es in self.recent.items() for e in es}
-        return missing
-
-
 def _link_bound_run(acceptance_model, p_accept=0.9, steps=80, seed=3, **planner_kw):
-    """The H100 regime of session 19 (docs/benchmarks.md), scaled to 4 layers: a verify forward's own
-    work 23 ms whatever its length, a draft pass 4.6 ms, each missing expert 1.9 ms of link, a
-    cache that keeps each layer's 8 most recently used experts, oracle acceptance P per position.
-    Returns the planner."""
-    import random
-
-    rng = random.Random(seed)
-    price = 0.0019
-    moved = [0.0, 0.0]
-    cost = CostModel(EXPERT_BYTES, link_gbps=EXPERT_BYTES / price / 1e9)
-    kw = dict(planner_kw) if acceptance_model is None else {"acceptance": acceptance_model, **planner_kw}
-    cache = RecentCache()
-    p = BlockPlanner(8, cost, num_layers=L, num_experts=E, top_k=K, cache=cache,
-                     link_counters=lambda: tuple(moved), **kw)
-    pos = 0
-    for _ in range(steps):
-        p.begin_step()
-        b = p.plan_draft(8, can_shadow=True)
-        drafted = max(b, p.draft_block, p.shadow_block)
-        if drafted > 1:
-            p.after_draft(drafted, 0.0046)
-        misses = _route_block(p, rng, b, cache=cache)
-        moved[0] += misses * EXPERT_BYTES
-        moved[1] += misses * price
-        run = 0  # proposals right up to the first refused draw, wrong after it (as oracle mode checks them)
-        while run < drafted - 1 and rng.random() < p_accept:
-            run += 1
-        proposals = [pos + 1 + i if i < run else -1 for i in range(drafted - 1)]
-        if p.shadow_block:  # a shadow probe: checked against the tokens committed from this step on
-            p.shadow_proposals(proposals)
-        acc = min(run, b - 1)
-        new = list(range(pos + 1, pos + acc + 2))
-        p.end_step(b, acc, acc + 1, 0.0046 * (drafted > 1) + 0.023 + misses * price,
-                   draft_seconds=0.0046 if drafted > 1 else 0.0, tokens=new,
-                   tail=proposals[b - 1:] if drafted > b and not p.shadow_block else ())
-        pos += acc + 1
-    return p
+    """The planner after ``steps`` steps of the replayed H100 regime (pdflash.draft.replay)."""
+    if acceptance_model is not None:
+        planner_kw["acceptance"] = acceptance_model
+    return link_bound_run(p_accept, seed, steps=steps, **planner_kw).planner
 
 
 def test_a_link_bound_target_at_high_acceptance_runs_long_blocks():
