@@ -62,6 +62,9 @@ PROMPTS = (
     "The expert cache keeps the most useful experts on the device and",
     "def fibonacci(n):\n    ",
     "Write a short story about a lighthouse keeper who",
+    "import numpy as np\n\n",  # prompts 4-6: more of the oracle's seeded draws per call (--prompts 6)
+    "The capital of France is",
+    "Summarize the following paragraph in one sentence:",
 )
 
 
@@ -368,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", default="2,4,8", help="Fixed block lengths measured next to auto (capped at the draft's).")
     ap.add_argument("--cache-fraction", type=float, default=0.25)
     ap.add_argument("--tokens", type=int, default=48, help="Tokens generated per run.")
-    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=2, help=f"How many of the {len(PROMPTS)} built-in prompts to run.")
     ap.add_argument("--link-gbps", type=float, default=None, help="CPU only: simulated link.")
     ap.add_argument("--cpu-experts", choices=("off", "auto", "all"), default="off",
                     help="Hybrid expert execution for every arm, plain included (generate's --cpu-experts; default off).")
