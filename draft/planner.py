@@ -48,8 +48,8 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   block, so the estimate follows the text, shrunk toward the run's own long-run acceptance at that
   position (counts that decay more slowly, themselves shrunk toward ``prior_mean`` with weight
   ``long_run_weight``, 2), not toward a fixed prior mean (AcceptanceModel). With weight 4 at both
-  levels one refused first block held position 1 near 0.4-0.55 through several fully accepted
-  probes at P = 0.9 (session 21).
+  levels one refused first block kept blocks of 4 under the switch margin through three shadow
+  probes at P = 0.9 on an H200 (session 21).
 - Costs come from the shared :class:`~pdflash.offload.cost.CostModel`: forward times per B
   (recent medians of measured verify and draft forwards, the step's own link time removed) and the
   link rate (the scheduler's counters). The experts a block will fetch are predicted from
