@@ -374,7 +374,7 @@ class BlockPlanner:
         self._history: deque[tuple[int, int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (committed, routed, layer -> experts) per step
         self._current: dict[int, set[int]] = {}
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
-        self._extra_at: dict[int, int] = {}  # B -> the step that last updated its correction
+        self._measured_at: dict[int, int] = {}  # B -> the step that last measured it (its correction and mean)
         self._missed_by: dict[int, Ewma] = {}  # B -> EWMA of the experts its steps missed
         self._err_route = Ewma(cost.alpha)  # recent absolute error of the route-ahead prediction, experts
         self._err_mean = Ewma(cost.alpha)  # the same, of the recent-mean prediction
@@ -450,24 +450,27 @@ class BlockPlanner:
         known = {b: e.value for b, e in by_block.items() if e.value is not None}
         if self.fresh_steps is None:
             return known
-        fresh = {b: v for b, v in known.items() if self._steps - self._extra_at.get(b, self._steps) < self.fresh_steps}
+        fresh = {b: v for b, v in known.items() if self._steps - self._measured_at.get(b, self._steps) < self.fresh_steps}
         return fresh or known
 
     def _known_extra(self) -> dict[int, float]:
         """B -> measured correction (experts fetched beyond the route-ahead set's missing ones)."""
         return self._fresh(self._extra)
 
+    def _from_nearest(self, block: int, per_block: dict[int, float]) -> float:
+        """An unmeasured B's fetch: the nearest measured length's (``per_block``, not empty; the
+        shorter on a tie) scaled by the ratio of their random unions."""
+        near = min(per_block, key=lambda b: (abs(b - block), b))
+        return per_block[near] * distinct_experts(block, self.num_experts, self.top_k) / distinct_experts(
+            near, self.num_experts, self.top_k)
+
     def _fetch_mean(self, block: int, means: dict[int, float]) -> float | None:
         """The recent-mean prediction: what B's own recent steps fetched (``means``), or for an
-        unmeasured B the nearest measured length's scaled by the ratio of random unions; None
-        before any step was measured."""
+        unmeasured B the nearest measured length's scaled (``_from_nearest``); None before any
+        step was measured."""
         if block in means:
             return means[block]
-        if not means:
-            return None
-        near = min(means, key=lambda b: (abs(b - block), b))
-        return means[near] * distinct_experts(block, self.num_experts, self.top_k) / distinct_experts(
-            near, self.num_experts, self.top_k)
+        return self._from_nearest(block, means) if means else None
 
     def _use_mean(self) -> bool:
         """Whether the recent-mean prediction prices the blocks: ``fetch_prediction`` "mean", or
@@ -486,13 +489,11 @@ class BlockPlanner:
         correction of about its whole fetch, and a block of 4's route, reaching further back to
         experts evicted since, added them a second time (a replay of the H100 run of session 19
         priced blocks of 4 at 1.3-1.6x their fetch and kept blocks of 2)."""
-        u = distinct_experts(block, self.num_experts, self.top_k)
         if block in known:
             return max(0.0, route[block - 1] + known[block])
         if known:
-            near = min(known, key=lambda b: (abs(b - block), b))
-            whole = max(0.0, route[near - 1] + known[near])
-            return whole * u / distinct_experts(near, self.num_experts, self.top_k)
+            return self._from_nearest(block, {b: max(0.0, route[b - 1] + v) for b, v in known.items()})
+        u = distinct_experts(block, self.num_experts, self.top_k)
         share = min(1.0, self.cache.capacity / float(self.num_layers * self.num_experts))
         return max(0.0, route[block - 1] + self.num_layers * u * (1.0 - share))
 
@@ -871,7 +872,7 @@ class BlockPlanner:
         if self.cache is not None:
             pred_missing = choice.route_missing if choice is not None else 0.0
             self._extra.setdefault(block, Ewma(self.cost.alpha)).add(missed - pred_missing)
-            self._extra_at[block] = self._steps
+            self._measured_at[block] = self._steps
             if counters is not None or self.host_counter is not None:  # the misses were measured
                 self._missed_by.setdefault(block, Ewma(self.cost.alpha)).add(missed)
             if choice is not None and choice.fetch_mean is not None:
