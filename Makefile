@@ -7,7 +7,7 @@ STRESS_SRC = native/stress/stress.c native/pf_sched.c
 CPU_STRESS_SRC = native/stress/cpu_stress.c native/pf_cpu.c
 DRAFT_STRESS_SRC = native/stress/draft_stress.c native/pf_draft.c native/pf_cpu.c
 
-.PHONY: install native test test-fast stress stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan draft-stress-asan draft-stress-tsan bench demo gpu-check clean
+.PHONY: install native test test-fast stress stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan draft-stress-asan draft-stress-tsan amx-check-asan bench demo gpu-check clean
 
 # Install pdflash (editable) with its test extras. PyTorch is taken as already
 # installed when importable, so a CPU or CUDA build you chose stays in place.
@@ -30,8 +30,8 @@ test-fast:
 	$(PYTHON) -m pytest -q -x tests
 
 # C stress tests of the scheduler, the CPU expert kernel and the draft pass under
-# AddressSanitizer + UBSan and ThreadSanitizer.
-stress: stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan draft-stress-asan draft-stress-tsan
+# AddressSanitizer + UBSan and ThreadSanitizer; the AMX kernel's layout with software tiles.
+stress: stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan draft-stress-asan draft-stress-tsan amx-check-asan
 
 native/stress/stress_asan: $(STRESS_SRC) native/pf_sched.h
 	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(STRESS_SRC) -ldl
@@ -77,6 +77,12 @@ draft-stress-asan: native/stress/draft_stress_asan
 draft-stress-tsan: native/stress/draft_stress_tsan
 	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/draft_stress_tsan
 
+native/stress/amx_check_asan: native/stress/amx_check.c native/pf_cpu.c native/pf_cpu.h native/pf_simd.h
+	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ native/stress/amx_check.c -lm
+
+amx-check-asan: native/stress/amx_check_asan
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ./native/stress/amx_check_asan
+
 bench: install
 	$(PYTHON) benchmarks/bench_scheduler.py
 
@@ -92,6 +98,6 @@ gpu-check:
 
 clean:
 	rm -f native/_pf_sched*.so native/stress/stress_asan native/stress/stress_tsan native/stress/cpu_stress_asan native/stress/cpu_stress_tsan
-	rm -f native/stress/draft_stress_asan native/stress/draft_stress_tsan
+	rm -f native/stress/draft_stress_asan native/stress/draft_stress_tsan native/stress/amx_check_asan
 	rm -f native/stress/stress_asan_cudart.so native/stress/stress_tsan_cudart.so
 	rm -rf build *.egg-info

@@ -14,7 +14,7 @@ works. Calls on one ``CpuExperts`` are serialized (one pool); ``close()`` is ter
 Caller contract: the weight tensors stay alive and unchanged while a call runs (an
 ``ExpertWeights`` keeps references to them). The level is the best this CPU runs unless
 ``level`` or the environment variable ``PDFLASH_CPU_LEVEL`` (scalar, avx2, avx512,
-avx512_bf16) names a lower one.
+avx512_bf16, amx_bf16) names a lower one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from pdflash import PdflashError
 from pdflash.native import NativeLibraryMissing
 
-LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16")
 MAX_TOKENS = 16
 
 

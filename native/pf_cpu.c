@@ -29,6 +29,11 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <time.h>
+#if PF_X86 && !defined(PF_AMX_EMULATE)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define ALIGN 64
 #define MX_UNIT 4   /* rows per MXFP4 unit */
@@ -36,6 +41,7 @@
 #define MX_SUPER 8  /* AVX-512: rows per block that all token pairs pass over before the next */
 #endif
 #define DN_UNIT 32  /* columns per dense unit */
+#define AMX_MIN_TOKENS 2 /* fewer tokens per expert: the AVX-512 bf16 kernel (no tile decode, and faster) */
 #define PREPARE_INLINE_ROWS 16 /* calls with at most this many token rows prepare them on the calling thread */
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8 /* MXFP4 kernels: prefetch the rows this many rows ahead (measured best of 4, 8, 16) */
@@ -531,6 +537,168 @@ T_BF16 static void mx_rows_bf16(const uint8_t *blocks, const uint8_t *scales, in
     }
 }
 
+/* ---- AMX: bf16 tiles, 16 weight rows x 16 tokens per tile of results ---------------------
+ * Verify blocks and prefills pass several tokens over the same weights; the AVX-512 kernels
+ * above pay every token's dot products (4 x vdpbf16ps per 128 weights), an AMX tile multiply
+ * does 16 rows x 16 tokens x 32 weights in one instruction, so a call costs about what
+ * decoding its weights costs, for 2 .. 16 tokens alike.
+ *
+ * A tiles: 16 weight rows x one group (32 bf16), the group's E8M0 scale added to the exponents
+ * of its nonzero weights (exact for scales 2 .. 252; a block of rows with another scale is
+ * computed by amx_rows_exact instead). Column c of a group holds element 4 (c % 8) + c / 8 of it:
+ * the vpermw decode's order (lane j of w_k = element 4j + k) after a 4 x 4 transpose of
+ * 128-bit lanes. B tiles (the token rows, amx_pos): per group 16 rows of 64 bytes, row kp
+ * holding for each token n the elements of columns 2kp and 2kp + 1 (the pair layout of
+ * tdpbf16ps). Token columns past T are not written and their results not read. */
+#ifdef PF_AMX_EMULATE
+/* software tiles (native/stress/amx_check.c: the layout checked where no AMX runs) */
+#define T_AMX T_512
+static _Thread_local uint8_t amx_emu[3][16][64];
+static inline void amx_emu_load(int t, const void *p, size_t stride) {
+    for (int r = 0; r < 16; r++) memcpy(amx_emu[t][r], (const uint8_t *)p + r * stride, 64);
+}
+static inline void amx_emu_dp(int c, int a, int b) {
+    float *acc = (float *)amx_emu[c];
+    const uint16_t *A = (const uint16_t *)amx_emu[a], *B = (const uint16_t *)amx_emu[b];
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++)
+            for (int kp = 0; kp < 16; kp++)
+                for (int e = 0; e < 2; e++)
+                    acc[m * 16 + n] += pf_bf16_to_f32(A[m * 32 + 2 * kp + e]) * pf_bf16_to_f32(B[kp * 32 + 2 * n + e]);
+}
+#define AMX_CONFIG(cfg) ((void)(cfg))
+#define AMX_RELEASE() ((void)0)
+#define AMX_ZERO(t) memset(amx_emu[t], 0, sizeof amx_emu[t])
+#define AMX_LOAD(t, p, s) amx_emu_load(t, p, s)
+#define AMX_DP(c, a, b) amx_emu_dp(c, a, b)
+#define AMX_STORE(t, p, s) (memcpy((p), amx_emu[t], sizeof amx_emu[t]), (void)(s))
+#else
+#define T_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
+#define AMX_CONFIG(cfg) _tile_loadconfig(cfg)
+#define AMX_RELEASE() _tile_release()
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_LOAD(t, p, s) _tile_loadd(t, p, s)
+#define AMX_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define AMX_STORE(t, p, s) _tile_stored(t, p, s)
+#endif
+
+/* the B-tile position of element e of token t (see above) */
+static inline size_t amx_pos(size_t t, size_t e) {
+    size_t q = e % 32, col = 8 * (q % 4) + q / 4;
+    return ((e / 32) * 16 + col / 2) * 32 + 2 * t + (col & 1);
+}
+/* uint16 elements of a B-tile buffer for rows of `in` elements (16 token columns) */
+static inline size_t amx_elems(size_t in) { return in / 32 * 512; }
+
+/* every scale byte of rows [r, r + rows) in 2 .. 252: a nonzero E2M1 value (bf16 exponent 126 ..
+ * 129) times 2^(s - 127) keeps a normal exponent, so adding (s - 127) << 7 to its bits is the product */
+static int rows_foldable(const uint8_t *scales, int G, int r, int rows) {
+    const uint8_t *s = scales + (size_t)r * G;
+    for (size_t i = 0; i < (size_t)rows * G; i++)
+        if (s[i] < 2 || s[i] > 252) return 0;
+    return 1;
+}
+
+/* (s_g - 127) << 7 in every 16-bit lane of 128-bit lane g (s4: the scale bytes, group 0 lowest) */
+T_512 INL __m512i chunk_exponents(uint32_t s4) {
+    const long long l0 = (long long)0x8000800080008000ULL, l1 = (long long)0x8001800180018001ULL;
+    const long long l2 = (long long)0x8002800280028002ULL, l3 = (long long)0x8003800380038003ULL;
+    const __m512i pick = _mm512_set_epi64(l3, l3, l2, l2, l1, l1, l0, l0);
+    __m512i s = _mm512_shuffle_epi8(_mm512_set1_epi32((int)s4), pick); /* byte g of the lane, zero-extended */
+    return _mm512_slli_epi16(_mm512_sub_epi16(s, _mm512_set1_epi16(127)), 7);
+}
+
+/* w's nonzero lanes times their group's scale by exponent addition (zeros of either sign stay) */
+T_512 INL __m512i fold_scale(__m512i w, __m512i add) {
+    return _mm512_mask_add_epi16(w, _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7fff)), w, add);
+}
+
+/* rows [r, r + rows) the portable way, x read from the B tiles: per group the products of the
+ * scaled weights, then summed (what mx_rows_scalar computes, for scales the fold cannot take) */
+static void amx_rows_exact(const uint8_t *blocks, const uint8_t *scales, int in, int r, int rows,
+                           const uint16_t *xb, int T, float *y, int ys) {
+    const int G = in / 32;
+    for (int i = r; i < r + rows; i++) {
+        const uint8_t *b = blocks + (size_t)i * G * 16, *s = scales + (size_t)i * G;
+        for (int t = 0; t < T; t++) {
+            float acc = 0.0f;
+            for (int g = 0; g < G; g++) {
+                const float sc = SCALE[s[g]] * (s[g] == 255 ? 2.0f : 1.0f);
+                float a = 0.0f;
+                for (int e = 0; e < 32; e++) {
+                    const uint8_t v = b[g * 16 + e / 2];
+                    a += FP4[(e & 1) ? v >> 4 : v & 15] * sc * pf_bf16_to_f32(xb[amx_pos((size_t)t, (size_t)g * 32 + e)]);
+                }
+                acc += a;
+            }
+            y[(size_t)t * ys + i] = acc;
+        }
+    }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* xb: the B tiles of the T token rows (amx_pos), T <= 16 */
+T_AMX static void mx_rows_amx(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
+                              const uint16_t *xb, int T, float *y, int ys) {
+    (void)nrows;
+    const int G = in / 32, C = (in + 127) / 128, tail = G - 4 * (C - 1);
+    const __m512i tab = _mm512_loadu_si512((const void *)FP4_BF16);
+    const size_t ahead = (size_t)16 * G * 16; /* the same chunk of the next block of rows */
+    _Alignas(64) uint16_t a[4][16 * 32];     /* A tiles of a chunk's groups */
+    _Alignas(64) float cb[16 * 16];
+    amx_tilecfg cfg = {.palette = 1};
+    for (int t = 0; t < 3; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    AMX_CONFIG(&cfg);
+    for (int rb = r0; rb < r1; rb += 16) {
+        const int rows = r1 - rb < 16 ? r1 - rb : 16;
+        if (!rows_foldable(scales, G, rb, rows)) {
+            amx_rows_exact(blocks, scales, in, rb, rows, xb, T, y, ys);
+            continue;
+        }
+        AMX_ZERO(0);
+        for (int c = 0; c < C; c++) {
+            const int ng = c == C - 1 ? tail : 4;
+            const __mmask64 m = ng == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * ng)) - 1;
+            for (int i = 0; i < rows; i++) { /* A rows past `rows` keep stale values: their results are not read */
+                const int rr = rb + i;
+                const uint8_t *bp = blocks + (size_t)rr * G * 16 + (size_t)c * 64;
+                const __m512i v = _mm512_maskz_loadu_epi8(m, bp);
+                prefetch_ahead(bp, ahead);
+                uint32_t s4 = 0x7f7f7f7fu; /* groups past the row's end: scale 1 against zero weights */
+                memcpy(&s4, scales + (size_t)rr * G + (size_t)c * 4, (size_t)ng);
+                const __m512i add = chunk_exponents(s4);
+                const __m512i w0 = fold_scale(_mm512_permutexvar_epi16(v, tab), add);
+                const __m512i w1 = fold_scale(_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab), add);
+                const __m512i w2 = fold_scale(_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab), add);
+                const __m512i w3 = fold_scale(_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab), add);
+                const __m512i t0 = _mm512_shuffle_i64x2(w0, w1, 0x44), t1 = _mm512_shuffle_i64x2(w2, w3, 0x44);
+                const __m512i t2 = _mm512_shuffle_i64x2(w0, w1, 0xEE), t3 = _mm512_shuffle_i64x2(w2, w3, 0xEE);
+                _mm512_store_si512((void *)(a[0] + i * 32), _mm512_shuffle_i64x2(t0, t1, 0x88));
+                _mm512_store_si512((void *)(a[1] + i * 32), _mm512_shuffle_i64x2(t0, t1, 0xDD));
+                _mm512_store_si512((void *)(a[2] + i * 32), _mm512_shuffle_i64x2(t2, t3, 0x88));
+                _mm512_store_si512((void *)(a[3] + i * 32), _mm512_shuffle_i64x2(t2, t3, 0xDD));
+            }
+            for (int g = 0; g < ng; g++) {
+                AMX_LOAD(1, a[g], 64);
+                AMX_LOAD(2, xb + ((size_t)c * 4 + (size_t)g) * 512, 64);
+                AMX_DP(0, 1, 2);
+            }
+        }
+        AMX_STORE(0, cb, 64);
+        for (int i = 0; i < rows; i++)
+            for (int n = 0; n < T; n++) y[(size_t)n * ys + rb + i] = cb[i * 16 + n];
+    }
+    AMX_RELEASE();
+}
+
 T_512 INL __m512 load16_512(const void *w, int fmt, size_t i, __mmask16 m) {
     if (fmt == PF_CPU_BF16) {
         __m256i v = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i);
@@ -602,13 +770,30 @@ T_512 static uint64_t read_512(const uint8_t *p, size_t n) {
 #endif /* PF_X86 */
 
 /* ---- dispatch ------------------------------------------------------------------------ */
+/* AMX-TILE and AMX-BF16 (CPUID leaf 7), and the kernel's permission for this process to use
+ * tile data (Linux: arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; asked once, the
+ * answer kept) */
+static int amx_usable(void) {
+#if PF_X86 && !defined(PF_AMX_EMULATE)
+    static int answer = -1;
+    if (answer < 0) {
+        unsigned a, b, c, d;
+        int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1);
+        answer = cpu && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    }
+    return answer;
+#else
+    return 0;
+#endif
+}
+
 int pf_cpu_detect(void) {
 #if PF_X86
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     int a512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl");
-    if (a512 && __builtin_cpu_supports("avx512bf16")) return PF_CPU_LEVEL_AVX512_BF16;
+    if (a512 && __builtin_cpu_supports("avx512bf16")) return amx_usable() ? PF_CPU_LEVEL_AMX_BF16 : PF_CPU_LEVEL_AVX512_BF16;
     if (a512) return PF_CPU_LEVEL_AVX512;
     if (avx2) return PF_CPU_LEVEL_AVX2;
 #endif
@@ -621,6 +806,7 @@ const char *pf_cpu_level_name(int level) {
     case PF_CPU_LEVEL_AVX2: return "avx2";
     case PF_CPU_LEVEL_AVX512: return "avx512";
     case PF_CPU_LEVEL_AVX512_BF16: return "avx512_bf16";
+    case PF_CPU_LEVEL_AMX_BF16: return "amx_bf16";
     default: return "unknown";
     }
 }
@@ -644,6 +830,7 @@ typedef struct task {
     int T;
     int bf16_x;          /* phase 1 uses the bf16 MXFP4 kernel (x in xb) */
     int bf16_h;          /* phase 2 uses it too (h, bf16 values when round_bf16, in hb) */
+    int amx_x, amx_h;    /* ... as AMX tiles (at least AMX_MIN_TOKENS tokens): xb / hb in amx_pos order */
     const float *scale;  /* [T] factor of each output row, or NULL */
     const int *dest;     /* [T] rows of out */
     size_t xo, guo, ho, yo; /* ho: into h, or into hb when bf16_h */
@@ -670,6 +857,7 @@ struct pf_cpu {
     int threads;
     mx_rows_fn mx_rows;
     mx_rows_bf16_fn mx_rows_bf16; /* NULL below PF_CPU_LEVEL_AVX512_BF16 */
+    mx_rows_bf16_fn mx_rows_amx;  /* NULL below PF_CPU_LEVEL_AMX_BF16; x in B tiles (amx_pos) */
     dense_cols_fn dense_cols;
     read_fn read;
     int chunked;                  /* mx_rows reads rows in the chunked order (mx_pos_chunked) */
@@ -755,10 +943,15 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
         const int H = w->hidden, mx = w->format == PF_CPU_MXFP4;
         for (int t = r0 > base ? r0 - base : 0; t < tk->T && base + t < r1; t++) {
             const char *xt = (const char *)j->x + (size_t)j->xrow[base + t] * j->x_stride * j->x_size;
-            if (tk->bf16_h) { /* the padding of this row of hb (phase 1 writes the rest) */
+            if (tk->bf16_h && !tk->amx_h) { /* the padding of this row of hb (phase 1 writes the rest) */
                 const size_t I = (size_t)w->inter;
                 uint16_t *ht = c->hb + tk->ho + (size_t)t * pad128(I);
                 for (size_t e = I; e < pad128(I); e++) ht[mx_pos_bf16(e)] = 0;
+            }
+            if (tk->amx_x) { /* B tiles: no padding (whole groups; token columns past T are not read) */
+                uint16_t *dt = c->xb + tk->xo;
+                for (int e = 0; e < H; e++) dt[amx_pos((size_t)t, (size_t)e)] = ((const uint16_t *)xt)[e];
+                continue;
             }
             if (tk->bf16_x) {
                 uint16_t *dt = c->xb + tk->xo + (size_t)t * pad128((size_t)H);
@@ -782,7 +975,9 @@ static void gate_up_part(pf_cpu *c, const task *tk, int lo, int hi) {
     const int H = w->hidden, I = w->inter, T = tk->T, mx = w->format == PF_CPU_MXFP4;
     float *gu = c->gu + tk->guo, *h = tk->bf16_h ? NULL : c->h + tk->ho;
     uint16_t *hb = tk->bf16_h ? c->hb + tk->ho : NULL;
-    if (mx && tk->bf16_x)
+    if (tk->amx_x)
+        c->mx_rows_amx((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xb + tk->xo, T, gu, 2 * I);
+    else if (mx && tk->bf16_x)
         c->mx_rows_bf16((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xb + tk->xo, T, gu, 2 * I);
     else if (mx)
         c->mx_rows((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xp + tk->xo, T, gu, 2 * I);
@@ -811,7 +1006,8 @@ static void gate_up_part(pf_cpu *c, const task *tk, int lo, int hi) {
             if (tk->bf16_h) { /* hv is a bf16 value (round_bf16): its top half is exact */
                 uint32_t u;
                 memcpy(&u, &hv, sizeof u);
-                hb[(size_t)t * pad128((size_t)I) + mx_pos_bf16((size_t)k)] = (uint16_t)(u >> 16);
+                hb[tk->amx_h ? amx_pos((size_t)t, (size_t)k) : (size_t)t * pad128((size_t)I) + mx_pos_bf16((size_t)k)] =
+                    (uint16_t)(u >> 16);
                 continue;
             }
             ht[!mx ? (size_t)k : c->chunked ? mx_pos_chunked((size_t)k, (size_t)I) : mx_pos((size_t)k)] = hv;
@@ -824,7 +1020,9 @@ static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
     const pf_cpu_weights *w = tk->w;
     const int H = w->hidden, I = w->inter, T = tk->T;
     float *y = c->y + tk->yo;
-    if (tk->bf16_h)
+    if (tk->amx_h)
+        c->mx_rows_amx((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->hb + tk->ho, T, y, H);
+    else if (tk->bf16_h)
         c->mx_rows_bf16((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->hb + tk->ho, T, y, H);
     else if (w->format == PF_CPU_MXFP4)
         c->mx_rows((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->h + tk->ho, T, y, H);
@@ -1080,7 +1278,7 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     if (threads < 1 || threads > PF_CPU_MAX_THREADS) return PF_CPU_EINVAL;
     int best = pf_cpu_detect();
     if (level == PF_CPU_LEVEL_AUTO) level = best;
-    if (level < PF_CPU_LEVEL_SCALAR || level > PF_CPU_LEVEL_AVX512_BF16) return PF_CPU_EINVAL;
+    if (level < PF_CPU_LEVEL_SCALAR || level > PF_CPU_LEVEL_AMX_BF16) return PF_CPU_EINVAL;
     if (level > best) return PF_CPU_EUNSUPPORTED;
     pthread_once(&scale_once, init_scale);
 
@@ -1104,6 +1302,7 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
         c->chunked = 1;
     }
     if (level >= PF_CPU_LEVEL_AVX512_BF16) c->mx_rows_bf16 = mx_rows_bf16;
+    if (level >= PF_CPU_LEVEL_AMX_BF16) c->mx_rows_amx = mx_rows_amx;
 #endif
     if (threads > 1) {
         c->tids = calloc((size_t)threads - 1, sizeof *c->tids);
@@ -1265,15 +1464,17 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
         tk->T = T;
         tk->bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL;
         tk->bf16_h = mx && w[k]->round_bf16 && c->mx_rows_bf16 != NULL;
+        tk->amx_x = tk->bf16_x && c->mx_rows_amx != NULL && T >= AMX_MIN_TOKENS;
+        tk->amx_h = tk->bf16_h && c->mx_rows_amx != NULL && T >= AMX_MIN_TOKENS;
         tk->scale = scale ? scale + base : NULL;
         tk->dest = dest + base;
         tk->xo = tk->bf16_x ? nb : nx;
-        if (tk->bf16_x) nb += (size_t)T * pad128((size_t)H);
+        if (tk->bf16_x) nb += tk->amx_x ? amx_elems((size_t)H) : (size_t)T * pad128((size_t)H);
         else nx += (size_t)T * H;
         tk->guo = ngu;
         ngu += (size_t)T * 2 * I;
         tk->ho = tk->bf16_h ? nhb : nh;
-        if (tk->bf16_h) nhb += (size_t)T * pad128((size_t)I);
+        if (tk->bf16_h) nhb += tk->amx_h ? amx_elems((size_t)I) : (size_t)T * pad128((size_t)I);
         else nh += (size_t)T * I;
         tk->yo = (size_t)base * H;
         tk->u1 = first1;

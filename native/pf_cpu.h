@@ -41,7 +41,10 @@
  * is chosen at pf_cpu_create (PF_CPU_LEVEL_AUTO: the best this CPU runs) and may be
  * forced lower for testing. Levels: portable C; AVX2 + FMA; AVX-512 (F, BW, VL); AVX512_BF16
  * (the AVX-512 kernels, plus bf16 dot products for MXFP4 weights whenever both factors are
- * bf16 values: x given in bf16, and h of a round_bf16 expert; the products are exact).
+ * bf16 values: x given in bf16, and h of a round_bf16 expert; the products are exact);
+ * AMX_BF16 (those, plus AMX tiles for the same bf16 products where an expert has at least 2
+ * tokens: 16 weight rows x 16 tokens per tile multiply, each group's scale folded into its
+ * weights' exponents).
  */
 #ifndef PF_CPU_H
 #define PF_CPU_H
@@ -58,6 +61,7 @@
 #define PF_CPU_LEVEL_AVX2 1
 #define PF_CPU_LEVEL_AVX512 2
 #define PF_CPU_LEVEL_AVX512_BF16 3
+#define PF_CPU_LEVEL_AMX_BF16 4
 
 /* element formats */
 #define PF_CPU_F32 0

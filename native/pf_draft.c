@@ -168,7 +168,7 @@ static void detect(void) { detected_level = pf_cpu_detect(); }
 static const kernels *kernels_for(int level, int *err) {
     pthread_once(&detect_once, detect);
     if (level == PF_CPU_LEVEL_AUTO) level = detected_level;
-    if (level < PF_CPU_LEVEL_SCALAR || level > PF_CPU_LEVEL_AVX512_BF16) {
+    if (level < PF_CPU_LEVEL_SCALAR || level > PF_CPU_LEVEL_AMX_BF16) { /* (the levels above AVX2 run its kernels) */
         *err = PF_CPU_EINVAL;
         return NULL;
     }

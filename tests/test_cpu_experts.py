@@ -318,6 +318,15 @@ def test_c_stress_quick(tmp_path):
     stress_programs.run_quick(tmp_path, "cpu_stress", ["pf_cpu.c"])
 
 
+@pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
+@pytest.mark.skipif("avx512" not in LEVELS_HERE, reason="the AMX kernel's decode needs AVX-512")
+def test_amx_kernel_layout_with_software_tiles(tmp_path):
+    """native/stress/amx_check.c: the AMX kernel (decode, scale fold, lane transpose, B-tile
+    order, partial blocks, the exact fallback) with tile operations emulated in C, against the
+    portable kernel. On a CPU with AMX the tests above run the real tiles at level amx_bf16."""
+    stress_programs.run_quick(tmp_path, "amx_check", [])
+
+
 @pytest.mark.parametrize("level", LEVELS_HERE)
 def test_stream_read_checksum(level):
     """The bandwidth probe really reads every byte: its checksum is the sum of the 64-bit words."""

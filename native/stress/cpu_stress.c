@@ -353,7 +353,7 @@ static void phase_api(void) {
     CHECK(pf_cpu_create(PF_CPU_MAX_THREADS + 1, PF_CPU_LEVEL_AUTO, &c) == PF_CPU_EINVAL);
     CHECK(pf_cpu_create(1, 17, &c) == PF_CPU_EINVAL);
     CHECK(pf_cpu_create(1, PF_CPU_LEVEL_AUTO, NULL) == PF_CPU_EINVAL);
-    if (pf_cpu_detect() < PF_CPU_LEVEL_AVX512_BF16)
+    if (pf_cpu_detect() < PF_CPU_LEVEL_AMX_BF16)
         CHECK(pf_cpu_create(1, pf_cpu_detect() + 1, &c) == PF_CPU_EUNSUPPORTED && c == NULL);
     for (int n = 1; n <= 6; n++) { /* init / close symmetry, with and without calls */
         CHECK(pf_cpu_create(n, PF_CPU_LEVEL_AUTO, &c) == PF_CPU_OK && c != NULL);

@@ -1,0 +1,121 @@
+/* The AMX kernel's layout, checked where no AMX runs: pf_cpu.c built with software tiles
+ * (PF_AMX_EMULATE: the same decode, fold, transpose, tile loads and stores; the tile multiply
+ * in C), its results against the portable kernel on random MXFP4 rows, for 1 .. 16 tokens,
+ * row ranges that cut 16-row blocks, partial last chunks, and blocks with scales the fold
+ * cannot take. Needs AVX-512 (F, BW, VL) for the decode; elsewhere it reports one skip.
+ *
+ *   cc -std=c11 -O2 -pthread -Inative -o amx_check native/stress/amx_check.c -lm && ./amx_check --quick
+ */
+#define PF_AMX_EMULATE 1
+#include "../pf_cpu.c"
+
+#include <stdio.h>
+
+static int passed, failed;
+
+static void count(int ok, const char *what) {
+    if (ok) {
+        passed++;
+    } else {
+        failed++;
+        if (failed <= 10) printf("FAILED: %s\n", what);
+    }
+}
+
+static uint64_t rng_state = 88172645463325252ULL;
+static uint32_t rnd(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 32);
+}
+
+static uint16_t to_bf16(float f) { /* truncation: any bf16 value serves as input */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)(u >> 16);
+}
+
+/* one configuration: `rows` rows of `in` elements, tokens T, rows [r0, r1) computed */
+static void check(int in, int rows, int T, int r0, int r1, int extreme) {
+    const int G = in / 32;
+    uint8_t *blocks = malloc((size_t)rows * G * 16), *scales = malloc((size_t)rows * G);
+    float *xf = calloc((size_t)T * in, sizeof(float)), *xp = calloc((size_t)T * in, sizeof(float));
+    uint16_t *xb = aligned_alloc(64, amx_elems((size_t)in) * sizeof(uint16_t));
+    float *y = malloc((size_t)T * rows * sizeof(float)), *ref = malloc((size_t)T * rows * sizeof(float));
+    for (int i = 0; i < rows * G * 16; i++) blocks[i] = (uint8_t)rnd();
+    for (int i = 0; i < rows * G; i++) scales[i] = (uint8_t)(119 + rnd() % 9); /* 2^-8 .. 2^0, as trained */
+    if (extreme) scales[(r0 + (r1 - r0) / 2) * G + G / 2] = extreme == 1 ? 0 : 255;
+    for (size_t i = 0; i < amx_elems((size_t)in); i++) xb[i] = 0x7fc0; /* NaN in every unused token column */
+    for (int t = 0; t < T; t++)
+        for (int e = 0; e < in; e++) {
+            uint16_t v = to_bf16(((float)(rnd() % 2001) - 1000.0f) / 250.0f);
+            xf[(size_t)t * in + e] = pf_bf16_to_f32(v);
+            xp[(size_t)t * in + mx_pos((size_t)e)] = pf_bf16_to_f32(v);
+            xb[amx_pos((size_t)t, (size_t)e)] = v;
+        }
+    for (int i = 0; i < T * rows; i++) y[i] = ref[i] = -12345.0f;
+    mx_rows_amx(blocks, scales, in, rows, r0, r1, xb, T, y, rows);
+    mx_rows_scalar(blocks, scales, in, rows, r0, r1, xp, T, ref, rows);
+    int ok = 1, untouched = 1;
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < rows; r++) {
+            float a = y[t * rows + r], b = ref[t * rows + r];
+            if (r < r0 || r >= r1) {
+                untouched = untouched && a == -12345.0f;
+                continue;
+            }
+            if (isinf(b) || isnan(b)) {
+                ok = ok && (isnan(b) ? isnan(a) : a == b);
+                continue;
+            }
+            double mag = 0.0; /* the sum of |w x| bounds the rounding of any order of summation */
+            const uint8_t *bp = blocks + (size_t)r * G * 16, *sp = scales + (size_t)r * G;
+            for (int e = 0; e < in; e++) {
+                uint8_t v = bp[e / 2];
+                mag += fabs((double)FP4[(e & 1) ? v >> 4 : v & 15] * SCALE[sp[e / 32]] * xf[(size_t)t * in + e]);
+            }
+            ok = ok && fabs((double)a - b) <= 1e-5 * mag + 1e-30;
+        }
+    char what[160];
+    snprintf(what, sizeof what, "in %d rows %d T %d [%d, %d) extreme %d", in, rows, T, r0, r1, extreme);
+    count(ok, what);
+    count(untouched, "rows outside [r0, r1) untouched");
+    free(blocks);
+    free(scales);
+    free(xf);
+    free(xp);
+    free(xb);
+    free(y);
+    free(ref);
+}
+
+int main(int argc, char **argv) {
+    int quick = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) quick = 1;
+        if (!strcmp(argv[i], "--seed") && i + 1 < argc) rng_state += strtoull(argv[++i], NULL, 10) * 2654435761ULL;
+    }
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl"))) {
+        printf("amx_check: skipped (no AVX-512 here for the decode)\n");
+        return 0;
+    }
+    pthread_once(&scale_once, init_scale);
+    const int ins[] = {32, 96, 160, 288, 512, 2880};
+    const int reps = quick ? 1 : 4;
+    for (int rep = 0; rep < reps; rep++)
+        for (size_t k = 0; k < sizeof ins / sizeof ins[0]; k++) {
+            const int in = ins[k];
+            for (int T = 1; T <= 16; T += (in > 512 ? 5 : 1)) {
+                check(in, 40, T, 0, 40, 0);
+                check(in, 40, T, 3, 37, 0);    /* blocks of 16 cut at both ends */
+                check(in, 21, T, 20, 21, 0);   /* one row */
+                check(in, 40, T, 4, 36, 1);    /* a scale of 0 (2^-127): the exact fallback */
+                check(in, 40, T, 8, 24, 2);    /* a scale of 255 (inf weights) */
+            }
+        }
+    printf("amx_check: %d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
