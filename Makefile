@@ -7,7 +7,7 @@ STRESS_SRC = native/stress/stress.c native/pf_sched.c
 CPU_STRESS_SRC = native/stress/cpu_stress.c native/pf_cpu.c
 DRAFT_STRESS_SRC = native/stress/draft_stress.c native/pf_draft.c native/pf_cpu.c
 
-.PHONY: install native test test-fast stress stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan draft-stress-asan draft-stress-tsan amx-check-asan bench demo gpu-check clean
+.PHONY: install native test test-fast stress stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan draft-stress-asan draft-stress-tsan amx-check-asan amx-check-hw bench demo gpu-check clean
 
 # Install pdflash (editable) with its test extras. PyTorch is taken as already
 # installed when importable, so a CPU or CUDA build you chose stays in place.
@@ -83,6 +83,13 @@ native/stress/amx_check_asan: native/stress/amx_check.c native/pf_cpu.c native/p
 amx-check-asan: native/stress/amx_check_asan
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ./native/stress/amx_check_asan
 
+# the same checks on the real tile instructions (a CPU with AMX; elsewhere one skip)
+native/stress/amx_check_hw: native/stress/amx_check.c native/pf_cpu.c native/pf_cpu.h native/pf_simd.h
+	$(CC) -std=c11 -O2 -g -pthread -DPF_AMX_HARDWARE -Inative -o $@ native/stress/amx_check.c -lm
+
+amx-check-hw: native/stress/amx_check_hw
+	./native/stress/amx_check_hw
+
 bench: install
 	$(PYTHON) benchmarks/bench_scheduler.py
 
@@ -98,6 +105,6 @@ gpu-check:
 
 clean:
 	rm -f native/_pf_sched*.so native/stress/stress_asan native/stress/stress_tsan native/stress/cpu_stress_asan native/stress/cpu_stress_tsan
-	rm -f native/stress/draft_stress_asan native/stress/draft_stress_tsan native/stress/amx_check_asan
+	rm -f native/stress/draft_stress_asan native/stress/draft_stress_tsan native/stress/amx_check_asan native/stress/amx_check_hw
 	rm -f native/stress/stress_asan_cudart.so native/stress/stress_tsan_cudart.so
 	rm -rf build *.egg-info

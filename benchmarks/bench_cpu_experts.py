@@ -58,8 +58,9 @@ from pdflash.offload.gpt_oss import mxfp4_expert_layout  # noqa: E402
 ALPHA, LIMIT = 1.702, 7.0
 
 
-def make_experts(n: int, hidden: int, inter: int, seed: int):
-    """n MXFP4 experts packed in one uint8 buffer (the host store's row layout) and their ExpertWeights."""
+def make_experts(n: int, hidden: int, inter: int, seed: int, round_bf16: bool = False):
+    """n MXFP4 experts packed in one uint8 buffer (the host store's row layout) and their ExpertWeights.
+    ``round_bf16``: as a bfloat16 model's experts (h rounded to bf16, so down runs bf16 kernels too)."""
     layout = mxfp4_expert_layout(hidden, inter)
     buf = torch.empty((n, layout.expert_bytes), dtype=torch.uint8)
     g = torch.Generator().manual_seed(seed)
@@ -76,8 +77,19 @@ def make_experts(n: int, hidden: int, inter: int, seed: int):
         v = lambda name, i=i: layout.view(buf[i], name)  # noqa: E731
         weights.append(ExpertWeights.mxfp4(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), v("gate_up_proj_bias"),
                                            v("down_proj_blocks"), v("down_proj_scales"), v("down_proj_bias"),
-                                           alpha=ALPHA, limit=LIMIT))
+                                           alpha=ALPHA, limit=LIMIT, round_bf16=round_bf16))
     return layout, buf, weights
+
+
+def as_bf16_model(layout, buf: torch.Tensor) -> list:
+    """The same experts (same bytes) as a bfloat16 model's: intermediate results rounded to bf16."""
+    out = []
+    for i in range(buf.shape[0]):
+        v = lambda name, i=i: layout.view(buf[i], name)  # noqa: E731
+        out.append(ExpertWeights.mxfp4(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), v("gate_up_proj_bias"),
+                                       v("down_proj_blocks"), v("down_proj_scales"), v("down_proj_bias"),
+                                       alpha=ALPHA, limit=LIMIT, round_bf16=True))
+    return out
 
 
 def bench_dram(k: CpuExperts, buf: torch.Tensor, repeats: int) -> dict:
@@ -118,7 +130,8 @@ def _pool_text(pool: dict) -> str:
         f", {pool['threads']:.0f} threads in gate_up" if "threads" in pool else "")
 
 
-def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls: int, hidden: int) -> dict:
+def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls: int, hidden: int,
+                 model: str = "float32") -> dict:
     x = torch.randn(tokens, hidden).to(dtype)
     out = torch.empty(tokens, hidden)
     n = len(weights)
@@ -133,7 +146,7 @@ def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls:
         timings.append(k.last_timing())
     med = statistics.median(times)
     nbytes = weights[0].nbytes
-    return {"tokens": tokens, "x_dtype": str(dtype).replace("torch.", ""), "calls": calls,
+    return {"tokens": tokens, "x_dtype": str(dtype).replace("torch.", ""), "model": model, "calls": calls,
             "weight_bytes": nbytes, "median_ms": med * 1e3, "best_ms": min(times) * 1e3,
             "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9, "pool": phase_split(timings)}
 
@@ -322,6 +335,7 @@ def main(argv=None) -> int:
     hidden = args.hidden or (512 if args.small else 2880)
     inter = args.inter or (512 if args.small else 2880)
     layout, buf, weights = make_experts(args.experts, hidden, inter, args.seed)
+    weights_bf16 = as_bf16_model(layout, buf)
 
     result = {
         "machine": dict(machine_info(), best_level=detect_level()),
@@ -334,8 +348,9 @@ def main(argv=None) -> int:
             dram = bench_dram(k, buf, args.repeats)
             run = {"threads": n, "level": k.level, "dram": dram, "kernel": []}
             for t in tokens:
-                for dt in (torch.float32, torch.bfloat16):
-                    r = bench_kernel(k, weights, t, dt, args.calls, hidden)
+                for dt, ws, model in ((torch.float32, weights, "float32"), (torch.bfloat16, weights, "float32"),
+                                      (torch.bfloat16, weights_bf16, "bfloat16")):
+                    r = bench_kernel(k, ws, t, dt, args.calls, hidden, model)
                     r["of_dram"] = r["gbps"] / dram["gbps"]
                     run["kernel"].append(r)
             run["layer"] = []
@@ -361,7 +376,7 @@ def main(argv=None) -> int:
             d = run["dram"]
             print(f"threads {run['threads']} ({run['level']}): DRAM read {d['gbps']:.1f} GB/s (best of {args.repeats})")
             for r in run["kernel"]:
-                print(f"  kernel T={r['tokens']:2d} x {r['x_dtype']:8s}: {r['median_ms']:8.3f} ms/expert  "
+                print(f"  kernel T={r['tokens']:2d} x {r['x_dtype']:8s} {r['model']:8s} model: {r['median_ms']:8.3f} ms/expert  "
                       f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
                 print(f"    pool: {_pool_text(r.get('pool') or {})}")
             for r in run.get("layer", []):

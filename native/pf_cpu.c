@@ -41,7 +41,8 @@
 #define MX_SUPER 8  /* AVX-512: rows per block that all token pairs pass over before the next */
 #endif
 #define DN_UNIT 32  /* columns per dense unit */
-#define AMX_MIN_TOKENS 2 /* fewer tokens per expert: the AVX-512 bf16 kernel (no tile decode, and faster) */
+#define AMX_MIN_TOKENS 4 /* fewer tokens per expert: the AVX-512 bf16 kernel (measured, one thread, 2880 x 5760:
+                          * AMX 1.44-1.52 ms for any T, AVX-512 1.18 / 1.45 / 1.74 ms at T = 2 / 3 / 4) */
 #define PREPARE_INLINE_ROWS 16 /* calls with at most this many token rows prepare them on the calling thread */
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8 /* MXFP4 kernels: prefetch the rows this many rows ahead (measured best of 4, 8, 16) */
@@ -543,17 +544,20 @@ T_BF16 static void mx_rows_bf16(const uint8_t *blocks, const uint8_t *scales, in
  * does 16 rows x 16 tokens x 32 weights in one instruction, so a call costs about what
  * decoding its weights costs, for 2 .. 16 tokens alike.
  *
- * A tiles: 16 weight rows x one group (32 bf16), the group's E8M0 scale added to the exponents
- * of its nonzero weights (exact for scales 2 .. 252; a block of rows with another scale is
- * computed by amx_rows_exact instead). Column c of a group holds element 4 (c % 8) + c / 8 of it:
- * the vpermw decode's order (lane j of w_k = element 4j + k) after a 4 x 4 transpose of
- * 128-bit lanes. B tiles (the token rows, amx_pos): per group 16 rows of 64 bytes, row kp
- * holding for each token n the elements of columns 2kp and 2kp + 1 (the pair layout of
- * tdpbf16ps). Token columns past T are not written and their results not read. */
+ * A tiles: a chunk of 128 weights (4 groups) gives 4 tiles, tile k holding for 16 weight rows
+ * the vpermw decode's register w_k as it comes: column 8j + m = element 4m + k of the chunk's
+ * group j (a tile row mixes the 4 groups; the sum over columns does not care). Each weight
+ * carries its group's E8M0 scale, added to the exponent of nonzero weights (exact for scales
+ * 2 .. 252; a block of rows with another scale is computed by amx_rows_exact instead). Groups
+ * past a row's end (the last chunk of 2880 = 22.5 chunks) decode to zero weights.
+ * B tiles (the token rows, amx_pos): per chunk and k 16 rows of 64 bytes, row kp holding for
+ * each token n the elements of columns 2kp and 2kp + 1 (the pair layout of tdpbf16ps). The
+ * writers put zeros where the last chunk has no group (amx_zero_pad: 0 x NaN would poison the
+ * sum); token columns past T are not written and their results not read. */
 #ifdef PF_AMX_EMULATE
 /* software tiles (native/stress/amx_check.c: the layout checked where no AMX runs) */
 #define T_AMX T_512
-static _Thread_local uint8_t amx_emu[3][16][64];
+static _Thread_local uint8_t amx_emu[8][16][64];
 static inline void amx_emu_load(int t, const void *p, size_t stride) {
     for (int r = 0; r < 16; r++) memcpy(amx_emu[t][r], (const uint8_t *)p + r * stride, 64);
 }
@@ -584,18 +588,28 @@ static inline void amx_emu_dp(int c, int a, int b) {
 
 /* the B-tile position of element e of token t (see above) */
 static inline size_t amx_pos(size_t t, size_t e) {
-    size_t q = e % 32, col = 8 * (q % 4) + q / 4;
-    return ((e / 32) * 16 + col / 2) * 32 + 2 * t + (col & 1);
+    const size_t g = e / 32, q = e % 32, col = 8 * (g % 4) + q / 4;
+    return (((g / 4) * 4 + q % 4) * 16 + col / 2) * 32 + 2 * t + (col & 1);
 }
-/* uint16 elements of a B-tile buffer for rows of `in` elements (16 token columns) */
-static inline size_t amx_elems(size_t in) { return in / 32 * 512; }
+/* uint16 elements of a B-tile buffer for rows of `in` elements (whole chunks, 16 token columns) */
+static inline size_t amx_elems(size_t in) { return (in + 127) / 128 * 2048; }
+/* zeros at token t's positions of the last chunk's missing groups */
+static inline void amx_zero_pad(uint16_t *xb, size_t in, size_t t) {
+    for (size_t e = in; e < (in + 127) / 128 * 128; e++) xb[amx_pos(t, e)] = 0;
+}
 
 /* every scale byte of rows [r, r + rows) in 2 .. 252: a nonzero E2M1 value (bf16 exponent 126 ..
- * 129) times 2^(s - 127) keeps a normal exponent, so adding (s - 127) << 7 to its bits is the product */
-static int rows_foldable(const uint8_t *scales, int G, int r, int rows) {
+ * 129) times 2^(s - 127) keeps a normal exponent, so adding (s - 127) << 7 to its bits is the product
+ * (64 bytes a compare: s - 2 wraps the two low bytes past 250) */
+T_512 static int rows_foldable(const uint8_t *scales, int G, int r, int rows) {
     const uint8_t *s = scales + (size_t)r * G;
-    for (size_t i = 0; i < (size_t)rows * G; i++)
-        if (s[i] < 2 || s[i] > 252) return 0;
+    const size_t n = (size_t)rows * G;
+    const __m512i two = _mm512_set1_epi8(2), top = _mm512_set1_epi8((char)250);
+    for (size_t i = 0; i < n; i += 64) {
+        const __mmask64 m = n - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (n - i)) - 1;
+        const __m512i v = _mm512_sub_epi8(_mm512_maskz_loadu_epi8(m, s + i), two);
+        if (_mm512_mask_cmpgt_epu8_mask(m, v, top)) return 0;
+    }
     return 1;
 }
 
@@ -649,10 +663,12 @@ T_AMX static void mx_rows_amx(const uint8_t *blocks, const uint8_t *scales, int 
     const int G = in / 32, C = (in + 127) / 128, tail = G - 4 * (C - 1);
     const __m512i tab = _mm512_loadu_si512((const void *)FP4_BF16);
     const size_t ahead = (size_t)16 * G * 16; /* the same chunk of the next block of rows */
-    _Alignas(64) uint16_t a[4][16 * 32];     /* A tiles of a chunk's groups */
-    _Alignas(64) float cb[16 * 16];
+    _Alignas(64) uint16_t a[4][16 * 32];     /* the chunk's A tiles, w_0 .. w_3 of 16 rows */
+    _Alignas(64) float cb[4][16 * 16];
+    /* tiles 0-3: one accumulator per k (a single one would chain every multiply on the one
+     * before: latency, not throughput, would bound the loop); 4, 5: A; 6, 7: B */
     amx_tilecfg cfg = {.palette = 1};
-    for (int t = 0; t < 3; t++) {
+    for (int t = 0; t < 8; t++) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
@@ -664,6 +680,9 @@ T_AMX static void mx_rows_amx(const uint8_t *blocks, const uint8_t *scales, int 
             continue;
         }
         AMX_ZERO(0);
+        AMX_ZERO(1);
+        AMX_ZERO(2);
+        AMX_ZERO(3);
         for (int c = 0; c < C; c++) {
             const int ng = c == C - 1 ? tail : 4;
             const __mmask64 m = ng == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * ng)) - 1;
@@ -675,26 +694,37 @@ T_AMX static void mx_rows_amx(const uint8_t *blocks, const uint8_t *scales, int 
                 uint32_t s4 = 0x7f7f7f7fu; /* groups past the row's end: scale 1 against zero weights */
                 memcpy(&s4, scales + (size_t)rr * G + (size_t)c * 4, (size_t)ng);
                 const __m512i add = chunk_exponents(s4);
-                const __m512i w0 = fold_scale(_mm512_permutexvar_epi16(v, tab), add);
-                const __m512i w1 = fold_scale(_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab), add);
-                const __m512i w2 = fold_scale(_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab), add);
-                const __m512i w3 = fold_scale(_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab), add);
-                const __m512i t0 = _mm512_shuffle_i64x2(w0, w1, 0x44), t1 = _mm512_shuffle_i64x2(w2, w3, 0x44);
-                const __m512i t2 = _mm512_shuffle_i64x2(w0, w1, 0xEE), t3 = _mm512_shuffle_i64x2(w2, w3, 0xEE);
-                _mm512_store_si512((void *)(a[0] + i * 32), _mm512_shuffle_i64x2(t0, t1, 0x88));
-                _mm512_store_si512((void *)(a[1] + i * 32), _mm512_shuffle_i64x2(t0, t1, 0xDD));
-                _mm512_store_si512((void *)(a[2] + i * 32), _mm512_shuffle_i64x2(t2, t3, 0x88));
-                _mm512_store_si512((void *)(a[3] + i * 32), _mm512_shuffle_i64x2(t2, t3, 0xDD));
+                _mm512_store_si512((void *)(a[0] + i * 32), fold_scale(_mm512_permutexvar_epi16(v, tab), add));
+                _mm512_store_si512((void *)(a[1] + i * 32),
+                                   fold_scale(_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab), add));
+                _mm512_store_si512((void *)(a[2] + i * 32),
+                                   fold_scale(_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab), add));
+                _mm512_store_si512((void *)(a[3] + i * 32),
+                                   fold_scale(_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab), add));
             }
-            for (int g = 0; g < ng; g++) {
-                AMX_LOAD(1, a[g], 64);
-                AMX_LOAD(2, xb + ((size_t)c * 4 + (size_t)g) * 512, 64);
-                AMX_DP(0, 1, 2);
-            }
+            const uint16_t *bt = xb + (size_t)c * 4 * 512;
+            AMX_LOAD(4, a[0], 64);
+            AMX_LOAD(6, bt, 64);
+            AMX_DP(0, 4, 6);
+            AMX_LOAD(5, a[1], 64);
+            AMX_LOAD(7, bt + 512, 64);
+            AMX_DP(1, 5, 7);
+            AMX_LOAD(4, a[2], 64);
+            AMX_LOAD(6, bt + 1024, 64);
+            AMX_DP(2, 4, 6);
+            AMX_LOAD(5, a[3], 64);
+            AMX_LOAD(7, bt + 1536, 64);
+            AMX_DP(3, 5, 7);
         }
-        AMX_STORE(0, cb, 64);
+        AMX_STORE(0, cb[0], 64);
+        AMX_STORE(1, cb[1], 64);
+        AMX_STORE(2, cb[2], 64);
+        AMX_STORE(3, cb[3], 64);
         for (int i = 0; i < rows; i++)
-            for (int n = 0; n < T; n++) y[(size_t)n * ys + rb + i] = cb[i * 16 + n];
+            for (int n = 0; n < T; n++) {
+                const int q = i * 16 + n;
+                y[(size_t)n * ys + rb + i] = (cb[0][q] + cb[1][q]) + (cb[2][q] + cb[3][q]);
+            }
     }
     AMX_RELEASE();
 }
@@ -948,9 +978,11 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
                 uint16_t *ht = c->hb + tk->ho + (size_t)t * pad128(I);
                 for (size_t e = I; e < pad128(I); e++) ht[mx_pos_bf16(e)] = 0;
             }
-            if (tk->amx_x) { /* B tiles: no padding (whole groups; token columns past T are not read) */
+            if (tk->amx_h) amx_zero_pad(c->hb + tk->ho, (size_t)w->inter, (size_t)t); /* phase 1 writes the rest */
+            if (tk->amx_x) { /* B tiles (token columns past T are not read) */
                 uint16_t *dt = c->xb + tk->xo;
                 for (int e = 0; e < H; e++) dt[amx_pos((size_t)t, (size_t)e)] = ((const uint16_t *)xt)[e];
+                amx_zero_pad(dt, (size_t)H, (size_t)t);
                 continue;
             }
             if (tk->bf16_x) {
