@@ -131,7 +131,10 @@ def _pool_text(pool: dict) -> str:
 
 
 def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls: int, hidden: int,
-                 model: str = "float32") -> dict:
+                 model: str = "float32", prewake_us: int = 0, lead_us: float = 200.0) -> dict:
+    """One expert per call, back to back. ``prewake_us``: as the runtime calls the kernel (it
+    wakes the pool while a layer's routing reaches the host), ``lead_us`` before each timed call
+    the pool is woken to poll for up to that long; 0: its threads sleep between calls."""
     x = torch.randn(tokens, hidden).to(dtype)
     out = torch.empty(tokens, hidden)
     n = len(weights)
@@ -140,6 +143,9 @@ def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls:
     times, timings = [], []
     for i in range(calls):
         w = weights[i % n]
+        if prewake_us:
+            k.prewake(prewake_us)
+            _busy(lead_us)
         t0 = time.perf_counter()
         k.forward(w, x, out=out)
         times.append(time.perf_counter() - t0)
@@ -147,6 +153,7 @@ def bench_kernel(k: CpuExperts, weights, tokens: int, dtype: torch.dtype, calls:
     med = statistics.median(times)
     nbytes = weights[0].nbytes
     return {"tokens": tokens, "x_dtype": str(dtype).replace("torch.", ""), "model": model, "calls": calls,
+            "prewake_us": prewake_us, "lead_us": lead_us if prewake_us else 0.0,
             "weight_bytes": nbytes, "median_ms": med * 1e3, "best_ms": min(times) * 1e3,
             "gbps": nbytes / med / 1e9, "best_gbps": nbytes / min(times) / 1e9, "pool": phase_split(timings)}
 
@@ -299,6 +306,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gaps", default="0", help="comma-separated idle gaps (us) before each layer call")
     ap.add_argument("--prewake", default="0", help="comma-separated prewake polls (us; 0: none) tried with each gap > 0")
     ap.add_argument("--lead", type=float, default=200.0, help="with --prewake: us between the prewake and the call")
+    ap.add_argument("--kernel-prewake", type=int, default=0, metavar="US",
+                    help="single-expert calls: wake the pool --lead us before each call, polling up to US us, "
+                         "as the runtime does (default 0: threads sleep between calls)")
     ap.add_argument("--repeats", type=int, default=5, help="timed streaming reads per thread count")
     ap.add_argument("--level", default=None, help="kernel level (default: the best this CPU runs)")
     ap.add_argument("--torch-experts", type=int, default=8, help="distinct bf16 experts for the PyTorch comparison (0: skip)")
@@ -314,6 +324,8 @@ def main(argv=None) -> int:
     layers = _numbers(ap, "layer", args.layer, int, 0)
     gaps = _numbers(ap, "gaps", args.gaps, float, 0)
     prewakes = _numbers(ap, "prewake", args.prewake, int, 0, 100_000)
+    if not 0 <= args.kernel_prewake <= 100_000:
+        ap.error(f"--kernel-prewake: 0 .. 100000 us, got {args.kernel_prewake}")
     if args.lead < 0:
         ap.error(f"--lead: a non-negative number of us, got {args.lead}")
 
@@ -350,7 +362,7 @@ def main(argv=None) -> int:
             for t in tokens:
                 for dt, ws, model in ((torch.float32, weights, "float32"), (torch.bfloat16, weights, "float32"),
                                       (torch.bfloat16, weights_bf16, "bfloat16")):
-                    r = bench_kernel(k, ws, t, dt, args.calls, hidden, model)
+                    r = bench_kernel(k, ws, t, dt, args.calls, hidden, model, args.kernel_prewake, args.lead)
                     r["of_dram"] = r["gbps"] / dram["gbps"]
                     run["kernel"].append(r)
             run["layer"] = []
@@ -376,7 +388,8 @@ def main(argv=None) -> int:
             d = run["dram"]
             print(f"threads {run['threads']} ({run['level']}): DRAM read {d['gbps']:.1f} GB/s (best of {args.repeats})")
             for r in run["kernel"]:
-                print(f"  kernel T={r['tokens']:2d} x {r['x_dtype']:8s} {r['model']:8s} model: {r['median_ms']:8.3f} ms/expert  "
+                woke = f" (prewake {r['prewake_us']} us, {r['lead_us']:.0f} us ahead)" if r.get("prewake_us") else ""
+                print(f"  kernel T={r['tokens']:2d} x {r['x_dtype']:8s} {r['model']:8s} model{woke}: {r['median_ms']:8.3f} ms/expert  "
                       f"{r['gbps']:6.1f} GB/s  {r['of_dram']:6.1%} of DRAM")
                 print(f"    pool: {_pool_text(r.get('pool') or {})}")
             for r in run.get("layer", []):
