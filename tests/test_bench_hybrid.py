@@ -77,6 +77,18 @@ def test_bench_cpu_experts_prewake_runs_each_gap_with_and_without(tmp_path):
     assert got == [(t, g, p, 100.0 if p else 0) for t in (1, 4) for g, p in ((0.0, 0), (300.0, 0), (300.0, 400))]
 
 
+def test_bench_cpu_experts_kernel_calls_with_prewake_and_a_bf16_model_arm(tmp_path):
+    mod = _load("bench_cpu_experts")
+    out = tmp_path / "k.json"
+    rc = mod.main(["--small", "--threads", "2", "--tokens", "1,4", "--layer", "0", "--kernel-prewake", "300", "--lead", "50",
+                   "--torch-experts", "0", "--calls", "4", "--experts", "4", "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    kernel = json.loads(out.read_text())["runs"][0]["kernel"]
+    assert sorted((r["tokens"], r["x_dtype"], r["model"]) for r in kernel) == [
+        (t, x, m) for t in (1, 4) for x, m in (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float32", "float32"))]
+    assert all(r["prewake_us"] == 300 and r["lead_us"] == 50.0 and r["median_ms"] > 0 for r in kernel)
+
+
 def test_check_hybrid_prewake_values_run_each_cpu_mode_and_restore_the_default(tmp_path):
     from pdflash.offload.cpu_compute import CpuExpertRunner
 
@@ -94,7 +106,9 @@ def test_check_hybrid_prewake_values_run_each_cpu_mode_and_restore_the_default(t
 @pytest.mark.parametrize("args, message", [(["--prewake", "0,fast"], "--prewake"), (["--prewake", "100001"], "--prewake"),
                                            (["--prewake", "1.5"], "--prewake"), (["--gaps", "-5"], "--gaps"),
                                            (["--lead", "-1"], "--lead"), (["--threads", "x"], "--threads"),
-                                           (["--threads", "0"], "--threads"), (["--tokens", "17"], "--tokens")])
+                                           (["--threads", "0"], "--threads"), (["--tokens", "17"], "--tokens"),
+                                           (["--kernel-prewake", "100001"], "--kernel-prewake"),
+                                           (["--kernel-prewake", "-1"], "--kernel-prewake")])
 def test_bench_cpu_experts_refuses_bad_numbers(capsys, args, message):
     mod = _load("bench_cpu_experts")
     with pytest.raises(SystemExit) as e:
