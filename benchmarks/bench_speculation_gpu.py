@@ -122,6 +122,7 @@ def planner_options(args, kind: str = "auto") -> dict | None:
     """BlockPlanner keyword arguments of --home-block / --first-block and of the arm ``kind``
     (:data:`ARM_OPTIONS`) (None: the defaults)."""
     opts = dict(ARM_OPTIONS.get(kind, {}))
+    opts.update(getattr(args, "variants", {}).get(kind, {}))
     if args.home_block:
         opts["home_block"] = args.home_block
     if args.first_block == "home":
@@ -187,6 +188,7 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
         autos += ["auto-m105"] if args.margin_arm else []
         autos += ["auto-notrial"] if args.no_trial_arm else []
         autos += ["auto-prev"] if args.previous_arm else []
+        autos += list(args.variants)
         arms = ["plain"] + [f"{kind}@{p}" for p in args.acceptance for kind in autos + [f"B{b}" for b in blocks]]
         guard = rt.placer.guard if rt.placer is not None else None
         if args.guard_arm:
@@ -408,8 +410,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="Add an arm auto-noover: the planner drafting only the blocks it verifies (overdraft 1).")
     ap.add_argument("--no-retreat-arm", action="store_true",
                     help="Add an arm auto-noretreat: the planner (shadow probes) without its retreat rule (draft/planner.py).")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="Add an arm auto-NAME: the planner with these BlockPlanner keyword arguments, e.g. "
+                         "'home8={\"first_by_cost\": false, \"home_block\": 8}' (repeatable).")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    args.variants = {}
+    for v in args.variant:
+        name, sep, text = v.partition("=")
+        try:
+            kw = json.loads(text) if sep else None
+        except json.JSONDecodeError as exc:
+            ap.error(f"--variant {name}: not JSON ({exc})")
+        if not name or "@" in name or not isinstance(kw, dict):
+            ap.error(f"--variant takes NAME=JSON with a JSON object of BlockPlanner keyword arguments, got {v!r}")
+        args.variants[f"auto-{name}"] = kw
     if args.guard_arm and args.cpu_experts != "auto":
         ap.error("--guard-arm needs --cpu-experts auto")
     args.batch_invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]

@@ -15,10 +15,11 @@ def test_cpu_dry_run_writes_every_arm(tmp_path, load_script):
     assert mod.main(["--preset", "tiny", "--device", "cpu", "--link-gbps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
                      "--tokens", "10", "--prompts", "1", "--dtypes", "bfloat16,float32", "--acceptance", "0.9,0.3",
                      "--blocks", "2,8", "--probes", "shadow,real", "--no-retreat-arm", "--no-overdraft-arm",
-                     "--margin-arm", "--no-trial-arm", "--previous-arm", "--trace", "--out", str(out)]) == 0
+                     "--margin-arm", "--no-trial-arm", "--previous-arm", "--trace",
+                     "--variant", 'home={"first_by_cost": false}', "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["summary"]) == {"bfloat16", "float32"}
-    autos = ("auto", "auto-real", "auto-noretreat", "auto-noover", "auto-m105", "auto-notrial", "auto-prev")
+    autos = ("auto", "auto-real", "auto-noretreat", "auto-noover", "auto-m105", "auto-notrial", "auto-prev", "auto-home")
     arms = {"plain"} | {f"{a}@{p}" for a in autos + ("B2",) for p in ("0.9", "0.3")}  # 8 exceeds the tiny draft's 4
     for dtype, s in res["summary"].items():
         assert set(s["arms"]) == arms and set(s["targets"]) == {"auto@0.9", "auto@0.3"}
@@ -48,6 +49,11 @@ def test_cpu_dry_run_writes_every_arm(tmp_path, load_script):
     with pytest.raises(SystemExit):
         mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--probes", "fake",
                   "--out", str(out)])
+    for bad in ("home", "home={", "home=[1]", "a@b={}"):
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--preset", "tiny", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ck"), "--variant", bad,
+                      "--out", str(out)])
+        assert e.value.code == 2
 
 
 def test_drafting_share_prices_drafted_steps_at_the_runs_plain_step(load_script):
