@@ -11,6 +11,7 @@ every arm runs once on an emptied expert cache, the order reversed every other r
   plain     plain decoding (``--no-draft``)
   auto      speculative decoding with the block planner (the default of ``generate``)
   blockN    speculative decoding with a fixed block of N (``--block-size N``)
+  NAME      with ``--variant NAME=JSON``: the block planner with those BlockPlanner keyword arguments
 
 Route-ahead prefetch is off and prompt lookup on, as ``generate`` runs by default. Reports per
 prompt each arm's median tokens per second and its ratio to ``plain``, and per arm the median,
@@ -35,22 +36,24 @@ import_pdflash()
 from bench_default_vs_plain import PROMPTS  # noqa: E402
 
 
-def parse_arms(text: str) -> list[tuple[str, int | None]]:
-    """'plain,auto,block4' -> [(name, fixed block or None)]; raises ValueError on a bad name."""
+def parse_arms(text: str, variants: dict | None = None) -> list[tuple[str, int | None]]:
+    """'plain,auto,block4' -> [(name, fixed block or None)]; raises ValueError on a bad name.
+    ``variants``: names of planner variants (--variant), arms like auto."""
     arms = []
     for name in text.split(","):
-        if name in ("plain", "auto"):
+        if name in ("plain", "auto") or name in (variants or {}):
             arms.append((name, None))
         elif name.startswith("block") and name[5:].isdigit() and int(name[5:]) >= 1:
             arms.append((name, int(name[5:])))
         else:
-            raise ValueError(f"unknown arm {name!r}: use plain, auto or blockN")
+            raise ValueError(f"unknown arm {name!r}: use plain, auto, blockN or a --variant name")
     if "plain" not in [a for a, _ in arms] or len(set(arms)) != len(arms):
         raise ValueError("the arms must include plain, each once")
     return arms
 
 
-def run_arm(rt, draft_dir, ids: list[int], name: str, block: int | None, max_new_tokens: int):
+def run_arm(rt, draft_dir, ids: list[int], name: str, block: int | None, max_new_tokens: int,
+            planner_options: dict | None = None):
     from pdflash.draft import generate_with_draft
     from pdflash.offload.generate import generate
 
@@ -58,7 +61,7 @@ def run_arm(rt, draft_dir, ids: list[int], name: str, block: int | None, max_new
     if name == "plain":
         return generate(rt, ids, max_new_tokens=max_new_tokens)
     res, _ = generate_with_draft(rt, ids, draft_dir=draft_dir, max_new_tokens=max_new_tokens, auto=block is None,
-                                 block_size=block, predictor=None)
+                                 block_size=block, predictor=None, planner_options=planner_options)
     return res
 
 
@@ -73,10 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--expert-cache-experts", type=int, default=64)
     ap.add_argument("--link-gbps", type=float, default=2.0)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="a planner arm NAME (name it in --arms): BlockPlanner keyword arguments as a JSON object")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    variants = {}
+    for v in args.variant:
+        name, sep, text = v.partition("=")
+        try:
+            kw = json.loads(text) if sep else None
+        except json.JSONDecodeError as exc:
+            ap.error(f"--variant {name}: not JSON ({exc})")
+        if not name or "," in name or name in ("plain", "auto") or not isinstance(kw, dict):
+            ap.error(f"--variant takes NAME=JSON (a new arm name, a JSON object), got {v!r}")
+        variants[name] = kw
     try:
-        arms = parse_arms(args.arms)
+        arms = parse_arms(args.arms, variants)
     except ValueError as exc:
         ap.error(f"--arms: {exc}")
     if args.rounds < 1 or not 1 <= args.prompts <= len(PROMPTS) or args.max_new_tokens < 1:
@@ -103,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 tokens = {}
                 for name, block in (arms if r % 2 == 0 else arms[::-1]):
-                    res = run_arm(rt, draft, ids, name, block, args.max_new_tokens)
+                    res = run_arm(rt, draft, ids, name, block, args.max_new_tokens, variants.get(name))
                     tps[name].append(res.tokens_per_second)
                     tokens[name] = res.token_ids
                 same = same and all(t == tokens["plain"] for t in tokens.values())
@@ -123,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary[name]['geomean_ratio']:.3f}x, lowest {summary[name]['lowest_ratio']:.3f}x")
     out = {"model": str(model), "draft": str(draft), "device": args.device, "expert_cache_experts": args.expert_cache_experts,
            "link_gbps": args.link_gbps, "rounds": args.rounds, "max_new_tokens": args.max_new_tokens,
-           "arms": [n for n, _ in arms], "per_prompt": per_prompt, "summary": summary,
+           "arms": [n for n, _ in arms], "variants": variants, "per_prompt": per_prompt, "summary": summary,
            "all_same_tokens": all(p["same_tokens"] for p in per_prompt.values())}
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")

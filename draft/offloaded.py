@@ -317,6 +317,7 @@ def generate_with_draft(
     graphs: bool | None = None,
     lookup: bool = True,
     batch_invariant: bool | None = None,
+    planner_options: dict | None = None,
 ) -> tuple[object, dict]:
     """``pdflash generate --draft``: returns (a GenerationResult as plain decoding returns it,
     extra report fields).
@@ -347,7 +348,8 @@ def generate_with_draft(
     res = speculative_on_runtime(rt, draft, input_ids, max_new_tokens, block_size=AUTO if auto else block_size,
                                  predictor=predictor,
                                  acceptance=acceptance, temperature=temperature, seed=seed, eos_token_ids=eos,
-                                 on_step=step_hook, graphs=graphs, lookup=lookup, batch_invariant=batch_invariant)
+                                 on_step=step_hook, graphs=graphs, lookup=lookup, batch_invariant=batch_invariant,
+                                 planner_options=planner_options)
     n = len(res.token_ids)
     st = res.stats
     gen = GenerationResult(

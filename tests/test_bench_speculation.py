@@ -82,22 +82,28 @@ def test_paired_bench_runs_every_arm_each_round_and_refuses_bad_arms(load_script
 
     mod = load_script("benchmarks/bench_paired.py")
     out = tmp_path / "paired.json"
-    rc = mod.main(["--model", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"), "--arms", "plain,auto,block2",
-                   "--rounds", "2", "--prompts", "2", "--max-new-tokens", "6", "--expert-cache-experts", "12",
-                   "--link-gbps", "1", "--out", str(out)])
+    rc = mod.main(["--model", str(tiny_pair / "target"), "--draft", str(tiny_pair / "draft"), "--arms", "plain,auto,block2,home",
+                   "--variant", 'home={"first_by_cost": false}', "--rounds", "2", "--prompts", "2", "--max-new-tokens", "6",
+                   "--expert-cache-experts", "12", "--link-gbps", "1", "--out", str(out)])
     assert rc == 0
     got = json.loads(out.read_text())
-    assert got["arms"] == ["plain", "auto", "block2"] and got["all_same_tokens"]
+    assert got["arms"] == ["plain", "auto", "block2", "home"] and got["all_same_tokens"]
+    assert got["variants"] == {"home": {"first_by_cost": False}}
     assert len(got["per_prompt"]) == 2
     for p in got["per_prompt"].values():
         assert all(len(v) == 2 for v in p["tokens_per_second"].values())
         assert p["ratio"]["block2"] == pytest.approx(p["median_tps"]["block2"] / p["median_tps"]["plain"])
-    assert set(got["summary"]) == {"auto", "block2"}
+    assert set(got["summary"]) == {"auto", "block2", "home"}
     for bad in ("auto,block2", "plain,fast", "plain,block0", "plain,plain"):
         with pytest.raises(SystemExit) as e:
             mod.main(["--arms", bad])
         assert e.value.code == 2
         assert "--arms" in capsys.readouterr().err
+    for bad in ("home", "home={", "plain={}", "home=3"):
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--arms", "plain,home", "--variant", bad])
+        assert e.value.code == 2
+        assert "--variant" in capsys.readouterr().err
 
 
 def test_plain_step_benchmark_runs_every_arm_on_the_cpu(load_script, tmp_path):
