@@ -4,7 +4,9 @@ The H100 regime of session 19 (docs/benchmarks.md), scaled to 4 layers of 32 exp
 verify forward's own work 23 ms whatever its length, a draft pass 4.6 ms, each missing expert
 1.9 ms of link, a cache that keeps each layer's 8 most recently used experts (what balanced
 eviction keeps of a layer at a 25 % cache), random routes, oracle acceptance P per position
-(a proposal is right up to the first refused draw). No model runs: a replay takes milliseconds,
+(each text position is draftable with probability P, drawn once per position from its own
+random stream, so every arm of a seed meets the same text; a proposal is right up to the first
+position that is not). No model runs: a replay takes milliseconds,
 so a planner change can be read over many seeds before a GPU run (``benchmarks/replay_planner.py``,
 and the planner's tests).
 """
@@ -80,7 +82,9 @@ def link_bound_run(p_accept: float, seed: int, *, steps: int | None = None, hori
     length ``fixed``."""
     if (steps is None) == (horizon is None):
         raise ValueError("give steps or horizon")
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # routes
+    text = random.Random(seed + 1_000_003)  # which positions the draft gets right, the same for every arm
+    draftable: list[bool] = []
     moved = [0.0, 0.0]
     cost = CostModel(EXPERT_BYTES, link_gbps=EXPERT_BYTES / EXPERT_S / 1e9)
     cache = RecentCache()
@@ -100,8 +104,10 @@ def link_bound_run(p_accept: float, seed: int, *, steps: int | None = None, hori
         misses = route_block(p, rng, b, cache=cache)
         moved[0] += misses * EXPERT_BYTES
         moved[1] += misses * EXPERT_S
-        run = 0  # proposals right up to the first refused draw, wrong after it (as oracle mode checks them)
-        while run < drafted - 1 and rng.random() < p_accept:
+        while len(draftable) < pos + drafted + 1:
+            draftable.append(text.random() < p_accept)
+        run = 0  # proposals right up to the first position the draft misses, wrong after it (as oracle mode checks them)
+        while run < drafted - 1 and draftable[pos + 1 + run]:
             run += 1
         proposals = [pos + 1 + i if i < run else -1 for i in range(drafted - 1)]
         if p.shadow_block:  # a shadow probe: checked against the tokens committed from this step on
