@@ -81,14 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     variants = {}
-    for v in args.variant:
-        name, sep, text = v.partition("=")
+    from pdflash.draft.planner import parse_variant
+
+    for spec in args.variant:
         try:
-            kw = json.loads(text) if sep else None
-        except json.JSONDecodeError as exc:
-            ap.error(f"--variant {name}: not JSON ({exc})")
-        if not name or "," in name or name in ("plain", "auto") or not isinstance(kw, dict):
-            ap.error(f"--variant takes NAME=JSON (a new arm name, a JSON object), got {v!r}")
+            name, kw = parse_variant(spec)
+        except ValueError as exc:
+            ap.error(f"--variant {exc}")
+        if "," in name or name in ("plain", "auto") or name.startswith("block"):
+            ap.error(f"--variant {name}: a new arm name (not plain, auto or blockN, no commas)")
         variants[name] = kw
     try:
         arms = parse_arms(args.arms, variants)

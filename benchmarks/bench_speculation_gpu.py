@@ -416,14 +416,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.variants = {}
-    for v in args.variant:
-        name, sep, text = v.partition("=")
+    from pdflash.draft.planner import parse_variant
+
+    for spec in args.variant:
         try:
-            kw = json.loads(text) if sep else None
-        except json.JSONDecodeError as exc:
-            ap.error(f"--variant {name}: not JSON ({exc})")
-        if not name or "@" in name or not isinstance(kw, dict):
-            ap.error(f"--variant takes NAME=JSON with a JSON object of BlockPlanner keyword arguments, got {v!r}")
+            name, kw = parse_variant(spec)
+        except ValueError as exc:
+            ap.error(f"--variant {exc}")
+        if "@" in name:
+            ap.error(f"--variant {name}: an arm name without '@'")
         args.variants[f"auto-{name}"] = kw
     if args.guard_arm and args.cpu_experts != "auto":
         ap.error("--guard-arm needs --cpu-experts auto")

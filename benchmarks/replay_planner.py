@@ -24,6 +24,7 @@ from _checkout import import_pdflash  # noqa: E402
 
 import_pdflash()
 
+from pdflash.draft.planner import parse_variant  # noqa: E402
 from pdflash.draft.replay import link_bound_run  # noqa: E402
 
 
@@ -79,13 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--fixed: block lengths 1 .. 8")
     arms: dict[str, dict] = {"auto": {}}
     for spec in args.variant:
-        name, sep, text = spec.partition("=")
         try:
-            kw = json.loads(text) if sep else None
-        except json.JSONDecodeError as exc:
-            ap.error(f"--variant {name}: {exc}")
-        if not name or not isinstance(kw, dict):
-            ap.error(f"--variant takes NAME=JSON object, got {spec!r}")
+            name, kw = parse_variant(spec)
+        except ValueError as exc:
+            ap.error(f"--variant {exc}")
         arms[name] = kw
     arms.update({f"B{b}": {"fixed": b} for b in fixed})
     try:

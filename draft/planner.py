@@ -131,6 +131,8 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -949,3 +951,23 @@ class BlockPlanner:
                     "tokens_per_second": self._rate(c), "fetch_experts": c.fetch_experts,
                 } for c in self._candidates(1, self.max_block)},
                 **({"trace": self.trace} if self.trace is not None else {})}
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """A planner variant for the benchmarks' A/B arms: 'NAME=JSON' -> (NAME, BlockPlanner keyword
+    arguments). ValueError, with what is wrong, on a missing name, text that is not a JSON object,
+    or a key that is not a keyword argument of BlockPlanner."""
+    name, sep, text = spec.partition("=")
+    if not name or not sep:
+        raise ValueError(f"takes NAME=JSON, got {spec!r}")
+    try:
+        kw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not JSON ({exc})") from None
+    if not isinstance(kw, dict):
+        raise ValueError(f"{name}: a JSON object of BlockPlanner keyword arguments, got {text!r}")
+    known = inspect.signature(BlockPlanner.__init__).parameters
+    unknown = sorted(k for k in kw if k not in known or known[k].kind != inspect.Parameter.KEYWORD_ONLY)
+    if unknown:
+        raise ValueError(f"{name}: not BlockPlanner keyword arguments: {', '.join(unknown)}")
+    return name, kw

@@ -846,3 +846,14 @@ def test_the_fetch_prediction_can_be_pinned():
         planner(link_gbps=1.0, fetch_prediction="guess")
     assert planner(link_gbps=1.0, long_run_weight=4.0).acceptance.slow_weight == 4.0
 
+
+
+def test_parse_variant_reads_blockplanner_keyword_arguments():
+    from pdflash.draft.planner import parse_variant
+
+    assert parse_variant('home8={"first_by_cost": false, "home_block": 8}') == ("home8", {"first_by_cost": False, "home_block": 8})
+    assert parse_variant("plain-ish={}") == ("plain-ish", {})
+    for bad, why in (("home", "NAME=JSON"), ("=1", "NAME=JSON"), ("a={", "not JSON"), ("a=[1]", "JSON object"),
+                     ('a={"fast": 1}', "fast"), ('a={"max_block": 4}', "max_block"), ('a={"self": 1}', "self")):
+        with pytest.raises(ValueError, match=why):
+            parse_variant(bad)
