@@ -58,9 +58,8 @@ from pdflash.offload.gpt_oss import mxfp4_expert_layout  # noqa: E402
 ALPHA, LIMIT = 1.702, 7.0
 
 
-def make_experts(n: int, hidden: int, inter: int, seed: int, round_bf16: bool = False):
-    """n MXFP4 experts packed in one uint8 buffer (the host store's row layout) and their ExpertWeights.
-    ``round_bf16``: as a bfloat16 model's experts (h rounded to bf16, so down runs bf16 kernels too)."""
+def make_experts(n: int, hidden: int, inter: int, seed: int):
+    """n MXFP4 experts packed in one uint8 buffer (the host store's row layout) and their ExpertWeights."""
     layout = mxfp4_expert_layout(hidden, inter)
     buf = torch.empty((n, layout.expert_bytes), dtype=torch.uint8)
     g = torch.Generator().manual_seed(seed)
@@ -72,23 +71,18 @@ def make_experts(n: int, hidden: int, inter: int, seed: int, round_bf16: bool = 
             view.copy_(torch.randint(119, 128, view.shape, dtype=torch.uint8, generator=g))
         else:
             view.copy_((torch.randn(view.shape, generator=g) * 0.1).to(view.dtype))
-    weights = []
-    for i in range(n):
-        v = lambda name, i=i: layout.view(buf[i], name)  # noqa: E731
-        weights.append(ExpertWeights.mxfp4(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), v("gate_up_proj_bias"),
-                                           v("down_proj_blocks"), v("down_proj_scales"), v("down_proj_bias"),
-                                           alpha=ALPHA, limit=LIMIT, round_bf16=round_bf16))
-    return layout, buf, weights
+    return layout, buf, expert_weights(layout, buf)
 
 
-def as_bf16_model(layout, buf: torch.Tensor) -> list:
-    """The same experts (same bytes) as a bfloat16 model's: intermediate results rounded to bf16."""
+def expert_weights(layout, buf: torch.Tensor, round_bf16: bool = False) -> list:
+    """ExpertWeights viewing each packed row of ``buf`` (no copy). ``round_bf16``: as a bfloat16
+    model's experts (h rounded to bf16, so down runs bf16 kernels too)."""
     out = []
     for i in range(buf.shape[0]):
         v = lambda name, i=i: layout.view(buf[i], name)  # noqa: E731
         out.append(ExpertWeights.mxfp4(v("gate_up_proj_blocks"), v("gate_up_proj_scales"), v("gate_up_proj_bias"),
                                        v("down_proj_blocks"), v("down_proj_scales"), v("down_proj_bias"),
-                                       alpha=ALPHA, limit=LIMIT, round_bf16=True))
+                                       alpha=ALPHA, limit=LIMIT, round_bf16=round_bf16))
     return out
 
 
@@ -347,7 +341,7 @@ def main(argv=None) -> int:
     hidden = args.hidden or (512 if args.small else 2880)
     inter = args.inter or (512 if args.small else 2880)
     layout, buf, weights = make_experts(args.experts, hidden, inter, args.seed)
-    weights_bf16 = as_bf16_model(layout, buf)
+    weights_bf16 = expert_weights(layout, buf, round_bf16=True)  # the same bytes as a bf16 model's
 
     result = {
         "machine": dict(machine_info(), best_level=detect_level()),

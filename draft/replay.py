@@ -31,22 +31,19 @@ class RecentCache:
     """Each layer keeps its ``keep`` most recently used experts; ``use`` returns how many of a
     step's experts were missing. Answers ``state_of`` as the runtime's cache does."""
 
-    capacity = LAYERS * MAX_BLOCK
-
     def __init__(self, keep: int = 8):
         self.keep = keep
+        self.capacity = LAYERS * keep
         self.recent: dict[int, list[int]] = {}
-        self.resident: set[tuple[int, int]] = set()
 
     def state_of(self, layer: int, expert: int):
-        return "resident" if (layer, expert) in self.resident else None
+        return "resident" if expert in self.recent.get(layer, ()) else None
 
     def use(self, layer: int, experts) -> int:
         recent = self.recent.setdefault(layer, [])
         missing = sum(e not in recent for e in experts)
         recent[:] = [e for e in recent if e not in experts] + list(experts)
         del recent[: max(0, len(recent) - self.keep)]
-        self.resident = {(la, e) for la, es in self.recent.items() for e in es}
         return missing
 
 
