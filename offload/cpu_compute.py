@@ -6,7 +6,11 @@
 Each (layer, expert)'s weights are views of its packed host row (MXFP4 blocks + E8M0 scales,
 or bf16 / float32 dense weights): nothing is dequantized or copied. The runner measures every
 call (bytes of weights read and seconds) and keeps an exponentially weighted rate, the CPU
-side of the placement cost model; ``calibrate()`` measures it once before the first use.
+side of the placement cost model; ``calibrate()`` measures it once before the first use, and
+with it what a call over 2, 4, 8 and 16 tokens costs relative to one token (the AVX-512 kernel
+pays each token's dot products, about 1.25 ms per token past the first on one thread of the
+H200 host; the AMX kernel costs about the same for 4 to 16 tokens), so that a verify block's or
+a prefill's experts are priced at what their token counts cost on this machine.
 """
 
 from __future__ import annotations
@@ -54,32 +58,49 @@ class CpuRunner:
     threads: int
     level: str
     tokens_per_read = 1 << 30  # tokens one read of the weights serves (the native kernel: 16)
+    calibration_tokens: tuple[int, ...] = (1,)  # token counts calibrate() times (the native kernel: 1 .. 16)
 
     def __init__(self, host: HostStore):
         self.host = host
         self.layout = host.layout
         self.expert_bytes = self.layout.payload_bytes  # what one read of an expert's weights moves
-        self.rate_bps: float | None = None  # weight bytes per second, kept current (EWMA)
+        self.rate_bps: float | None = None  # weight bytes per one-token call's second, kept current (EWMA)
+        # seconds of a call over T tokens relative to one token's, as calibrated (empty: 1 for any T
+        # up to tokens_per_read); between calibrated counts interpolated linearly
+        self.token_cost: dict[int, float] = {}
         self.experts = 0  # (layer, expert) computations
         self.tokens = 0  # token rows computed (a token counts once per expert)
         self.seconds = 0.0
 
-    def _reads(self, tokens: int) -> int:
-        return -(-max(1, tokens) // self.tokens_per_read)
+    def _relative(self, tokens: int) -> float:
+        """One call's cost over ``tokens`` (<= tokens_per_read) tokens, in one-token calls."""
+        pts = sorted(self.token_cost.items())
+        if not pts or tokens <= pts[0][0]:
+            return pts[0][1] if pts else 1.0
+        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+            if tokens <= t1:
+                return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
+        return pts[-1][1]
 
-    def _account(self, experts: int, tokens: int, reads: int, dt: float) -> None:
+    def _units(self, tokens: int) -> float:
+        """One expert over ``tokens`` tokens in one-token calls: a call per tokens_per_read tokens,
+        each at its calibrated relative cost."""
+        full, rest = divmod(max(1, tokens), self.tokens_per_read)
+        return full * self._relative(self.tokens_per_read) + (self._relative(rest) if rest else 0.0)
+
+    def _account(self, experts: int, tokens: int, units: float, dt: float) -> None:
         self.experts += experts
         self.tokens += tokens
         self.seconds += dt
         if dt > 0:
-            r = self.expert_bytes * reads / dt
+            r = self.expert_bytes * units / dt
             self.rate_bps = r if self.rate_bps is None else (1 - _EWMA) * self.rate_bps + _EWMA * r
 
     def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, H] on the host -> the expert's output [n, H] float32 (no routing weight)."""
         t0 = time.perf_counter()
         y = self._compute(layer, expert, x)
-        self._account(1, x.shape[0], self._reads(x.shape[0]), time.perf_counter() - t0)
+        self._account(1, x.shape[0], self._units(x.shape[0]), time.perf_counter() - t0)
         return y
 
     def run_layer(self, layer: int, experts: list[int], positions: dict[int, list[int]], K: int, x: torch.Tensor,
@@ -100,20 +121,28 @@ class CpuRunner:
         """Predicted seconds to compute one expert for ``tokens`` tokens (None before any measurement)."""
         if not self.rate_bps:
             return None
-        return self.expert_bytes * self._reads(tokens) / self.rate_bps
+        return self.expert_bytes * self._units(tokens) / self.rate_bps
 
     def calibrate(self, repeats: int = 3) -> float:
-        """Time a few one-token calls on real experts (not counted in the statistics); returns bytes/s."""
-        x = torch.zeros((1, self.hidden), dtype=self.calibration_dtype)
+        """Time a few calls on real experts for each of ``calibration_tokens`` (not counted in the
+        statistics): the best one-token time sets the rate, the others the cost of T tokens
+        relative to one (kept non-decreasing in T). Returns bytes/s of one-token calls."""
         n = self.host.num_layers * self.host.num_experts
-        best = None
-        for i in range(max(1, repeats)):
-            row = (i * 7919) % n
-            t0 = time.perf_counter()
-            self._compute(row // self.host.num_experts, row % self.host.num_experts, x)
-            dt = time.perf_counter() - t0
-            best = dt if best is None else min(best, dt)
-        self.rate_bps = self.expert_bytes / max(best, 1e-9)
+        best: dict[int, float] = {}
+        for k, tokens in enumerate(self.calibration_tokens):
+            x = torch.zeros((tokens, self.hidden), dtype=self.calibration_dtype)
+            for i in range(max(1, repeats)):
+                row = ((k * repeats + i) * 7919) % n
+                t0 = time.perf_counter()
+                self._compute(row // self.host.num_experts, row % self.host.num_experts, x)
+                dt = max(time.perf_counter() - t0, 1e-9)
+                best[tokens] = min(best.get(tokens, dt), dt)
+        one = best[min(best)]
+        self.token_cost, top = {}, 1.0
+        for tokens in sorted(best) if len(best) > 1 else ():
+            top = max(top, best[tokens] / one)
+            self.token_cost[tokens] = top
+        self.rate_bps = self.expert_bytes / one
         return self.rate_bps
 
     def stats(self) -> dict:
@@ -143,6 +172,8 @@ class CpuExpertRunner(CpuRunner):
     serialization: one runner per computing thread."""
 
     tokens_per_read = 16  # the kernel reads the weights once per 16 tokens
+    # its cost grows with the tokens (AVX-512: each token's dot products; AMX: about flat from 4 tokens)
+    calibration_tokens = (1, 2, 4, 8, 16)
     calibration_dtype = torch.float32
     # Threads woken when a layer's routing is on its way poll this long for the layer's call
     # (prewake); 0: they sleep until the call. Measured on the H200 host: see docs/benchmarks.md.
@@ -156,6 +187,8 @@ class CpuExpertRunner(CpuRunner):
         self.alpha = float(alpha)
         self.limit = float(limit)
         self.round_bf16 = dtype == torch.bfloat16  # a bf16 model rounds every step: so does the kernel then
+        if dtype == torch.bfloat16:  # its inputs arrive in bf16 (the kernels that take bf16 inputs, AMX among them)
+            self.calibration_dtype = torch.bfloat16
         self.kernel = CpuExperts(threads=threads, level=level)
         self.threads = self.kernel.threads
         self.level = self.kernel.level
@@ -236,9 +269,9 @@ class CpuExpertRunner(CpuRunner):
         """As :meth:`CpuRunner.run_layer`, in one native call: gathering the rows, the routing
         weights and the scatter into ``out`` happen in C, one pool hand-off per phase."""
         t0 = time.perf_counter()
-        calls, tokens = self._forward([(self.struct(layer, e), positions[e]) for e in experts], K, x, w_flat, out)
-        if calls:
-            self._account(len(experts), tokens, calls, time.perf_counter() - t0)
+        counts = self._forward([(self.struct(layer, e), positions[e]) for e in experts], K, x, w_flat, out)
+        if counts:
+            self._account(len(experts), sum(counts), sum(self._relative(c) for c in counts), time.perf_counter() - t0)
 
     def run_slots(self, slots: torch.Tensor, batch: list[tuple[int, int]], positions: dict[int, list[int]], K: int,
                   x: torch.Tensor, w_flat: torch.Tensor, out: torch.Tensor) -> None:
@@ -248,9 +281,9 @@ class CpuExpertRunner(CpuRunner):
         ffi = self.kernel.ffi
         self._forward([(self.slot_weights(slots, s).struct(ffi), positions[e]) for e, s in batch], K, x, w_flat, out)
 
-    def _forward(self, items: list, K: int, x: torch.Tensor, w_flat: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+    def _forward(self, items: list, K: int, x: torch.Tensor, w_flat: torch.Tensor, out: torch.Tensor) -> list[int]:
         """items [(weights struct, positions)] in one native call, at most max_tokens rows per
-        expert call -> (expert calls, token rows). Plain lists, no tensor built per call."""
+        expert call -> the token rows of each expert call. Plain lists, no tensor built per call."""
         structs, counts, dest = [], [], []
         m = self.max_tokens
         for s, pos in items:
@@ -260,10 +293,10 @@ class CpuExpertRunner(CpuRunner):
                 counts.append(len(chunk))
                 dest += chunk
         if not structs:
-            return 0, 0
+            return []
         w = w_flat.tolist()
         self.kernel.call_many(structs, counts, [p // K for p in dest], dest, [w[p] for p in dest], x, out)
-        return len(structs), len(dest)
+        return counts
 
     def close(self) -> None:
         self.kernel.close()

@@ -456,6 +456,61 @@ def test_runner_run_layer_matches_per_expert_loop(tmp_path):
         rt.close()
 
 
+def test_runner_prices_an_expert_by_its_calibrated_cost_per_token_count(tmp_path, monkeypatch):
+    """calibrate() times 1, 2, 4, 8 and 16 tokens; seconds_for(T) follows that curve (interpolated,
+    never decreasing, a call per 16 tokens), and the kept-current rate divides a layer call's time
+    by its calls' relative costs. A fake clock: a call over T tokens takes 1 + 0.5 (T - 1) ms up
+    to 4 tokens, then stays at 2.5 ms (an AMX-like flat cost), with one slow outlier at T = 8."""
+    from pdflash.offload import cpu_compute
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.runtime import OffloadedModel
+    from pdflash.offload.synthetic import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=3)
+    rt = OffloadedModel.load(ckpt, device="cpu", dtype="float32", cpu_experts="all")
+    try:
+        runner = rt.cpu
+        now = [0.0]
+        monkeypatch.setattr(cpu_compute.time, "perf_counter", lambda: now[0])
+        cost_ms = lambda T: 1.0 + 0.5 * (min(T, 4) - 1)  # noqa: E731
+        seen = []
+
+        def fake(layer, expert, x):
+            T = x.shape[0]
+            seen.append(T)
+            now[0] += cost_ms(T) * 1e-3 * (3.0 if T == 8 and seen.count(8) == 1 else 1.0)
+            return torch.zeros_like(x, dtype=torch.float32)
+
+        monkeypatch.setattr(runner, "_compute", fake)
+        rate = runner.calibrate(repeats=2)
+        assert sorted(set(seen)) == [1, 2, 4, 8, 16]
+        assert rate == pytest.approx(runner.expert_bytes / 1e-3)
+        assert runner.token_cost == pytest.approx({1: 1.0, 2: 1.5, 4: 2.5, 8: 2.5, 16: 2.5})  # best of 2: the outlier left out
+        assert runner.seconds_for(1) == pytest.approx(1e-3)
+        assert runner.seconds_for(3) == pytest.approx(2e-3)  # between 2 and 4
+        assert runner.seconds_for(16) == pytest.approx(2.5e-3)
+        assert runner.seconds_for(20) == pytest.approx(2.5e-3 + 2.5e-3)  # 16 + 4: two calls
+        # a layer's call: 3 experts of 1, 2 and 4 tokens in 2x their calibrated time -> half the rate
+        K = 4
+        positions = {0: [0], 1: [4, 8], 2: [12, 16, 20, 24]}
+        x = torch.zeros(7, runner.hidden)
+        w_flat = torch.ones(7 * K)
+        out = torch.zeros(7 * K, runner.hidden)
+        real_forward = runner._forward
+
+        def timed_forward(items, K_, x_, w_, out_):
+            counts = real_forward(items, K_, x_, w_, out_)
+            now[0] += 2 * sum(cost_ms(c) for c in counts) * 1e-3
+            return counts
+
+        monkeypatch.setattr(runner, "_forward", timed_forward)
+        runner.rate_bps = None  # the layer call alone sets the rate
+        runner.run_layer(0, [0, 1, 2], positions, K, x, w_flat, out)
+        assert runner.seconds_for(1) == pytest.approx(2e-3) and runner.seconds_for(4) == pytest.approx(5e-3)
+    finally:
+        rt.close()
+
+
 @pytest.mark.parametrize("x_dtype,w_dtype,idx_dtype,T,K", [
     (torch.bfloat16, torch.bfloat16, torch.int64, 5, 4), (torch.float32, torch.float32, torch.int64, 5, 4),
     (torch.float32, torch.bfloat16, torch.int32, 3, 3),  # x's words would start at an odd word: w goes as float32
