@@ -65,8 +65,8 @@ class CpuRunner:
         self.layout = host.layout
         self.expert_bytes = self.layout.payload_bytes  # what one read of an expert's weights moves
         self.rate_bps: float | None = None  # weight bytes per one-token call's second, kept current (EWMA)
-        # seconds of a call over T tokens relative to one token's, as calibrated (empty: 1 for any T
-        # up to tokens_per_read); between calibrated counts interpolated linearly
+        # seconds of a call over T tokens relative to one token's, as calibrated, in increasing T
+        # (empty: 1 for any T up to tokens_per_read); between calibrated counts interpolated linearly
         self.token_cost: dict[int, float] = {}
         self.experts = 0  # (layer, expert) computations
         self.tokens = 0  # token rows computed (a token counts once per expert)
@@ -74,7 +74,7 @@ class CpuRunner:
 
     def _relative(self, tokens: int) -> float:
         """One call's cost over ``tokens`` (<= tokens_per_read) tokens, in one-token calls."""
-        pts = sorted(self.token_cost.items())
+        pts = list(self.token_cost.items())  # calibrate() fills it in increasing T
         if not pts or tokens <= pts[0][0]:
             return pts[0][1] if pts else 1.0
         for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
