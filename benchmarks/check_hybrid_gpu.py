@@ -8,7 +8,9 @@ For each dtype (``--dtypes``, float32 and bfloat16) and each mode (off: every mi
 fetched; auto: each layer's misses split between the link and the CPU kernel by the cost
 model, checked by the guard against realized decode steps; auto-model: the cost model alone,
 no guard; auto-host / auto-off: the guard pinned to that arm, e.g. auto-host every miss on the
-CPU and the hits on the device; all: every expert on the CPU), one greedy generation of ``--tokens`` tokens after a
+CPU and the hits on the device; all: every expert on the CPU; all-seg / auto-seg: all / auto with
+host steps off, so that a graphed step with every expert on the CPU runs as segments with the
+experts module between them instead of one graph with host nodes, offload/host_graph.py), one greedy generation of ``--tokens`` tokens after a
 fixed prompt with an expert cache of ``--cache-fraction`` of all experts (plain decoding,
 eager: CUDA graphs off so the three modes run the same code around the experts). Reports the
 token ids' agreement with the fetch-only run of the same dtype (the aim in float32:
@@ -26,8 +28,10 @@ memory (offload/synthetic.py; gpt-oss-120b's 65 GB do not fit the GPU machine's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
+import os
 import time
 import sys
 from pathlib import Path
@@ -47,7 +51,11 @@ PROMPT = [200, 1000, 31, 9, 77, 4000, 250, 17, 3, 44, 81, 90, 123, 7, 66, 19]
 def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | None = None) -> dict:
     """One generation in ``mode``; ``prewake_us`` (None: the runtime's default) is this runtime's
     CPU runner's prewake poll."""
-    with OffloadedModel.load(ckpt, device=device, dtype=dtype, cpu_experts="auto" if mode.startswith("auto") else mode,
+    asked, segmented = mode, mode.endswith("-seg")
+    if segmented:
+        mode = mode[: -len("-seg")]
+    with _host_steps(not segmented), OffloadedModel.load(ckpt, device=device, dtype=dtype,
+                                                         cpu_experts="auto" if mode.startswith("auto") else mode,
                              cpu_threads=args.cpu_threads, link_gbps=args.link_gbps, hybrid_guard=mode != "auto-model",
                              expert_cache_experts=None if mode == "all" else args._slots) as rt:
         if prewake_us is not None and rt.cpu is not None:
@@ -76,7 +84,8 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
             free, total = torch.cuda.mem_get_info(rt.device)
             vram = total - free  # everything this process holds on the GPU (cache, weights, context)
         return {"dtype": dtype, "prewake_us": getattr(rt.cpu, "prewake_us", None) if mode != "off" else None,
-                "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": mode, "cuda_graphs": graphs,
+                "host_steps_enabled": not segmented, "host_steps": st["cpu_experts"].get("host_steps"),
+                "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": asked, "cuda_graphs": graphs,
                 "link_gbps": args.link_gbps, "link_emulated": st.get("link_emulated", False),
                 "cpu_threads": st["cpu_experts"].get("threads"), "token_ids": res.token_ids,
                 "tokens_per_second": res.tokens_per_second, "tpot_ms": res.tpot_ms,
@@ -84,6 +93,20 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
                 "link_busy_seconds": st["link_busy_seconds"], "exposed_fetch_seconds": st["exposed_fetch_seconds"],
                 "bytes_per_token": st["bytes_per_token"], "cache_slots": st["cache"]["slots"],
                 "cost_model": rt.cost.to_dict(), "layer_breakdown_us": breakdown}
+
+
+@contextlib.contextmanager
+def _host_steps(on: bool):
+    """PDFLASH_HOST_STEPS for the runtimes (and graphed decoders) made inside."""
+    old = os.environ.get("PDFLASH_HOST_STEPS")
+    os.environ["PDFLASH_HOST_STEPS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PDFLASH_HOST_STEPS"]
+        else:
+            os.environ["PDFLASH_HOST_STEPS"] = old
 
 
 def main(argv=None) -> int:
@@ -115,9 +138,10 @@ def main(argv=None) -> int:
         ap.error(f"--prewake-us: comma-separated integers, got {args.prewake_us!r}")
     if any(v is not None and not 0 <= v <= 100_000 for v in prewakes):
         ap.error("--prewake-us: values in 0 .. 100000")
-    bad = [m for m in args.modes.split(",") if m not in ("off", "auto", "auto-model", "auto-host", "auto-all", "auto-off", "all")]
+    known = ("off", "auto", "auto-model", "auto-host", "auto-all", "auto-off", "all", "all-seg", "auto-seg")
+    bad = [m for m in args.modes.split(",") if m not in known]
     if bad:
-        ap.error(f"unknown mode(s) {', '.join(bad)}: use off, auto, auto-model, auto-host, auto-all, auto-off, all")
+        ap.error(f"unknown mode(s) {', '.join(bad)}: use {', '.join(known)}")
     if (args.ckpt is None) == (args.in_memory is None):
         ap.error("give a checkpoint directory or --in-memory PRESET (one of them)")
     source = args.ckpt
@@ -144,6 +168,8 @@ def main(argv=None) -> int:
             runs.append(r)
             ept = r["experts_per_token"]
             label = mode if pw is None else f"{mode}/prewake {pw}"
+            if r["host_steps"]:
+                label += f" ({r['host_steps']} host steps)"
             print(f"{dtype:9s} {label:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
                   f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
                   f"identical {r['identical_to_first_mode']}{_guard_text(r)}", file=sys.stderr)

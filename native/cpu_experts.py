@@ -224,6 +224,7 @@ class CpuExperts:
         self._idle = threading.Condition(self._lock)
         self._active = 0
         self._closed = False
+        self._layers: list[CpuLayer] = []  # contexts borrowing the pool: destroyed before it
 
     def _strerror(self, rc: int) -> str:
         return self._ffi.string(self._lib.pf_cpu_strerror(rc)).decode()
@@ -326,6 +327,17 @@ class CpuExperts:
         if rc != 0:
             raise CpuExpertError(f"CPU expert kernel: {self._strerror(rc)}")
 
+    def layer(self, structs: list, top_k: int, rows: int, idx: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
+              out: torch.Tensor) -> "CpuLayer":
+        """A :class:`CpuLayer` on this pool (closed with it)."""
+        lay = CpuLayer(self, structs, top_k, rows, idx, scale, x, out)
+        with self._lock:
+            if self._closed:
+                lay.close()
+                raise CpuExpertError("the CPU expert kernel is closed; create a new CpuExperts")
+            self._layers.append(lay)
+        return lay
+
     @property
     def ffi(self):
         """The cffi module's FFI (for ``ExpertWeights.struct``)."""
@@ -406,6 +418,9 @@ class CpuExperts:
             self._closed = True
             while self._active:
                 self._idle.wait()
+            for lay in self._layers:
+                lay.close()
+            self._layers.clear()
             self._lib.pf_cpu_destroy(self._c)
             self._c = self._ffi.NULL
 
@@ -422,5 +437,122 @@ class CpuExperts:
             pass
 
 
-__all__ = ["CpuExperts", "CpuExpertError", "CpuLevelUnsupported", "ExpertWeights", "LEVELS", "MAX_TOKENS",
+class CpuLayer:
+    """One MoE layer's routed experts, run from its routing (``pf_layer.h``): described once over
+    fixed host buffers, then run on every call, from this thread (:meth:`run`) or as a CUDA host
+    function (:attr:`host_fn` with :attr:`handle` as its argument, e.g. a host node of a
+    captured graph), without Python.
+
+    Buffers (host tensors, contiguous, kept referenced here): ``idx`` [rows * K] int64 / int32
+    expert indices and ``scale`` [rows * K] float32 routing weights of positions p = t*K + k,
+    ``x`` [rows, H] float32 / bfloat16 token rows, ``out`` float32 [rows * K, H]. A run of T
+    tokens (:meth:`set_tokens`) writes out[p] = scale[p] * expert(x[p // K]) for p < T * K and
+    zeroes the other rows; the grouping is the runner's (experts ascending, positions ascending,
+    MAX_TOKENS per entry), so the outputs are those of :meth:`CpuExperts.call_many` bit for bit.
+    ``structs``: the layer's experts' ``pf_cpu_weights`` structs, one per expert, in expert order
+    (kept referenced). Closing the pool closes its layers first; a host function launched on a
+    CUDA stream must have run before either is closed (synchronise first)."""
+
+    def __init__(self, kernel: CpuExperts, structs: list, top_k: int, rows: int, idx: torch.Tensor,
+                 scale: torch.Tensor, x: torch.Tensor, out: torch.Tensor):
+        ffi, lib = kernel._ffi, kernel._lib
+        self._ffi, self._lib = ffi, lib
+        E, K, R = len(structs), int(top_k), int(rows)
+        if E < 1 or K < 1 or R < 1:
+            raise CpuExpertError(f"a layer needs experts, top_k >= 1 and rows >= 1 (got {E}, {K}, {R})")
+        H = structs[0].hidden
+
+        def host(t, name, dtypes, shape):
+            if (not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous()
+                    or t.dtype not in dtypes or tuple(t.shape) != shape):
+                want = " / ".join(str(d).replace("torch.", "") for d in dtypes)
+                raise CpuExpertError(f"{name} must be a contiguous {want} host tensor of shape {shape}")
+
+        host(idx, "idx", (torch.int64, torch.int32), (R * K,))
+        host(scale, "scale", (torch.float32,), (R * K,))
+        host(x, "x", tuple(_FORMAT), (R, H))
+        host(out, "out", (torch.float32,), (R * K, H))
+        self.rows, self.top_k, self.hidden, self.num_experts = R, K, H, E
+        self._keep = (kernel, list(structs), idx, scale, x, out)
+        self._weights = ffi.new("pf_cpu_weights *[]", list(structs))
+        d = ffi.new("pf_layer_desc *")
+        d.cpu = kernel._c
+        d.experts = self._weights
+        d.num_experts, d.top_k, d.rows, d.hidden = E, K, R, H
+        d.idx_bytes = idx.element_size()
+        d.idx = ffi.cast("void *", idx.data_ptr())
+        d.scale = ffi.cast("float *", scale.data_ptr())
+        d.x = ffi.cast("void *", x.data_ptr())
+        d.x_format = _FORMAT[x.dtype]
+        d.out = ffi.cast("float *", out.data_ptr())
+        p = ffi.new("pf_layer **")
+        rc = lib.pf_layer_create(d, p)
+        if rc != 0:
+            raise CpuExpertError(f"CPU layer: {kernel._strerror(rc)} (every expert must have hidden size {H})")
+        self._L = p[0]
+        self._runs = 0  # runs seen by check()
+
+    @property
+    def handle(self) -> int:
+        """The context's address (the host function's argument)."""
+        self._live()
+        return int(self._ffi.cast("uintptr_t", self._L))
+
+    @property
+    def host_fn(self) -> int:
+        """Address of ``pf_layer_host_fn`` (a CUDA host function: ``void fn(void *)``)."""
+        return int(self._ffi.cast("uintptr_t", self._ffi.addressof(self._lib, "pf_layer_host_fn")))
+
+    def set_tokens(self, tokens: int) -> None:
+        self._live()
+        if self._lib.pf_layer_set_tokens(self._L, int(tokens)) != 0:
+            raise CpuExpertError(f"tokens must be in 1 .. {self.rows}, got {tokens}")
+
+    def set_prewake(self, us: int) -> None:
+        """After each run, wake the pool for the next call for ``us`` microseconds (0: not)."""
+        self._live()
+        if self._lib.pf_layer_set_prewake(self._L, int(us)) != 0:
+            raise CpuExpertError(f"prewake: us must be in 0 .. 100000, got {us}")
+
+    def run(self, check: bool = True) -> None:
+        """Run now on this thread (the GIL released); raises if the run failed (with ``check``;
+        otherwise a later :meth:`check` counts it)."""
+        self._live()
+        self._lib.pf_layer_run(self._L)
+        if check:
+            self.check()
+
+    def result(self) -> tuple[int, int, float, int]:
+        """(status, distinct experts, seconds, runs) of the last run."""
+        self._live()
+        st, ex = self._ffi.new("int *"), self._ffi.new("int *")
+        ns, runs = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
+        self._lib.pf_layer_result(self._L, st, ex, ns, runs)
+        return int(st[0]), int(ex[0]), ns[0] / 1e9, int(runs[0])
+
+    def check(self, runs: int = 1) -> tuple[int, float]:
+        """After ``runs`` runs were launched since the last check (and have finished): raise if
+        one did not happen or the last failed; returns (distinct experts, seconds) of the last."""
+        st, ex, sec, total = self.result()
+        if total != self._runs + runs:
+            raise CpuExpertError(f"CPU layer: {total - self._runs} runs happened where {runs} were launched")
+        self._runs = total
+        if st != 0:
+            raise CpuExpertError(f"CPU layer run: {self._ffi.string(self._lib.pf_cpu_strerror(st)).decode()}"
+                                 + (" (an expert index out of range)" if st == self._lib.PF_CPU_EINVAL else ""))
+        return ex, sec
+
+    def _live(self) -> None:
+        if self._L is None:
+            raise CpuExpertError("the CPU layer is closed")
+
+    def close(self) -> None:
+        """Idempotent; no run may be in progress or pending."""
+        if getattr(self, "_L", None) is not None:
+            self._lib.pf_layer_destroy(self._L)
+            self._L = None
+            self._keep = None
+
+
+__all__ = ["CpuExperts", "CpuExpertError", "CpuLayer", "CpuLevelUnsupported", "ExpertWeights", "LEVELS", "MAX_TOKENS",
            "default_threads", "detect_level", "supported_levels"]

@@ -96,6 +96,12 @@ class CpuRunner:
             r = self.expert_bytes * units / dt
             self.rate_bps = r if self.rate_bps is None else (1 - _EWMA) * self.rate_bps + _EWMA * r
 
+    def account(self, expert_tokens: list[int], seconds: float) -> None:
+        """Count a layer's experts computed elsewhere (a host step's host node: host_graph.py):
+        ``expert_tokens`` the token rows of each expert, ``seconds`` the call's time."""
+        if expert_tokens:
+            self._account(len(expert_tokens), sum(expert_tokens), sum(self._units(t) for t in expert_tokens), seconds)
+
     def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, H] on the host -> the expert's output [n, H] float32 (no routing weight)."""
         t0 = time.perf_counter()

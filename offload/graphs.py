@@ -52,11 +52,13 @@ prompt). The cache holds ``max_len + R - 1`` positions for the padding rows.
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 from torch import nn
 
 from pdflash import PdflashError
+from pdflash.offload.host_graph import HostSteps
 from pdflash.offload.prompt import chunked_prefill
 
 
@@ -153,6 +155,8 @@ class GraphedDecoder:
         self.ids, self.pos = self._static_inputs(1)  # decode-step static inputs
         self.tap_layers: list[int] = []  # layers whose outputs forward() returns as features
         self.layer_hooks: list = []  # fn(layer, hidden after attention), called before each layer's experts
+        self._host_graphs: dict[tuple[int, int], list] = {}  # (bucket, rows) -> a host step's graph and tensors
+        self.host_steps_enabled = os.environ.get("PDFLASH_HOST_STEPS", "1") != "0"
 
     def _static_inputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         if T not in self._inputs:
@@ -332,13 +336,17 @@ class GraphedDecoder:
             ids.copy_(torch.tensor([ids_in], dtype=torch.long))
             pos.copy_(torch.arange(self.length, self.length + R))
         bucket = self.bucket(self.length + T)
-        if (bucket, R) not in self._steps:
+        if not self._host_step_ok(T) and (bucket, R) not in self._steps:
             self._steps[(bucket, R)] = self._capture(bucket, R)
-        segs, outs, e_in = self._steps[(bucket, R)]
-        n = len(self.layers)
         self.kv.positions = pos
         self.kv.visible = bucket
         self.rt.begin_forward(T)
+        if self._host_step_ok(T):  # the placement is final once the forward has begun (the guard)
+            return self._step_host(bucket, R, T)
+        if (bucket, R) not in self._steps:  # the guard left the "all" arm at this forward
+            self._steps[(bucket, R)] = self._capture(bucket, R)
+        segs, outs, e_in = self._steps[(bucket, R)]
+        n = len(self.layers)
         taps = {}
         for i in range(n):
             segs[i].replay()
@@ -355,6 +363,64 @@ class GraphedDecoder:
         logits = outs[n]["logits"]
         return (logits if R == T else logits[:T]).clone(), self._features(taps)
 
+    # -- host steps (host_graph.py) -----------------------------------------------------------
+    def _host_step_ok(self, T: int) -> bool:
+        """This forward computes every routed expert on the CPU and can run as one graph: CUDA
+        graphs, a native CPU runner, the runtime's placement "all" for it, and no layer hooks
+        (they need Python between layers); ``PDFLASH_HOST_STEPS=0`` turns host steps off."""
+        if not self.graphs or self.layer_hooks or not self.host_steps_enabled:
+            return False
+        return self.rt.all_on_cpu(T) and HostSteps.for_runtime(self.rt) is not None
+
+    def _host_step_fn(self, bucket: int, R: int, layers: list):
+        """The step of R rows with host experts: () -> (logits, every layer's output) from the
+        static inputs. Captured as one graph on CUDA; the CPU tests run it eagerly."""
+        ids, pos = self._static_inputs(R)
+        head_last = R == 1 and self.rows is None
+
+        def step():
+            self.kv.positions = pos
+            self.kv.visible = bucket
+            x, pe, masks = self._embed(ids, pos, bucket)
+            xs = []
+            for i, lay in enumerate(layers):
+                x, flat, scores, indices = self._pre_experts(i, x, pe, masks)
+                x = x + lay(flat, scores, indices).view_as(x)
+                xs.append(x)
+            return self._head(x, last=head_last), xs
+
+        return step
+
+    def _capture_host(self, bucket: int, R: int) -> list:
+        steps = HostSteps.for_runtime(self.rt)
+        layers = steps.layers(R, self.dtype)
+        fn = self._host_step_fn(bucket, R, layers)
+        self.rt.cache.drain()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            fn()  # warm-up outside the graph (allocations, lazy inits; its host calls run and are counted)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle(), stream=stream, capture_error_mode="thread_local"):
+                logits, xs = fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return [g, logits, xs, layers, steps]
+
+    def _step_host(self, bucket: int, R: int, T: int):
+        if (bucket, R) not in self._host_graphs:
+            self._host_graphs[(bucket, R)] = self._capture_host(bucket, R)
+        g, logits, xs, layers, steps = self._host_graphs[(bucket, R)]
+        for lay in layers:
+            lay.set_tokens(T)
+        steps.runner.prewake()  # layer 0's call comes after the embedding and its attention
+        g.replay()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        steps.finish(layers, T)
+        self.length += T
+        taps = {i: (xs[i] if R == T else xs[i][:, :T]) for i in self.tap_layers}
+        return (logits if R == T else logits[:T]).clone(), self._features(taps)
+
     # -- public ----------------------------------------------------------------------------
     def prepare(self, length: int | None = None, tokens=(1,)) -> None:
         """Capture now (else on first use) the graphs of the bucket that a step of each T in
@@ -365,11 +431,13 @@ class GraphedDecoder:
         for T in tokens:
             at = min(self.length if length is None else int(length), self.max_len - T)
             bucket, R = self.bucket(at + T), self._step_rows(T)
-            if (bucket, R) not in self._steps:
+            host = self._host_step_ok(T)
+            graphs, capture = (self._host_graphs, self._capture_host) if host else (self._steps, self._capture)
+            if (bucket, R) not in graphs:
                 ids, pos = self._static_inputs(R)
                 start = max(at, self.length)  # the warm-up writes only positions not yet used
                 pos.copy_(torch.arange(start, start + R))
-                self._steps[(bucket, R)] = self._capture(bucket, R)
+                graphs[(bucket, R)] = capture(bucket, R)
 
     def prefill(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Start a sequence: run the prompt, return the last position's logits [1, V] (float32)."""

@@ -360,6 +360,15 @@ class OffloadedModel:
         for fn in self._forward_observers:
             fn(tokens)
 
+    def all_on_cpu(self, tokens: int) -> bool:
+        """A forward of ``tokens`` tokens computes every routed expert on the CPU (--cpu-experts
+        all, or auto's guard on its "all" arm): the experts modules' own rule (experts.py ``_arm``)."""
+        if self.cpu is None:
+            return False
+        if self.cpu_mode == "all":
+            return True
+        return self.cpu_mode == "auto" and self.placer is not None and self.placer.arm(tokens) == "all"
+
     def _layer_hook(self, i: int):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
@@ -544,6 +553,7 @@ class OffloadedModel:
                 "reason_off": self.cpu_reason,
                 "computed": fs.cpu,
                 "seconds": fs.cpu_seconds if ran else None,
+                "host_steps": fs.host_steps,
                 "guard": self.placer.guard.stats() if self.placer is not None and self.placer.guard is not None else None,
                 "cache_experts_native": self.slot_cpu is not None,
                 **(self.cpu.stats() if self.cpu is not None else {}),
@@ -604,6 +614,9 @@ class OffloadedModel:
 
     def _release(self) -> None:
         self._closed = True
+        steps = self.__dict__.pop("_host_steps", None)
+        if steps is not None:  # before the CPU kernel: its graphs' host nodes use the kernel's pool
+            steps.close()
         if self.scheduler is not None:
             self.scheduler.close()  # joins workers; no copy touches the buffers after this
             self.scheduler = None

@@ -48,6 +48,7 @@ class FetchStats:
     forwards: int = 0
     tokens: int = 0  # tokens processed by forwards (prefill tokens included)
     cpu_seconds: float = 0.0  # wall time of the CPU expert computations (overlapping device work on CUDA)
+    host_steps: int = 0  # forwards run as host steps (every expert on the CPU, one CUDA graph: host_graph.py)
 
     def __post_init__(self):
         if not self.layers:

@@ -19,11 +19,17 @@
  *   shared    several threads call one context at once (calls are serialized) and their
  *             own contexts, each checking its results; contexts are created and destroyed
  *             while others run.
+ *   layer     pf_layer (pf_layer.h): bad descriptions and token counts refused; several
+ *             threads each run their own layer contexts (random routing, int64 / int32
+ *             indices, f32 / bf16 rows, 1..rows tokens) on one shared pool, every output row
+ *             checked against a one-token pf_cpu_expert call times its scale, rows past the
+ *             tokens zero; an index out of range fails the run and zeroes out.
  *
  * Exit 0 only if every check held; the last line is "cpu_stress: N passed, M failed".
  */
 #define _GNU_SOURCE
 #include "pf_cpu.h"
+#include "pf_layer.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -519,6 +525,140 @@ static void phase_pool(int quick, uint64_t seed) {
     pf_cpu_destroy(c);
 }
 
+/* one thread's layer contexts on the shared pool (see the header comment) */
+struct layer_arg {
+    pf_cpu *shared;
+    uint64_t seed;
+    int runs, good, total;
+};
+
+static void *layer_worker(void *p) {
+    struct layer_arg *a = p;
+    uint64_t rng = a->seed;
+    enum { E = 5, R = 6, H = 64 };
+    expert ex[E];
+    const pf_cpu_weights *w[E];
+    for (int e = 0; e < E; e++) {
+        expert_make(&ex[e], &rng, PF_CPU_MXFP4, H, 32 * (1 + e % 2), PF_CPU_BF16, 1);
+        w[e] = &ex[e].w;
+    }
+    pf_cpu *own;
+    if (pf_cpu_create(1, PF_CPU_LEVEL_AUTO, &own) != PF_CPU_OK) own = NULL; /* the references */
+    for (int i = 0; i < a->runs && own; i++) {
+        int K = 1 + (int)(rng_next(&rng) % 4), idx_bytes = rng_next(&rng) % 2 ? 8 : 4;
+        int xf = rng_next(&rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32, n = R * K;
+        void *idx = malloc((size_t)n * idx_bytes);
+        float *scale = malloc(sizeof(float) * n), *out = malloc(sizeof(float) * n * H), ref[H];
+        void *x = malloc((size_t)R * H * 4);
+        for (int j = 0; j < R * H; j++) {
+            float v = rng_unit(&rng);
+            if (xf == PF_CPU_BF16) ((uint16_t *)x)[j] = f32_to_bf16(v);
+            else ((float *)x)[j] = v;
+        }
+        pf_layer_desc d = {.cpu = a->shared, .experts = w, .num_experts = E, .top_k = K, .rows = R, .hidden = H,
+                           .idx_bytes = idx_bytes, .idx = idx, .scale = scale, .x = x, .x_format = xf, .out = out};
+        pf_layer *L;
+        if (pf_layer_create(&d, &L) != PF_CPU_OK) {
+            a->total++;
+            free(idx), free(scale), free(out), free(x);
+            continue;
+        }
+        for (int r = 0; r < 3; r++) {
+            int T = 1 + (int)(rng_next(&rng) % R), bad = r == 2 && i % 3 == 0;
+            for (int p = 0; p < n; p++) {
+                long long e = (long long)(rng_next(&rng) % E);
+                if (bad && p == (T * K) / 2) e = E;
+                if (idx_bytes == 8) ((int64_t *)idx)[p] = e;
+                else ((int32_t *)idx)[p] = (int32_t)e;
+                scale[p] = rng_unit(&rng);
+            }
+            for (int j = 0; j < n * H; j++) out[j] = 3.0f;
+            pf_layer_set_tokens(L, T);
+            int rc = pf_layer_run(L), st = 1, routed = -1, ok = 1;
+            uint64_t ns, runs;
+            pf_layer_result(L, &st, &routed, &ns, &runs);
+            ok = rc == st && runs == (uint64_t)r + 1 && (bad ? rc == PF_CPU_EINVAL : rc == PF_CPU_OK);
+            for (int p = 0; p < n && ok; p++) {
+                long long e = idx_bytes == 8 ? ((int64_t *)idx)[p] : ((int32_t *)idx)[p];
+                if (bad || p >= T * K) {
+                    for (int j = 0; j < H; j++) ok &= out[(size_t)p * H + j] == 0.0f;
+                    continue;
+                }
+                const char *row = (const char *)x + (size_t)(p / K) * H * (xf == PF_CPU_BF16 ? 2 : 4);
+                ok &= pf_cpu_expert(own, w[e], row, xf, 1, H, ref) == PF_CPU_OK;
+                for (int j = 0; j < H; j++) {
+                    double want = (double)ref[j] * scale[p], got = out[(size_t)p * H + j];
+                    ok &= fabs(got - want) <= 1e-5 * (1.0 + fabs(want));
+                }
+            }
+            a->good += ok;
+            a->total++;
+        }
+        pf_layer_destroy(L);
+        free(idx), free(scale), free(out), free(x);
+    }
+    if (own) pf_cpu_destroy(own);
+    for (int e = 0; e < E; e++) expert_free(&ex[e]);
+    return NULL;
+}
+
+static void phase_layer(int quick, uint64_t seed) {
+    pf_cpu *c;
+    if (pf_cpu_create(3, PF_CPU_LEVEL_AUTO, &c) != PF_CPU_OK) {
+        count(0, "create layer context");
+        return;
+    }
+    { /* refused descriptions and token counts */
+        uint64_t rng = seed;
+        expert e0;
+        expert_make(&e0, &rng, PF_CPU_MXFP4, 64, 32, PF_CPU_BF16, 1);
+        const pf_cpu_weights *w[2] = {&e0.w, &e0.w};
+        int64_t idx[4] = {0};
+        float scale[4] = {0}, x[2 * 64] = {0}, out[4 * 64];
+        pf_layer_desc d = {.cpu = c, .experts = w, .num_experts = 2, .top_k = 2, .rows = 2, .hidden = 64,
+                           .idx_bytes = 8, .idx = idx, .scale = scale, .x = x, .x_format = PF_CPU_F32, .out = out};
+        pf_layer *L = (pf_layer *)&d;
+        pf_layer_desc bad = d;
+        bad.idx_bytes = 2;
+        CHECK(pf_layer_create(&bad, &L) == PF_CPU_EINVAL && L == NULL);
+        bad = d;
+        bad.hidden = 32;
+        CHECK(pf_layer_create(&bad, &L) == PF_CPU_EINVAL);
+        bad = d;
+        bad.out = NULL;
+        CHECK(pf_layer_create(&bad, &L) == PF_CPU_EINVAL);
+        CHECK(pf_layer_create(NULL, &L) == PF_CPU_EINVAL);
+        CHECK(pf_layer_create(&d, &L) == PF_CPU_OK && L != NULL);
+        CHECK(pf_layer_set_tokens(L, 0) == PF_CPU_EINVAL && pf_layer_set_tokens(L, 3) == PF_CPU_EINVAL);
+        CHECK(pf_layer_set_prewake(L, 100001) == PF_CPU_EINVAL && pf_layer_set_prewake(L, 50) == PF_CPU_OK);
+        CHECK(pf_layer_run(L) == PF_CPU_OK);
+        pf_layer_host_fn(L);
+        uint64_t runs = 0;
+        CHECK(pf_layer_result(L, NULL, NULL, NULL, &runs) == PF_CPU_OK && runs == 2);
+        pf_layer_destroy(L);
+        pf_layer_destroy(NULL);
+        CHECK(pf_layer_run(NULL) == PF_CPU_EINVAL);
+        expert_free(&e0);
+    }
+    enum { NT = 3 };
+    pthread_t tid[NT];
+    struct layer_arg args[NT];
+    for (int i = 0; i < NT; i++) {
+        args[i] = (struct layer_arg){.shared = c, .seed = seed * 131 + i + 1, .runs = quick ? 3 : 10};
+        pthread_create(&tid[i], NULL, layer_worker, &args[i]);
+    }
+    int good = 0, total = 0;
+    for (int i = 0; i < NT; i++) {
+        pthread_join(tid[i], NULL);
+        good += args[i].good;
+        total += args[i].total;
+    }
+    char what[64];
+    snprintf(what, sizeof what, "layer: %d/%d runs match", good, total);
+    count(good == total && total > 0, what);
+    pf_cpu_destroy(c);
+}
+
 int main(int argc, char **argv) {
     int quick = 0;
     uint64_t seed = 1;
@@ -543,5 +683,7 @@ int main(int argc, char **argv) {
     phase_pool(quick, seed);
     printf("pool: %d passed, %d failed\n", passed, failed);
     phase_shared(quick, seed);
+    printf("shared: %d passed, %d failed\n", passed, failed);
+    phase_layer(quick, seed);
     return report("cpu_stress");
 }

@@ -1,0 +1,79 @@
+/*
+ * pf_layer: one MoE layer's routed experts on the CPU, described once, run from its routing.
+ *
+ * A layer context names, at creation, everything a run reads and writes: the kernel context
+ * (pf_cpu), the weights of the layer's num_experts experts (an array of pointers, one per
+ * expert), top_k (K), the most token rows a run holds (rows), and three buffers:
+ *   route: for each position p = t*K + k of a token row t < rows, the expert index (int64 or
+ *          int32, idx_bytes 8 or 4) at idx + p, and its routing weight (float32) at scale + p;
+ *   x:     the token rows, [rows][H], in x_format (PF_CPU_F32 or PF_CPU_BF16);
+ *   out:   float32 [rows * K][H].
+ * A run (pf_layer_run, or pf_layer_host_fn: the same with the signature of a CUDA host
+ * function, so that a captured CUDA graph runs it as a host node between a device->host copy
+ * of the routing and a host->device copy of out) takes the first `tokens` rows (set by
+ * pf_layer_set_tokens, 1..rows), groups their positions by expert (experts ascending, each
+ * expert's positions ascending, at most PF_CPU_MAX_TOKENS positions per kernel entry: the
+ * grouping of pdflash's Python path, so the kernel makes the same choices and the outputs are
+ * the same bits), makes one pf_cpu_experts call, so that out[p] = scale[p] * expert(x[p / K])
+ * for every p < tokens * K, and zeroes the rows tokens * K .. rows * K - 1 of out.
+ * With prewake_us > 0, a run that succeeded then wakes the pool for the next call
+ * (pf_cpu_prewake): the next layer's run, a GPU segment later.
+ *
+ * Errors: a run never returns a value to its caller (a host node cannot); it records its
+ * status (PF_CPU_OK, PF_CPU_EINVAL for an expert index out of range, or the kernel's error),
+ * and on an error zeroes all of out. pf_layer_result reads the last run's status, the number
+ * of distinct experts it ran, its wall time and the count of runs.
+ *
+ * Ownership: the context owns its scratch arrays (sized for rows * K positions at creation)
+ * and nothing else: pf_cpu, the weights array and what it points to, route, x and out are
+ * borrowed and must outlive the context, unchanged while a run may be in progress. Runs of one
+ * context must not overlap (a CUDA stream runs its host nodes one at a time); runs of different
+ * contexts on one pf_cpu are serialized by the kernel. set_tokens, set_prewake and result may
+ * be called from another thread than the runs (atomics), but a run started before the call
+ * may not see it: set before launching the work that runs it, read after that work finished.
+ */
+#ifndef PF_LAYER_H
+#define PF_LAYER_H
+
+#include <stdint.h>
+
+#include "pf_cpu.h"
+
+typedef struct pf_layer pf_layer;
+
+typedef struct pf_layer_desc {
+    pf_cpu *cpu;
+    const pf_cpu_weights *const *experts; /* [num_experts], none NULL */
+    int num_experts;
+    int top_k;                            /* K >= 1 */
+    int rows;                             /* most token rows per run, >= 1 */
+    int hidden;                           /* H: every expert's hidden size */
+    int idx_bytes;                        /* 8 (int64) or 4 (int32) */
+    const void *idx;                      /* [rows * K] */
+    const float *scale;                   /* [rows * K] */
+    const void *x;                        /* [rows][H] */
+    int x_format;                         /* PF_CPU_F32 or PF_CPU_BF16 */
+    float *out;                           /* [rows * K][H] */
+} pf_layer_desc;
+
+/* Check the description and build a context (tokens = rows, prewake_us = 0). On success *out
+ * owns the scratch; release it with pf_layer_destroy. On failure *out is NULL. */
+int pf_layer_create(const pf_layer_desc *d, pf_layer **out);
+
+/* Free the context's scratch. Exactly once, when no run is in progress. */
+void pf_layer_destroy(pf_layer *L);
+
+int pf_layer_set_tokens(pf_layer *L, int tokens); /* 1..rows, else PF_CPU_EINVAL */
+int pf_layer_set_prewake(pf_layer *L, unsigned us);
+
+/* Run now on this thread; returns the run's status (also kept for pf_layer_result). */
+int pf_layer_run(pf_layer *L);
+
+/* pf_layer_run for cudaLaunchHostFunc / a graph's host node: layer is a pf_layer *. */
+void pf_layer_host_fn(void *layer);
+
+/* The last run's status, distinct experts run and wall nanoseconds, and how many runs there
+ * have been (0s before any run): a caller that launched one run checks that it happened. */
+int pf_layer_result(pf_layer *L, int *status, int *experts, uint64_t *ns, uint64_t *runs);
+
+#endif /* PF_LAYER_H */

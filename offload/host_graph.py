@@ -1,0 +1,237 @@
+"""Host steps: a decode step whose every routed expert runs on the CPU, captured as one CUDA graph.
+
+With every routed expert on the CPU (``--cpu-experts all``, or auto's guard on its "all" arm) the
+device runs only attention, norms, routers and the head. Driven from Python (graphs.py's
+segments, the experts module between them) each layer costs, beside the kernel, about 0.3-0.45 ms
+of host work: the routing copy's synchronisation, the kernel's argument lists, the result copy,
+the sum, the next segment's launch (docs/benchmarks.md, "lean host path"). A host step captures
+the whole step as one graph instead; each layer's experts are, inside it,
+
+    pack   one kernel: expert indices (int64), routing weights (float32) and token rows, as int16
+           words, into one device buffer (HostExchange's layout)
+    down   one copy into the layer's page-locked host buffer
+    host   a host node (cudaLaunchHostFunc, captured): pf_layer_run (native/pf_layer.c) groups the
+           positions by expert, runs the native kernel once (pool woken at the previous layer's
+           end), writes float32 weighted rows into the shared page-locked up buffer
+    up     one copy to the device, then the sum over top-k and the residual add
+
+so a step costs one graph launch and one synchronisation, and no Python between layers. The
+arithmetic is the experts module's "all" path step for step (same packing, same grouping of
+positions into kernel calls, same float32 rows summed on the device in the same dtype), so a host
+step's tokens are the segmented step's, bit for bit.
+
+Bookkeeping the experts module does per layer (routing observers, per-layer CPU counts, the
+runner's kept-current rate) happens after the step, from the routing left in the host buffers:
+observers see every layer's experts once the step has finished instead of while it runs, and
+nothing is prefetched during a host step (nothing is fetched under "all").
+
+Ownership: a :class:`HostSteps` (one per runtime, made by :meth:`HostSteps.for_runtime`) owns its
+buffers and its :class:`~pdflash.native.cpu_experts.CpuLayer` contexts; ``close`` synchronises the
+device first (a captured host node must not run after its context is gone) and runs before the
+runtime closes its CPU kernel. On the CPU device (tests) the host node is a direct call: the same
+step function runs eagerly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+
+import torch
+
+from pdflash import PdflashError
+
+
+def _launcher(device: torch.device):
+    """fn(host_fn, arg): the host function queued on the current stream (CUDA), or run now (CPU)."""
+    if device.type != "cuda":
+        return None
+    from pdflash.native import _find_cudart
+
+    path = _find_cudart()
+    if path is None:
+        torch.empty(1, device=device)  # make PyTorch load its CUDA runtime
+        path = _find_cudart()
+    if path is None:
+        raise PdflashError("host steps need PyTorch's CUDA runtime (libcudart) loaded in this process")
+    fn = ctypes.CDLL(path).cudaLaunchHostFunc
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    fn.restype = ctypes.c_int
+
+    def launch(host_fn: int, arg: int) -> None:
+        rc = fn(ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream), ctypes.c_void_p(host_fn),
+                ctypes.c_void_p(arg))
+        if rc != 0:
+            raise PdflashError(f"cudaLaunchHostFunc failed (CUDA error {rc})")
+
+    return launch
+
+
+def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A host tensor of n elements, page-locked where ``pin`` (registered in place, so that
+    PyTorch's pinned allocator records no events on it inside a capture; its allocator if
+    registration fails). Returns (tensor, registered)."""
+    t = torch.zeros(n, dtype=dtype)
+    if not pin:
+        return t, False
+    try:
+        rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), max(1, t.numel() * t.element_size()), 1))
+    except (AttributeError, RuntimeError):
+        rc = -1
+    if rc == 0:
+        return t, True
+    return torch.zeros(n, dtype=dtype, pin_memory=True), False
+
+
+class HostLayer:
+    """One layer's experts inside a host step of ``rows`` token rows (see the module docstring)."""
+
+    def __init__(self, steps: "HostSteps", layer: int, rows: int, bufs: "_RowBuffers"):
+        self.steps = steps
+        self.layer = layer
+        self.rows = R = rows
+        self.bufs = bufs
+        K, H = steps.top_k, steps.hidden
+        self.x_dtype = bufs.x_dtype
+        self.down = down = bufs.down[layer]  # this layer's page-locked int16 words
+        self.idx = down[: bufs.a].view(torch.int64)
+        runner = steps.runner
+        structs = [runner.struct(layer, e) for e in range(steps.num_experts)]
+        self.cpu = runner.kernel.layer(structs, K, R, self.idx, down[bufs.a: bufs.b].view(torch.float32),
+                                       down[bufs.b: bufs.n].view(self.x_dtype).view(R, H), bufs.up_host)
+        self.tokens = R
+        self.launched = 0  # runs queued or done since the last check
+
+    def __call__(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Inside the captured step: x [R, H], the router's weights and indices -> the layer's
+        expert output [R, H] in x's dtype."""
+        s = self.steps
+        R, K, H = self.rows, s.top_k, s.hidden
+        idx = indices.reshape(R, -1)
+        w = scores.reshape(R, -1)
+        if w.shape[1] != idx.shape[1]:  # dense scores [R, E]: the routed ones, in top-k order
+            w = w.gather(1, idx)
+        out_dtype = torch.promote_types(s.dtype, w.dtype)
+        bufs = self.bufs
+        parts = (idx.to(torch.int64).contiguous().view(-1).view(torch.int16),
+                 w.to(torch.float32).contiguous().view(-1).view(torch.int16),
+                 x.to(self.x_dtype).contiguous().view(-1).view(torch.int16))
+        torch.cat(parts, out=bufs.pack)
+        self.down[: bufs.n].copy_(bufs.pack, non_blocking=True)
+        if s.launch is None:  # the CPU device: the host node's call, made now
+            self.cpu.run(check=False)
+            self.launched += 1
+        else:
+            s.launch(self.cpu.host_fn, self.cpu.handle)
+            if not torch.cuda.is_current_stream_capturing():  # a capture records it; each replay runs it
+                self.launched += 1
+        bufs.up_dev.copy_(bufs.up_host, non_blocking=True)
+        return bufs.up_dev.to(out_dtype).view(R, K, H).sum(dim=1).to(x.dtype)
+
+    def set_tokens(self, tokens: int) -> None:
+        if tokens != self.tokens:
+            self.cpu.set_tokens(tokens)
+            self.tokens = tokens
+
+
+class _RowBuffers:
+    """The buffers of host steps of ``rows`` rows, shared by their layers (the stream runs one
+    layer at a time): the device pack buffer, every layer's page-locked down row (kept per layer:
+    the routing is read after the step), the page-locked up buffer and its device copy. Never
+    reallocated: captured graphs hold their addresses."""
+
+    def __init__(self, steps: "HostSteps", rows: int, x_dtype: torch.dtype):
+        K, H = steps.top_k, steps.hidden
+        self.x_dtype = x_dtype
+        self.a = rows * K * 4  # int16 words of the indices (int64)
+        self.b = self.a + rows * K * 2  # ... then of the weights (float32)
+        self.n = self.b + rows * H * (x_dtype.itemsize // 2)  # ... then of the rows
+        words = -(-self.n // 8) * 8  # every layer's row 16-byte aligned
+        self.pack = torch.empty(self.n, dtype=torch.int16, device=steps.device)
+        self.down = steps._buffer(steps.num_layers * words, torch.int16).view(steps.num_layers, words)
+        self.up_host = steps._buffer(rows * K * H, torch.float32).view(rows * K, H)
+        self.up_dev = torch.empty((rows * K, H), dtype=torch.float32, device=steps.device)
+
+
+class HostSteps:
+    """The host steps of one runtime: per row count, every layer's :class:`HostLayer` and its buffers."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.runner = rt.cpu
+        self.device = rt.device
+        self.dtype = rt.dtype
+        self.num_layers = rt.family.num_layers
+        self.num_experts = rt.family.num_experts
+        self.top_k = rt.family.top_k
+        self.hidden = self.runner.hidden
+        self.launch = _launcher(self.device)
+        self._pin = self.device.type == "cuda"
+        self._registered: list[torch.Tensor] = []
+        self._layers: dict[int, list[HostLayer]] = {}  # rows -> one HostLayer per layer
+        self._closed = False
+
+    @classmethod
+    def for_runtime(cls, rt) -> "HostSteps | None":
+        """The runtime's HostSteps (made on first use), or None where host steps cannot run: no
+        native CPU runner (another family, or ``--cpu-experts off``)."""
+        from pdflash.offload.cpu_compute import CpuExpertRunner
+
+        if not isinstance(getattr(rt, "cpu", None), CpuExpertRunner):
+            return None
+        steps = rt.__dict__.get("_host_steps")
+        if steps is None or steps._closed:
+            steps = rt.__dict__["_host_steps"] = cls(rt)
+        return steps
+
+    def _buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        t, registered = _host_buffer(n, dtype, self._pin)
+        if registered:
+            self._registered.append(t)
+        return t
+
+    def layers(self, rows: int, x_dtype: torch.dtype) -> list[HostLayer]:
+        """Every layer's HostLayer for steps of ``rows`` rows (built on first use)."""
+        if self._closed:
+            raise PdflashError("the runtime's host steps are closed")
+        got = self._layers.get(rows)
+        if got is None:
+            bufs = _RowBuffers(self, rows, x_dtype)
+            got = self._layers[rows] = [HostLayer(self, i, rows, bufs) for i in range(self.num_layers)]
+            for lay in got[:-1]:
+                lay.cpu.set_prewake(self.runner.prewake_us)  # the next layer's call comes a segment later
+        return got
+
+    def finish(self, layers: list[HostLayer], tokens: int) -> None:
+        """After a step (its work finished): check every layer's run, then do the experts
+        module's bookkeeping (see the module docstring)."""
+        rt, runner = self.rt, self.runner
+        stats = rt.cache.stats
+        K = self.top_k
+        routed = torch.stack([lay.idx[: tokens * K] for lay in layers]).tolist()
+        for lay, idx in zip(layers, routed):
+            n, lay.launched = lay.launched, 0
+            _, seconds = lay.cpu.check(runs=n)
+            counts = Counter(idx)
+            experts = sorted(counts)
+            stats.layers[lay.layer].cpu += len(experts)
+            stats.cpu_seconds += seconds
+            runner.account(list(counts.values()), seconds)
+            rt._on_routed(lay.layer, experts)
+        stats.host_steps += 1
+        rt.cache.sync_point()
+
+    def close(self) -> None:
+        """Synchronise the device, then free the contexts and unregister the buffers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for made in self._layers.values():
+            for lay in made:
+                lay.cpu.close()
+        self._layers.clear()
+        for t in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self._registered.clear()

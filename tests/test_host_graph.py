@@ -1,0 +1,204 @@
+"""Host steps (offload/host_graph.py, native/pf_layer.c): a step whose every routed expert runs on
+the CPU, as one graph with the experts as host nodes. On the CPU the same step function runs
+eagerly (a host node's call made directly) and must give the experts module's "all" path bit for
+bit; on CUDA the captured graph must give the segmented graphs' tokens."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pdflash.native import NativeLibraryMissing
+from pdflash.offload.config import ModelPreset
+from pdflash.offload.graphs import GraphedDecoder
+from pdflash.offload.host_graph import HostSteps
+from pdflash.offload.runtime import OffloadedModel
+from pdflash.offload.synthetic import write_checkpoint
+from test_batch_invariant import _replaying_capture
+
+try:
+    from pdflash.native.cpu_experts import CpuExpertError, CpuExperts, ExpertWeights
+    CpuExperts(threads=1).close()
+except NativeLibraryMissing:  # pragma: no cover - the build is part of the install
+    pytest.skip("native library not built", allow_module_level=True)
+
+PROMPT = [5, 77, 200, 31, 9, 100, 250, 17, 3, 44, 81, 90]
+TOKENS = [7, 300, 12, 64, 8, 201, 33]
+
+
+def _expert(H, I, seed):
+    g = torch.Generator().manual_seed(seed)
+    gb = torch.randint(0, 256, (2 * I, H // 32, 16), dtype=torch.uint8, generator=g)
+    gs = torch.randint(119, 128, (2 * I, H // 32), dtype=torch.uint8, generator=g)
+    db = torch.randint(0, 256, (H, I // 32, 16), dtype=torch.uint8, generator=g)
+    ds = torch.randint(119, 128, (H, I // 32), dtype=torch.uint8, generator=g)
+    b1 = torch.randn(2 * I, generator=g).to(torch.bfloat16)
+    b2 = torch.randn(H, generator=g).to(torch.bfloat16)
+    return ExpertWeights.mxfp4(gb, gs, b1, db, ds, b2)
+
+
+@pytest.mark.parametrize("idx_dtype,x_dtype", [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)])
+def test_a_layer_run_is_the_runners_grouped_call_bit_for_bit(idx_dtype, x_dtype):
+    """pf_layer_run groups positions by expert as the runner does (experts ascending, positions
+    ascending, 16 per entry) and writes what one call_many of those entries writes; rows past the
+    run's tokens are zeroed; a bad index fails the run, zeroes out and is reported by check()."""
+    H, E, K, R = 64, 6, 4, 24
+    experts = [_expert(H, 32 * (1 + e % 2), seed=e) for e in range(E)]
+    g = torch.Generator().manual_seed(3)
+    with CpuExperts(threads=3) as k:
+        structs = [w.struct(k.ffi) for w in experts]
+        idx = torch.zeros(R * K, dtype=idx_dtype)
+        scale = torch.zeros(R * K)
+        x = torch.zeros(R, H, dtype=x_dtype)
+        out = torch.full((R * K, H), 5.0)
+        lay = k.layer(structs, K, R, idx, scale, x, out)
+        for T in (R, 1, 7, R):  # R * K = 96 positions over 6 experts: some experts get more than 16
+            idx.copy_(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(R)]).view(-1).to(idx_dtype))
+            if T == R:
+                idx[: 40] = 2  # one expert with 40 positions: three entries
+            scale.copy_(torch.rand(R * K, generator=g))
+            x.copy_(torch.randn(R, H, generator=g).to(x_dtype))
+            lay.set_tokens(T)
+            lay.run()
+            positions = {}
+            for p, e in enumerate(idx[: T * K].tolist()):
+                positions.setdefault(e, []).append(p)
+            structs_, counts, dest = [], [], []
+            for e in sorted(positions):
+                for i in range(0, len(positions[e]), 16):
+                    chunk = positions[e][i: i + 16]
+                    structs_.append(structs[e])
+                    counts.append(len(chunk))
+                    dest += chunk
+            want = torch.zeros(R * K, H)
+            k.call_many(structs_, counts, [p // K for p in dest], dest, [float(scale[p]) for p in dest], x, want)
+            assert torch.equal(out, want), T
+            assert lay.result()[1] == len(positions)
+        idx[3] = E  # out of range
+        lay.run(check=False)
+        with pytest.raises(CpuExpertError, match="out of range"):
+            lay.check()
+        assert torch.count_nonzero(out) == 0
+        with pytest.raises(CpuExpertError, match="2 runs happened where 1"):
+            lay.run(check=False)
+            lay.run()
+        with pytest.raises(CpuExpertError, match="tokens must be"):
+            lay.set_tokens(R + 1)
+        with pytest.raises(CpuExpertError, match="shape"):
+            k.layer(structs, K, R, idx[:-1], scale, x, out)
+        with pytest.raises(CpuExpertError, match="hidden size"):
+            k.layer(structs + [_expert(32, 32, seed=9).struct(k.ffi)], K, R, idx, scale, x, out)
+    with pytest.raises(CpuExpertError, match="closed"):  # closing the pool closed its layers
+        lay.run()
+
+
+def _replaying_capture_host(self, bucket: int, R: int) -> list:
+    """``GraphedDecoder._capture_host`` for a CPU: the step function is warmed up once, as the
+    capture does, and each "replay" runs it again and publishes its outputs in the first run's
+    tensors, where the captured graph's outputs would be."""
+    steps = HostSteps.for_runtime(self.rt)
+    layers = steps.layers(R, self.dtype)
+    fn = self._host_step_fn(bucket, R, layers)
+    logits, xs = fn()
+
+    def replay():
+        lg, new = fn()
+        logits.copy_(lg)
+        for a, b in zip(xs, new):
+            a.copy_(b)
+
+    return [SimpleNamespace(replay=replay), logits, xs, layers, steps]
+
+
+@pytest.fixture(scope="module", params=[dict(seed=21, dtype="float32"), dict(seed=22, mxfp4=True)], ids=["f32", "mxfp4"])
+def tiny(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("host") / "m", ModelPreset.from_name("tiny"), **request.param)
+
+
+@pytest.mark.parametrize("rows", [None, 4], ids=["per-block", "fixed-rows"])
+def test_a_host_step_is_the_experts_modules_all_path_bit_for_bit(tiny, monkeypatch, rows):
+    """Decode steps and blocks of 1-3 tokens through host steps (their function run eagerly) give
+    the segmented step's logits and tapped features (the experts module's all path between its
+    segments) bit for bit, and the same bookkeeping: CPU experts per layer, the runner's counts,
+    the routing the observers saw."""
+    monkeypatch.setattr(GraphedDecoder, "_capture_host", _replaying_capture_host)
+    monkeypatch.setattr(GraphedDecoder, "_capture", _replaying_capture)
+    with OffloadedModel.load(tiny, device="cpu", cpu_experts="all", cpu_threads=2) as rt:
+        seen = []
+        rt.add_routing_observer(lambda layer, experts: seen.append((layer, tuple(experts))))
+
+        def cpu_counts():
+            fs = rt.cache.stats
+            return [lc.cpu for lc in fs.layers], rt.cpu.experts, rt.cpu.tokens, fs.host_steps
+
+        def run(host):
+            seen.clear()
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 10, graphs=False, rows=rows)
+            dec.tap_layers = [0, 1]
+            dec.prefill(PROMPT)
+            dec.graphs = True  # the graphed path, its graphs replayed as above
+            dec.host_steps_enabled = host
+            seen.clear()
+            before = cpu_counts()
+            logits, feats = [dec.decode(TOKENS[0])], []
+            for block in (TOKENS[1:4], TOKENS[4:5], TOKENS[5:7]):
+                lg, f = dec.forward(block)
+                logits.append(lg)
+                feats.append(f)
+            after = cpu_counts()
+            per_layer = [b - a for a, b in zip(before[0], after[0])]
+            return (torch.cat(logits), torch.cat(feats, 1), list(seen), per_layer, after[1] - before[1],
+                    after[2] - before[2], after[3] - before[3])
+
+        want = run(False)
+        got = run(True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[2:6] == want[2:6] and sum(want[3]) > 0
+        assert want[6] == 0 and got[6] == 4
+        assert got[0].shape[0] == 7 and got[1].shape[:2] == (1, 6)
+
+
+def test_host_steps_only_where_every_expert_is_on_the_cpu(tiny, monkeypatch):
+    """Fetch-only runtimes, layer hooks (route-ahead) and PDFLASH_HOST_STEPS=0 keep the segments."""
+    monkeypatch.setattr(GraphedDecoder, "_capture_host", _replaying_capture_host)
+    with OffloadedModel.load(tiny, device="cpu", cpu_experts="off") as rt:
+        assert not rt.all_on_cpu(1) and HostSteps.for_runtime(rt) is None
+    with OffloadedModel.load(tiny, device="cpu", cpu_experts="all", cpu_threads=1) as rt:
+        assert rt.all_on_cpu(1)
+        dec = GraphedDecoder(rt, max_len=len(PROMPT) + 4, graphs=False)
+        dec.graphs = True
+        assert dec._host_step_ok(1)
+        dec.layer_hooks.append(lambda i, x: None)
+        assert not dec._host_step_ok(1)
+        monkeypatch.setenv("PDFLASH_HOST_STEPS", "0")
+        assert not GraphedDecoder(rt, max_len=8, graphs=False).host_steps_enabled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_host_steps_match_the_segmented_graphs(tmp_path, dtype):
+    """On CUDA the captured host step (host nodes inside the graph) gives the segmented graphs'
+    logits bit for bit under --cpu-experts all, and in float32 fetch-only's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=5)
+
+    def run(mode, host):
+        with OffloadedModel.load(ckpt, device="cuda", dtype=dtype, cpu_experts=mode, cpu_threads=4,
+                                 expert_cache_experts=16 if mode == "off" else None) as rt:
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 40, graphs=True)
+            dec.host_steps_enabled = host
+            logits = dec.prefill(PROMPT)
+            toks, rows = [int(logits.argmax())], []
+            for _ in range(24):
+                lg = dec.decode(toks[-1])
+                rows.append(lg)
+                toks.append(int(lg.argmax()))
+            return toks, torch.cat(rows).cpu(), rt.stats()["cpu_experts"]["host_steps"], rt.stats()
+
+    toks_h, logits_h, n_h, st = run("all", True)
+    toks_s, logits_s, n_s, _ = run("all", False)
+    assert n_h == 24 and n_s == 0
+    assert torch.equal(logits_h, logits_s) and toks_h == toks_s
+    if dtype == "float32":
+        assert run("off", False)[0] == toks_h
