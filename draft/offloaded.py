@@ -270,7 +270,7 @@ def speculative_on_runtime(
             oracle = make_oracle(rt.model, prompt, max_new_tokens, acceptance, reference=reference,
                                  eos_token_ids=eos, seed=seed, refresh_window=4 * block)
         route_ahead = None
-        if predictor not in (None, "none"):
+        if predictor not in (None, "none") and rt.cpu_mode != "all":  # under "all" nothing is fetched
             fam = rt.family
             route_ahead = RouteAhead(
                 rt.model, predictor, rt.prefetcher.prefetch_experts, block_size=block,
