@@ -434,12 +434,33 @@ static void phase_levels(int quick, uint64_t seed) {
     }
 }
 
+/* what each worker thread of a phase counts: its checked calls, and how many matched */
+struct tally {
+    int good, total;
+};
+
+/* run fn on nt threads (fn's argument: element i of args, `size` bytes each, a struct tally
+ * first), join them, and count one check: every call of every thread matched */
+static void run_threads(void *(*fn)(void *), void *args, size_t size, int nt, const char *what) {
+    pthread_t tid[16];
+    for (int i = 0; i < nt; i++) pthread_create(&tid[i], NULL, fn, (char *)args + (size_t)i * size);
+    int good = 0, total = 0;
+    for (int i = 0; i < nt; i++) {
+        pthread_join(tid[i], NULL);
+        const struct tally *t = (const struct tally *)((char *)args + (size_t)i * size);
+        good += t->good;
+        total += t->total;
+    }
+    char msg[96];
+    snprintf(msg, sizeof msg, "%s: %d/%d match", what, good, total);
+    count(good == total && total > 0, msg);
+}
+
 struct shared_arg {
+    struct tally t;
     pf_cpu *shared;
     uint64_t seed;
     int calls;
-    int good;
-    int total;
 };
 
 static void *shared_worker(void *p) {
@@ -448,13 +469,13 @@ static void *shared_worker(void *p) {
     for (int i = 0; i < a->calls; i++) {
         if (i % 2) /* from another thread while calls run */
             pf_cpu_prewake(a->shared, (unsigned)(rng_next(&rng) % 200));
-        a->good += random_call(a->shared, &rng, 1);
-        a->total++;
+        a->t.good += random_call(a->shared, &rng, 1);
+        a->t.total++;
         if (i % 3 == 0) { /* an own context, created and destroyed while the others run */
             pf_cpu *own;
             if (pf_cpu_create(1 + (int)(rng_next(&rng) % 3), PF_CPU_LEVEL_AUTO, &own) == PF_CPU_OK) {
-                a->good += random_call(own, &rng, 1);
-                a->total++;
+                a->t.good += random_call(own, &rng, 1);
+                a->t.total++;
                 pf_cpu_destroy(own);
             }
         }
@@ -469,21 +490,10 @@ static void phase_shared(int quick, uint64_t seed) {
         return;
     }
     enum { NT = 4 };
-    pthread_t tid[NT];
     struct shared_arg args[NT];
-    for (int i = 0; i < NT; i++) {
+    for (int i = 0; i < NT; i++)
         args[i] = (struct shared_arg){.shared = c, .seed = seed * 31 + i + 1, .calls = quick ? 4 : 12};
-        pthread_create(&tid[i], NULL, shared_worker, &args[i]);
-    }
-    int good = 0, total = 0;
-    for (int i = 0; i < NT; i++) {
-        pthread_join(tid[i], NULL);
-        good += args[i].good;
-        total += args[i].total;
-    }
-    char what[64];
-    snprintf(what, sizeof what, "shared: %d/%d concurrent calls match", good, total);
-    count(good == total && total > 0, what);
+    run_threads(shared_worker, args, sizeof args[0], NT, "shared: concurrent calls");
     pf_cpu_destroy(c);
 }
 
@@ -527,9 +537,10 @@ static void phase_pool(int quick, uint64_t seed) {
 
 /* one thread's layer contexts on the shared pool (see the header comment) */
 struct layer_arg {
+    struct tally t;
     pf_cpu *shared;
     uint64_t seed;
-    int runs, good, total;
+    int runs;
 };
 
 static void *layer_worker(void *p) {
@@ -559,7 +570,7 @@ static void *layer_worker(void *p) {
                            .idx_bytes = idx_bytes, .idx = idx, .scale = scale, .x = x, .x_format = xf, .out = out};
         pf_layer *L;
         if (pf_layer_create(&d, &L) != PF_CPU_OK) {
-            a->total++;
+            a->t.total++;
             free(idx), free(scale), free(out), free(x);
             continue;
         }
@@ -591,8 +602,8 @@ static void *layer_worker(void *p) {
                     ok &= fabs(got - want) <= 1e-5 * (1.0 + fabs(want));
                 }
             }
-            a->good += ok;
-            a->total++;
+            a->t.good += ok;
+            a->t.total++;
         }
         pf_layer_destroy(L);
         free(idx), free(scale), free(out), free(x);
@@ -641,21 +652,10 @@ static void phase_layer(int quick, uint64_t seed) {
         expert_free(&e0);
     }
     enum { NT = 3 };
-    pthread_t tid[NT];
     struct layer_arg args[NT];
-    for (int i = 0; i < NT; i++) {
+    for (int i = 0; i < NT; i++)
         args[i] = (struct layer_arg){.shared = c, .seed = seed * 131 + i + 1, .runs = quick ? 3 : 10};
-        pthread_create(&tid[i], NULL, layer_worker, &args[i]);
-    }
-    int good = 0, total = 0;
-    for (int i = 0; i < NT; i++) {
-        pthread_join(tid[i], NULL);
-        good += args[i].good;
-        total += args[i].total;
-    }
-    char what[64];
-    snprintf(what, sizeof what, "layer: %d/%d runs match", good, total);
-    count(good == total && total > 0, what);
+    run_threads(layer_worker, args, sizeof args[0], NT, "layer: runs on a shared pool");
     pf_cpu_destroy(c);
 }
 
