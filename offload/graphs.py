@@ -26,6 +26,11 @@ fixed within a bucket, one set of graphs is captured per bucket reached, and a s
 decoder sized for a long one does not pay for the whole cache every step. Eager forwards
 (prefill) attend only to the positions written so far.
 
+Host steps: a step whose every routed expert is computed on the CPU (``--cpu-experts all``, or the
+hybrid guard's "all" arm), with no layer hooks, is captured whole instead, the experts of each
+layer a host node between the segments' kernels (host_graph.py): one graph per (bucket, rows), no
+Python between layers, the same arithmetic as the segments with the experts module between them.
+
 Module hooks do not run inside replayed graphs, so the runtime's layer hooks (prefetcher, cache
 bookkeeping) are called explicitly, in the same order, followed by ``layer_hooks`` (route-ahead's
 pacing and lookahead in speculative decoding).
