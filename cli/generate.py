@@ -260,7 +260,8 @@ def _print_summary(report: dict) -> None:
         rows += [
             ("experts/token: cache, fetched, cpu", f"{per('cache')}, {per('fetched')}, {per('cpu')}"),
             ("cpu experts", f"{ce['mode']}: {ce['computed']} computed in {_fmt(ce['seconds'], ' s', 3)} "
-                            f"({ce.get('threads')} threads, {ce.get('level')})"),
+                            f"({ce.get('threads')} threads, {ce.get('level')})"
+                            + (f"; {ce['host_steps']} host steps (one CUDA graph each)" if ce.get("host_steps") else "")),
         ]
         if ce.get("guard"):
             rows.append(("hybrid guard", _guard_text(ce["guard"])))
@@ -438,6 +439,7 @@ def generate(
                 per = (lambda n: f"{n / fs.tokens:.2f}") if fs.tokens else (lambda n: "n/a")  # noqa: E731
                 fields += [("experts/token cache|fetched|cpu", f"{per(fs.hits)}|{per(fs.misses)}|{per(fs.cpu)}"),
                            ("cpu time", f"{fs.cpu_seconds:.3f} s"),
+                           ("host steps", str(fs.host_steps)),
                            ("link busy", f"{rt.scheduler.stats()['link_busy_s']:.3f} s")]
             if rate.get("verifies"):
                 fields += [("accept len", f"{rate['committed'] / rate['verifies']:.2f}"),
