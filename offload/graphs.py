@@ -420,6 +420,8 @@ class GraphedDecoder:
         steps.runner.prewake()  # layer 0's call comes after the embedding and its attention
         g.replay()
         if self.device.type == "cuda":
+            for lay in layers:
+                lay.replayed()
             torch.cuda.current_stream(self.device).synchronize()
         steps.finish(layers, T)
         self.length += T

@@ -118,15 +118,19 @@ class HostLayer:
                  x.to(self.x_dtype).contiguous().view(-1).view(torch.int16))
         torch.cat(parts, out=bufs.pack)
         self.down[: bufs.n].copy_(bufs.pack, non_blocking=True)
-        if s.launch is None:  # the CPU device: the host node's call, made now
-            self.cpu.run(check=False)
-            self.launched += 1
+        if s.launch is None:  # the CPU device: the host node's call, made (and checked) now
+            self.cpu.run()
         else:
             s.launch(self.cpu.host_fn, self.cpu.handle)
-            if not torch.cuda.is_current_stream_capturing():  # a capture records it; each replay runs it
+            if not torch.cuda.is_current_stream_capturing():  # a capture records it: see replayed()
                 self.launched += 1
         bufs.up_dev.copy_(bufs.up_host, non_blocking=True)
         return bufs.up_dev.to(out_dtype).view(R, K, H).sum(dim=1).to(x.dtype)
+
+    def replayed(self) -> None:
+        """A graph holding this layer's host node was launched (its run is then checked by
+        :meth:`HostSteps.finish`)."""
+        self.launched += 1
 
     def set_tokens(self, tokens: int) -> None:
         if tokens != self.tokens:
