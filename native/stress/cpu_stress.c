@@ -456,7 +456,9 @@ static void run_threads(void *(*fn)(void *), void *args, size_t size, int nt, co
     count(good == total && total > 0, msg);
 }
 
-struct shared_arg {
+/* one worker thread of a concurrent phase: its tally first (run_threads reads it), the shared
+ * pool, its seed and how many calls (or layer runs) it makes */
+struct worker_arg {
     struct tally t;
     pf_cpu *shared;
     uint64_t seed;
@@ -464,7 +466,7 @@ struct shared_arg {
 };
 
 static void *shared_worker(void *p) {
-    struct shared_arg *a = p;
+    struct worker_arg *a = p;
     uint64_t rng = a->seed;
     for (int i = 0; i < a->calls; i++) {
         if (i % 2) /* from another thread while calls run */
@@ -490,9 +492,9 @@ static void phase_shared(int quick, uint64_t seed) {
         return;
     }
     enum { NT = 4 };
-    struct shared_arg args[NT];
+    struct worker_arg args[NT];
     for (int i = 0; i < NT; i++)
-        args[i] = (struct shared_arg){.shared = c, .seed = seed * 31 + i + 1, .calls = quick ? 4 : 12};
+        args[i] = (struct worker_arg){.shared = c, .seed = seed * 31 + i + 1, .calls = quick ? 4 : 12};
     run_threads(shared_worker, args, sizeof args[0], NT, "shared: concurrent calls");
     pf_cpu_destroy(c);
 }
@@ -536,15 +538,8 @@ static void phase_pool(int quick, uint64_t seed) {
 }
 
 /* one thread's layer contexts on the shared pool (see the header comment) */
-struct layer_arg {
-    struct tally t;
-    pf_cpu *shared;
-    uint64_t seed;
-    int runs;
-};
-
 static void *layer_worker(void *p) {
-    struct layer_arg *a = p;
+    struct worker_arg *a = p;
     uint64_t rng = a->seed;
     enum { E = 5, R = 6, H = 64 };
     expert ex[E];
@@ -555,7 +550,7 @@ static void *layer_worker(void *p) {
     }
     pf_cpu *own;
     if (pf_cpu_create(1, PF_CPU_LEVEL_AUTO, &own) != PF_CPU_OK) own = NULL; /* the references */
-    for (int i = 0; i < a->runs && own; i++) {
+    for (int i = 0; i < a->calls && own; i++) {
         int K = 1 + (int)(rng_next(&rng) % 4), idx_bytes = rng_next(&rng) % 2 ? 8 : 4;
         int xf = rng_next(&rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32, n = R * K;
         void *idx = malloc((size_t)n * idx_bytes);
@@ -652,9 +647,9 @@ static void phase_layer(int quick, uint64_t seed) {
         expert_free(&e0);
     }
     enum { NT = 3 };
-    struct layer_arg args[NT];
+    struct worker_arg args[NT];
     for (int i = 0; i < NT; i++)
-        args[i] = (struct layer_arg){.shared = c, .seed = seed * 131 + i + 1, .runs = quick ? 3 : 10};
+        args[i] = (struct worker_arg){.shared = c, .seed = seed * 131 + i + 1, .calls = quick ? 3 : 10};
     run_threads(layer_worker, args, sizeof args[0], NT, "layer: runs on a shared pool");
     pf_cpu_destroy(c);
 }
