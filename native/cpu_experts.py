@@ -328,9 +328,9 @@ class CpuExperts:
             raise CpuExpertError(f"CPU expert kernel: {self._strerror(rc)}")
 
     def layer(self, structs: list, top_k: int, rows: int, idx: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
-              out: torch.Tensor) -> "CpuLayer":
+              out: torch.Tensor, resident: torch.Tensor | None = None) -> "CpuLayer":
         """A :class:`CpuLayer` on this pool (closed with it)."""
-        lay = CpuLayer(self, structs, top_k, rows, idx, scale, x, out)
+        lay = CpuLayer(self, structs, top_k, rows, idx, scale, x, out, resident)
         with self._lock:
             if self._closed:
                 lay.close()
@@ -451,10 +451,12 @@ class CpuLayer:
     MAX_TOKENS per entry), so the outputs are those of :meth:`CpuExperts.call_many` bit for bit.
     ``structs``: the layer's experts' ``pf_cpu_weights`` structs, one per expert, in expert order
     (kept referenced). Closing the pool closes its layers first; a host function launched on a
-    CUDA stream must have run before either is closed (synchronise first)."""
+    CUDA stream must have run before either is closed (synchronise first). ``resident`` (uint8
+    [num_experts], read at every run): experts marked nonzero are computed elsewhere (the
+    device), their positions' rows zeroed here."""
 
     def __init__(self, kernel: CpuExperts, structs: list, top_k: int, rows: int, idx: torch.Tensor,
-                 scale: torch.Tensor, x: torch.Tensor, out: torch.Tensor):
+                 scale: torch.Tensor, x: torch.Tensor, out: torch.Tensor, resident: torch.Tensor | None = None):
         ffi, lib = kernel._ffi, kernel._lib
         self._ffi, self._lib = ffi, lib
         E, K, R = len(structs), int(top_k), int(rows)
@@ -472,8 +474,10 @@ class CpuLayer:
         host(scale, "scale", (torch.float32,), (R * K,))
         host(x, "x", tuple(_FORMAT), (R, H))
         host(out, "out", (torch.float32,), (R * K, H))
+        if resident is not None:
+            host(resident, "resident", (torch.uint8,), (E,))
         self.rows, self.top_k, self.hidden, self.num_experts = R, K, H, E
-        self._keep = (kernel, list(structs), idx, scale, x, out)
+        self._keep = (kernel, list(structs), idx, scale, x, out, resident)
         self._weights = ffi.new("pf_cpu_weights *[]", list(structs))
         d = ffi.new("pf_layer_desc *")
         d.cpu = kernel._c
@@ -485,6 +489,7 @@ class CpuLayer:
         d.x = ffi.cast("void *", x.data_ptr())
         d.x_format = _FORMAT[x.dtype]
         d.out = ffi.cast("float *", out.data_ptr())
+        d.resident = ffi.NULL if resident is None else ffi.cast("uint8_t *", resident.data_ptr())
         p = ffi.new("pf_layer **")
         rc = lib.pf_layer_create(d, p)
         if rc != 0:

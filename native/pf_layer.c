@@ -102,10 +102,15 @@ static long long index_at(const pf_layer *L, int p) {
  * of range. *distinct: experts routed. */
 static int group(pf_layer *L, int n, int *distinct) {
     const int E = L->d.num_experts, K = L->d.top_k;
+    const uint8_t *resident = L->d.resident;
     memset(L->start, 0, ((size_t)E + 1) * sizeof *L->start);
     for (int p = 0; p < n; p++) {
         long long e = index_at(L, p);
         if (e < 0 || e >= E) return -1;
+        if (resident && resident[e]) { /* computed elsewhere: its row is zero here */
+            memset(L->d.out + (size_t)p * (size_t)L->d.hidden, 0, (size_t)L->d.hidden * sizeof(float));
+            continue;
+        }
         L->start[e + 1]++;
     }
     int routed = 0;
@@ -114,7 +119,10 @@ static int group(pf_layer *L, int n, int *distinct) {
         L->start[e + 1] += L->start[e];
     }
     /* fill: start[e] walks up to the end of expert e's run, then is restored below */
-    for (int p = 0; p < n; p++) L->sorted[L->start[index_at(L, p)]++] = p;
+    for (int p = 0; p < n; p++) {
+        long long e = index_at(L, p);
+        if (!(resident && resident[e])) L->sorted[L->start[e]++] = p;
+    }
     for (int e = E; e > 0; e--) L->start[e] = L->start[e - 1];
     L->start[0] = 0;
     int entries = 0, i = 0;

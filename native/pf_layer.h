@@ -16,6 +16,9 @@
  * grouping of pdflash's Python path, so the kernel makes the same choices and the outputs are
  * the same bits), makes one pf_cpu_experts call, so that out[p] = scale[p] * expert(x[p / K])
  * for every p < tokens * K, and zeroes the rows tokens * K .. rows * K - 1 of out.
+ * With a resident map (uint8 [num_experts], nonzero: the expert is computed elsewhere, e.g. on
+ * the device from its cache), positions routed to a resident expert are not computed: their out
+ * rows are zeroed. The map is read at every run (the caller updates it between runs).
  * With prewake_us > 0, a run that succeeded then wakes the pool for the next call
  * (pf_cpu_prewake): the next layer's run, a GPU segment later.
  *
@@ -54,6 +57,7 @@ typedef struct pf_layer_desc {
     const void *x;                        /* [rows][H] */
     int x_format;                         /* PF_CPU_F32 or PF_CPU_BF16 */
     float *out;                           /* [rows * K][H] */
+    const uint8_t *resident;              /* [num_experts] or NULL (every routed expert computed) */
 } pf_layer_desc;
 
 /* Check the description and build a context (tokens = rows, prewake_us = 0). On success *out

@@ -41,7 +41,8 @@ def _expert(H, I, seed):
 def test_a_layer_run_is_the_runners_grouped_call_bit_for_bit(idx_dtype, x_dtype):
     """pf_layer_run groups positions by expert as the runner does (experts ascending, positions
     ascending, 16 per entry) and writes what one call_many of those entries writes; rows past the
-    run's tokens are zeroed; a bad index fails the run, zeroes out and is reported by check()."""
+    run's tokens are zeroed, and with a resident map the rows of experts marked resident; a bad
+    index fails the run, zeroes out and is reported by check()."""
     H, E, K, R = 64, 6, 4, 24
     experts = [_expert(H, 32 * (1 + e % 2), seed=e) for e in range(E)]
     g = torch.Generator().manual_seed(3)
@@ -74,6 +75,16 @@ def test_a_layer_run_is_the_runners_grouped_call_bit_for_bit(idx_dtype, x_dtype)
             k.call_many(structs_, counts, [p // K for p in dest], dest, [float(scale[p]) for p in dest], x, want)
             assert torch.equal(out, want), T
             assert lay.result()[1] == len(positions)
+        resident = torch.zeros(E, dtype=torch.uint8)
+        masked = k.layer(structs, K, R, idx, scale, x, torch.full((R * K, H), 5.0), resident)
+        for res in ([], [2], [0, 3, 5]):  # read at every run
+            resident.zero_()
+            resident[res] = 1
+            masked.set_tokens(R)
+            masked.run()
+            own = torch.tensor([int(e) not in res for e in idx.tolist()])
+            assert torch.equal(masked._keep[5][own], out[own]) and torch.count_nonzero(masked._keep[5][~own]) == 0
+            assert masked.result()[1] == len(set(idx.tolist()) - set(res))
         idx[3] = E  # out of range
         lay.run(check=False)
         with pytest.raises(CpuExpertError, match="out of range"):

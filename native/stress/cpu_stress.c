@@ -23,7 +23,8 @@
  *             threads each run their own layer contexts (random routing, int64 / int32
  *             indices, f32 / bf16 rows, 1..rows tokens) on one shared pool, every output row
  *             checked against a one-token pf_cpu_expert call times its scale, rows past the
- *             tokens zero; an index out of range fails the run and zeroes out.
+ *             tokens and rows of experts marked resident zero; an index out of range fails the
+ *             run and zeroes out.
  *
  * Exit 0 only if every check held; the last line is "cpu_stress: N passed, M failed".
  */
@@ -561,8 +562,10 @@ static void *layer_worker(void *p) {
             if (xf == PF_CPU_BF16) ((uint16_t *)x)[j] = f32_to_bf16(v);
             else ((float *)x)[j] = v;
         }
+        uint8_t res[E];
         pf_layer_desc d = {.cpu = a->shared, .experts = w, .num_experts = E, .top_k = K, .rows = R, .hidden = H,
-                           .idx_bytes = idx_bytes, .idx = idx, .scale = scale, .x = x, .x_format = xf, .out = out};
+                           .idx_bytes = idx_bytes, .idx = idx, .scale = scale, .x = x, .x_format = xf, .out = out,
+                           .resident = i % 2 ? res : NULL};
         pf_layer *L;
         if (pf_layer_create(&d, &L) != PF_CPU_OK) {
             a->t.total++;
@@ -578,6 +581,7 @@ static void *layer_worker(void *p) {
                 else ((int32_t *)idx)[p] = (int32_t)e;
                 scale[p] = rng_unit(&rng);
             }
+            for (int e = 0; e < E; e++) res[e] = rng_next(&rng) % 3 == 0;
             for (int j = 0; j < n * H; j++) out[j] = 3.0f;
             pf_layer_set_tokens(L, T);
             int rc = pf_layer_run(L), st = 1, routed = -1, ok = 1;
@@ -586,7 +590,7 @@ static void *layer_worker(void *p) {
             ok = rc == st && runs == (uint64_t)r + 1 && (bad ? rc == PF_CPU_EINVAL : rc == PF_CPU_OK);
             for (int p = 0; p < n && ok; p++) {
                 long long e = idx_bytes == 8 ? ((int64_t *)idx)[p] : ((int32_t *)idx)[p];
-                if (bad || p >= T * K) {
+                if (bad || p >= T * K || (d.resident && res[e])) {
                     for (int j = 0; j < H; j++) ok &= out[(size_t)p * H + j] == 0.0f;
                     continue;
                 }
