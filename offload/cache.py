@@ -139,6 +139,7 @@ class ExpertCache:
         self._held = [0] * self.num_layers  # slots (arriving or resident) holding each layer's experts
         self._at = 0  # the layer a forward looked up or requested last (balanced eviction)
         self.stats = FetchStats(self.num_layers)
+        self.version = getattr(self, "version", 0) + 1  # changes whenever the resident set may have
 
     # -- inspection ------------------------------------------------------------------
     @property
@@ -152,6 +153,17 @@ class ExpertCache:
     def state_of(self, layer: int, expert: int) -> str | None:
         s = self._table.get((layer, expert))
         return None if s is None else _STATE_NAMES[self._slot[s].state]
+
+    def resident_slots(self) -> list[tuple[int, int, int]]:
+        """(layer, expert, slot) of every resident expert (see ``version``)."""
+        return [(layer, e, s) for (layer, e), s in self._table.items() if self._slot[s].state == SlotState.RESIDENT]
+
+    def count_hit(self, layer: int, slot: int) -> None:
+        """A resident expert computed from its slot outside ``lookup`` (a host step): a hit for the
+        statistics and the eviction policy, not pinned."""
+        self._at = layer
+        self.stats.layers[layer].hits += 1
+        self._use(slot)
 
     def resident(self) -> dict[int, list[int]]:
         """{layer: sorted experts} resident now."""
@@ -372,6 +384,7 @@ class ExpertCache:
         slot = self._slot[s]
         if slot.state != SlotState.RESIDENT:
             slot.state = SlotState.RESIDENT
+            self.version += 1
             self._arriving.discard(s)
             self._lru[s] = None
             self._layer_lru[slot.key[0]][s] = None
@@ -395,6 +408,8 @@ class ExpertCache:
 
     def _free_slot(self, s: int) -> None:
         slot = self._slot[s]
+        if slot.state == SlotState.RESIDENT:
+            self.version += 1
         self._lru.pop(s, None)
         if slot.key is not None:
             del self._table[slot.key]

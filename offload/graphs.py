@@ -160,7 +160,7 @@ class GraphedDecoder:
         self.ids, self.pos = self._static_inputs(1)  # decode-step static inputs
         self.tap_layers: list[int] = []  # layers whose outputs forward() returns as features
         self.layer_hooks: list = []  # fn(layer, hidden after attention), called before each layer's experts
-        self._host_graphs: dict[tuple[int, int], list] = {}  # (bucket, rows) -> a host step's graph and tensors
+        self._host_graphs: dict[tuple[int, int, str], list] = {}  # (bucket, rows, mode) -> a host step's graph and tensors
         self.host_steps_enabled = os.environ.get("PDFLASH_HOST_STEPS", "1") != "0"
 
     def _static_inputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,13 +341,14 @@ class GraphedDecoder:
             ids.copy_(torch.tensor([ids_in], dtype=torch.long))
             pos.copy_(torch.arange(self.length, self.length + R))
         bucket = self.bucket(self.length + T)
-        if not self._host_step_ok(T) and (bucket, R) not in self._steps:
+        if not self._host_mode(T) and (bucket, R) not in self._steps:
             self._steps[(bucket, R)] = self._capture(bucket, R)
         self.kv.positions = pos
         self.kv.visible = bucket
         self.rt.begin_forward(T)
-        if self._host_step_ok(T):  # the placement is final once the forward has begun (the guard)
-            return self._step_host(bucket, R, T)
+        mode = self._host_mode(T)  # the placement is final once the forward has begun (the guard)
+        if mode:
+            return self._step_host(bucket, R, T, mode)
         if (bucket, R) not in self._steps:  # the guard left the "all" arm at this forward
             self._steps[(bucket, R)] = self._capture(bucket, R)
         segs, outs, e_in = self._steps[(bucket, R)]
@@ -369,13 +370,19 @@ class GraphedDecoder:
         return (logits if R == T else logits[:T]).clone(), self._features(taps)
 
     # -- host steps (host_graph.py) -----------------------------------------------------------
-    def _host_step_ok(self, T: int) -> bool:
-        """This forward computes every routed expert on the CPU and can run as one graph: CUDA
-        graphs, a native CPU runner, the runtime's placement "all" for it, and no layer hooks
-        (they need Python between layers); ``PDFLASH_HOST_STEPS=0`` turns host steps off."""
+    def _host_mode(self, T: int) -> str | None:
+        """The host step this forward runs as ("all" or "host", see host_graph.py), or None: it
+        needs CUDA graphs, a native CPU runner, a placement that fetches nothing ("all": every
+        routed expert on the CPU; "host": the cache's hits on the device and every other expert on
+        the CPU) and no layer hooks (they need Python between layers); ``PDFLASH_HOST_STEPS=0``
+        turns host steps off."""
         if not self.graphs or self.layer_hooks or not self.host_steps_enabled:
-            return False
-        return self.rt.all_on_cpu(T) and HostSteps.for_runtime(self.rt) is not None
+            return None
+        mode = self.rt.host_placement(T)
+        if mode is None:
+            return None
+        steps = HostSteps.for_runtime(self.rt)
+        return mode if steps is not None and steps.can_run(mode, self._step_rows(T)) else None
 
     def _host_step_fn(self, bucket: int, R: int, layers: list):
         """The step of R rows with host experts: () -> (logits, every layer's output) from the
@@ -396,9 +403,11 @@ class GraphedDecoder:
 
         return step
 
-    def _capture_host(self, bucket: int, R: int) -> list:
+    def _capture_host(self, bucket: int, R: int, mode: str = "all") -> list:
         steps = HostSteps.for_runtime(self.rt)
-        layers = steps.layers(R, self.dtype)
+        layers = steps.layers(R, self.dtype, mode)
+        if mode == "host":
+            steps.sync_cache()  # the warm-up reads the slot table
         fn = self._host_step_fn(bucket, R, layers)
         self.rt.cache.drain()
         stream = torch.cuda.Stream(device=self.device)
@@ -411,10 +420,12 @@ class GraphedDecoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return [g, logits, xs, layers, steps]
 
-    def _step_host(self, bucket: int, R: int, T: int):
-        if (bucket, R) not in self._host_graphs:
-            self._host_graphs[(bucket, R)] = self._capture_host(bucket, R)
-        g, logits, xs, layers, steps = self._host_graphs[(bucket, R)]
+    def _step_host(self, bucket: int, R: int, T: int, mode: str = "all"):
+        if (bucket, R, mode) not in self._host_graphs:
+            self._host_graphs[(bucket, R, mode)] = self._capture_host(bucket, R, mode)
+        g, logits, xs, layers, steps = self._host_graphs[(bucket, R, mode)]
+        if mode == "host":
+            steps.sync_cache()
         for lay in layers:
             lay.set_tokens(T)
         steps.runner.prewake()  # layer 0's call comes after the embedding and its attention
@@ -438,13 +449,14 @@ class GraphedDecoder:
         for T in tokens:
             at = min(self.length if length is None else int(length), self.max_len - T)
             bucket, R = self.bucket(at + T), self._step_rows(T)
-            host = self._host_step_ok(T)
-            graphs, capture = (self._host_graphs, self._capture_host) if host else (self._steps, self._capture)
-            if (bucket, R) not in graphs:
+            mode = self._host_mode(T)
+            key = (bucket, R, mode) if mode else (bucket, R)
+            graphs = self._host_graphs if mode else self._steps
+            if key not in graphs:
                 ids, pos = self._static_inputs(R)
                 start = max(at, self.length)  # the warm-up writes only positions not yet used
                 pos.copy_(torch.arange(start, start + R))
-                graphs[(bucket, R)] = capture(bucket, R)
+                graphs[key] = self._capture_host(bucket, R, mode) if mode else self._capture(bucket, R)
 
     def prefill(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Start a sequence: run the prompt, return the last position's logits [1, V] (float32)."""

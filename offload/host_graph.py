@@ -15,7 +15,16 @@ the whole step as one graph instead; each layer's experts are, inside it,
            end), writes float32 weighted rows into the shared page-locked up buffer
     up     one copy to the device, then the sum over top-k and the residual add
 
-so a step costs one graph launch and one synchronisation, and no Python between layers. The
+so a step costs one graph launch and one synchronisation, and no Python between layers.
+
+Mode "host" (the hybrid guard's host arm: the cache's hits on the device, every other expert on the
+CPU, nothing fetched) adds, before the pack, the hits: each position's slot from a device table
+of the cache's resident experts (-1: not resident), the fused MXFP4 kernel over every position
+(a non-resident one reads slot 0 and is masked to zero afterwards; each pair's result is its own,
+so the hits' rows are the experts module's), while the host node skips the resident experts (a
+host-side resident map, ``pf_layer``'s); the device adds the CPU's rows to its own. The table and
+the map are refreshed before a step whenever the cache's resident set changed (``ExpertCache.version``);
+nothing changes the cache while a step runs (no fetch is submitted from inside a graph). The
 arithmetic is the experts module's "all" path step for step (same packing, same grouping of
 positions into kernel calls, same float32 rows summed on the device in the same dtype), so a host
 step's tokens are the segmented step's, bit for bit.
@@ -86,8 +95,9 @@ def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, b
 class HostLayer:
     """One layer's experts inside a host step of ``rows`` token rows (see the module docstring)."""
 
-    def __init__(self, steps: "HostSteps", layer: int, rows: int, bufs: "_RowBuffers"):
+    def __init__(self, steps: "HostSteps", layer: int, rows: int, bufs: "_RowBuffers", mode: str):
         self.steps = steps
+        self.mode = mode  # "all": every routed expert on the CPU; "host": the cache's hits on the device
         self.layer = layer
         self.rows = R = rows
         self.bufs = bufs
@@ -97,8 +107,9 @@ class HostLayer:
         self.idx = down[: bufs.a].view(torch.int64)
         runner = steps.runner
         structs = [runner.struct(layer, e) for e in range(steps.num_experts)]
+        resident = steps.resident[layer] if mode == "host" else None
         self.cpu = runner.kernel.layer(structs, K, R, self.idx, down[bufs.a: bufs.b].view(torch.float32),
-                                       down[bufs.b: bufs.n].view(self.x_dtype).view(R, H), bufs.up_host)
+                                       down[bufs.b: bufs.n].view(self.x_dtype).view(R, H), bufs.up_host, resident)
         self.tokens = R
         self.launched = 0  # runs queued or done since the last check
 
@@ -113,6 +124,14 @@ class HostLayer:
             w = w.gather(1, idx)
         out_dtype = torch.promote_types(s.dtype, w.dtype)
         bufs = self.bufs
+        if self.mode == "host":  # the hits from their cache slots, on the device (the experts module's fused path)
+            slot = s.slot_of[self.layer].index_select(0, idx.reshape(-1))  # [R*K], -1: not resident
+            work = torch.stack((bufs.pairs, slot.clamp(min=0)))  # a non-resident pair reads slot 0, then is masked
+            fused = s.fused
+            h = torch.empty((R * K, fused.inter), dtype=s.dtype, device=x.device)
+            contrib = torch.empty((R * K, H), dtype=out_dtype, device=x.device)
+            fused.run(s.rt.cache.slots, x.contiguous(), w.reshape(-1).contiguous(), work, h, contrib, K)
+            contrib = torch.where((slot >= 0)[:, None], contrib, torch.zeros((), dtype=out_dtype, device=x.device))
         parts = (idx.to(torch.int64).contiguous().view(-1).view(torch.int16),
                  w.to(torch.float32).contiguous().view(-1).view(torch.int16),
                  x.to(self.x_dtype).contiguous().view(-1).view(torch.int16))
@@ -125,6 +144,8 @@ class HostLayer:
             if not torch.cuda.is_current_stream_capturing():  # a capture records it: see replayed()
                 self.launched += 1
         bufs.up_dev.copy_(bufs.up_host, non_blocking=True)
+        if self.mode == "host":  # the CPU's rows are zero where the device computed, and the reverse
+            return contrib.add_(bufs.up_dev).view(R, K, H).sum(dim=1).to(x.dtype)
         return bufs.up_dev.to(out_dtype).view(R, K, H).sum(dim=1).to(x.dtype)
 
     def replayed(self) -> None:
@@ -155,6 +176,7 @@ class _RowBuffers:
         self.down = steps._buffer(steps.num_layers * words, torch.int16).view(steps.num_layers, words)
         self.up_host = steps._buffer(rows * K * H, torch.float32).view(rows * K, H)
         self.up_dev = torch.empty((rows * K, H), dtype=torch.float32, device=steps.device)
+        self.pairs = torch.arange(rows * K, dtype=torch.int32, device=steps.device)
 
 
 class HostSteps:
@@ -172,7 +194,16 @@ class HostSteps:
         self.launch = _launcher(self.device)
         self._pin = self.device.type == "cuda"
         self._registered: list[torch.Tensor] = []
-        self._layers: dict[int, list[HostLayer]] = {}  # rows -> one HostLayer per layer
+        self._layers: dict[tuple[int, str], list[HostLayer]] = {}  # (rows, mode) -> one HostLayer per layer
+        self._bufs: dict[int, _RowBuffers] = {}  # rows -> buffers (one mode runs at a time)
+        # the cache's resident set as the host steps of mode "host" see it (sync_cache, before each)
+        L, E = self.num_layers, self.num_experts
+        self.resident = torch.zeros((L, E), dtype=torch.uint8)  # read by the host nodes
+        self.slot_of = torch.full((L, E), -1, dtype=torch.int32, device=self.device)  # read on the device
+        self._slots_host: list[tuple[int, int, int]] = []
+        self._version = None
+        experts = rt.family.decoder_layers(rt.model)[0].mlp.experts
+        self.fused = experts.kernel.fused(self.device) if hasattr(experts, "kernel") else None
         self._closed = False
 
     @classmethod
@@ -194,14 +225,36 @@ class HostSteps:
             self._registered.append(t)
         return t
 
-    def layers(self, rows: int, x_dtype: torch.dtype) -> list[HostLayer]:
-        """Every layer's HostLayer for steps of ``rows`` rows (built on first use)."""
+    def can_run(self, mode: str, rows: int) -> bool:
+        """Mode "all" always; "host" where the hits' fused kernel runs (CUDA, up to its token count)."""
+        from pdflash.offload.mxfp4_triton import MAX_TOKENS as FUSED_MAX_TOKENS
+
+        return mode == "all" or (mode == "host" and self.fused is not None and rows <= FUSED_MAX_TOKENS)
+
+    def sync_cache(self) -> None:
+        """Before a host step of mode "host": the resident map and slot table from the cache
+        (copied only when its resident set changed; nothing else runs while a step does, so it holds)."""
+        cache = self.rt.cache
+        if cache.version == self._version:
+            return
+        self._slots_host = cache.resident_slots()
+        table = torch.full(self.slot_of.shape, -1, dtype=torch.int32)
+        for layer, e, s in self._slots_host:
+            table[layer, e] = s
+        self.resident.copy_(table >= 0)
+        self.slot_of.copy_(table)  # queued before the replay on the same stream
+        self._version = cache.version
+
+    def layers(self, rows: int, x_dtype: torch.dtype, mode: str = "all") -> list[HostLayer]:
+        """Every layer's HostLayer for steps of ``rows`` rows in ``mode`` (built on first use)."""
         if self._closed:
             raise PdflashError("the runtime's host steps are closed")
-        got = self._layers.get(rows)
+        got = self._layers.get((rows, mode))
         if got is None:
-            bufs = _RowBuffers(self, rows, x_dtype)
-            got = self._layers[rows] = [HostLayer(self, i, rows, bufs) for i in range(self.num_layers)]
+            bufs = self._bufs.get(rows)
+            if bufs is None:
+                bufs = self._bufs[rows] = _RowBuffers(self, rows, x_dtype)
+            got = self._layers[(rows, mode)] = [HostLayer(self, i, rows, bufs, mode) for i in range(self.num_layers)]
             for lay in got[:-1]:
                 lay.cpu.set_prewake(self.runner.prewake_us)  # the next layer's call comes a segment later
         return got
@@ -213,14 +266,22 @@ class HostSteps:
         stats = rt.cache.stats
         K = self.top_k
         routed = torch.stack([lay.idx[: tokens * K] for lay in layers]).tolist()
+        slot_of = {(layer, e): s for layer, e, s in self._slots_host} if layers[0].mode == "host" else {}
         for lay, idx in zip(layers, routed):
             n, lay.launched = lay.launched, 0
             _, seconds = lay.cpu.check(runs=n)
             counts = Counter(idx)
             experts = sorted(counts)
-            stats.layers[lay.layer].cpu += len(experts)
+            on_cpu = []
+            for e in experts:
+                s = slot_of.get((lay.layer, e))
+                if s is None:
+                    on_cpu.append(counts[e])
+                else:  # computed on the device from its slot
+                    rt.cache.count_hit(lay.layer, s)
+            stats.layers[lay.layer].cpu += len(on_cpu)
             stats.cpu_seconds += seconds
-            runner.account(list(counts.values()), seconds)
+            runner.account(on_cpu, seconds)
             rt._on_routed(lay.layer, experts)
         stats.host_steps += 1
         rt.cache.sync_point()

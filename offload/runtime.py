@@ -363,11 +363,20 @@ class OffloadedModel:
     def all_on_cpu(self, tokens: int) -> bool:
         """A forward of ``tokens`` tokens computes every routed expert on the CPU (--cpu-experts
         all, or auto's guard on its "all" arm): the experts modules' own rule (experts.py ``_arm``)."""
+        return self.host_placement(tokens) == "all"
+
+    def host_placement(self, tokens: int) -> str | None:
+        """How a forward of ``tokens`` tokens places experts when nothing is fetched: "all" (every
+        routed expert on the CPU), "host" (the guard's host arm: the cache's hits on the device,
+        every other expert on the CPU), or None (it fetches: the cost model's split, or off)."""
         if self.cpu is None:
-            return False
+            return None
         if self.cpu_mode == "all":
-            return True
-        return self.cpu_mode == "auto" and self.placer is not None and self.placer.arm(tokens) == "all"
+            return "all"
+        if self.cpu_mode == "auto" and self.placer is not None:
+            arm = self.placer.arm(tokens)
+            return arm if arm in ("all", "host") else None
+        return None
 
     def _layer_hook(self, i: int):
         def hook(module, args, kwargs):

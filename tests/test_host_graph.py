@@ -103,12 +103,14 @@ def test_a_layer_run_is_the_runners_grouped_call_bit_for_bit(idx_dtype, x_dtype)
         lay.run()
 
 
-def _replaying_capture_host(self, bucket: int, R: int) -> list:
+def _replaying_capture_host(self, bucket: int, R: int, mode: str = "all") -> list:
     """``GraphedDecoder._capture_host`` for a CPU: the step function is warmed up once, as the
     capture does, and each "replay" runs it again and publishes its outputs in the first run's
     tensors, where the captured graph's outputs would be."""
     steps = HostSteps.for_runtime(self.rt)
-    layers = steps.layers(R, self.dtype)
+    layers = steps.layers(R, self.dtype, mode)
+    if mode == "host":
+        steps.sync_cache()
     fn = self._host_step_fn(bucket, R, layers)
     logits, xs = fn()
 
@@ -178,11 +180,53 @@ def test_host_steps_only_where_every_expert_is_on_the_cpu(tiny, monkeypatch):
         assert rt.all_on_cpu(1)
         dec = GraphedDecoder(rt, max_len=len(PROMPT) + 4, graphs=False)
         dec.graphs = True
-        assert dec._host_step_ok(1)
+        assert dec._host_mode(1) == "all"
         dec.layer_hooks.append(lambda i, x: None)
-        assert not dec._host_step_ok(1)
+        assert dec._host_mode(1) is None
         monkeypatch.setenv("PDFLASH_HOST_STEPS", "0")
         assert not GraphedDecoder(rt, max_len=8, graphs=False).host_steps_enabled
+
+
+def test_a_host_step_with_the_caches_hits_is_the_host_arm_bit_for_bit(tmp_path, monkeypatch):
+    """The guard's host arm (hits from the cache on the device, every other expert on the CPU,
+    nothing fetched) as host steps of mode "host": the segmented host arm's logits bit for bit,
+    hits and CPU experts counted alike; the slot table follows the cache after it changes. On
+    the CPU device the hits' fused kernel runs in Triton's interpreter."""
+    from pdflash.offload import mxfp4_triton
+
+    monkeypatch.setenv("PDFLASH_FUSED_EXPERTS", "1")
+    if not mxfp4_triton.available(torch.device("cpu")):
+        pytest.skip("the fused kernels need Triton (its interpreter on the CPU)")
+    monkeypatch.setattr(GraphedDecoder, "_capture_host", _replaying_capture_host)
+    monkeypatch.setattr(GraphedDecoder, "_capture", _replaying_capture)
+    ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=23)
+    with OffloadedModel.load(ckpt, device="cpu", cpu_experts="auto", link_gbps=1.0, expert_cache_experts=24,
+                             cpu_threads=2) as rt:
+        guard = rt.placer.guard
+
+        def run(host):
+            rt.reset_cache()
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 10, graphs=False)
+            guard.pin("off", longer=True)
+            dec.prefill(PROMPT)  # fetches: the cache holds some experts
+            dec.graphs, dec.host_steps_enabled = True, host
+            logits = [dec.decode(TOKENS[0])]  # fetch-only: the cache changes
+            guard.pin("host")
+            for t in TOKENS[1:4]:
+                logits.append(dec.decode(t))
+            guard.pin("off")
+            logits.append(dec.decode(TOKENS[4]))
+            guard.pin("host")
+            for t in TOKENS[5:]:
+                logits.append(dec.decode(t))
+            fs = rt.cache.stats
+            return torch.cat(logits), fs.hits, fs.misses, fs.cpu, fs.host_steps
+
+        want = run(False)
+        got = run(True)
+        assert torch.equal(got[0], want[0])
+        assert got[1:4] == want[1:4] and want[1] > 0 and want[3] > 0
+        assert want[4] == 0 and got[4] == 5
 
 
 @pytest.mark.gpu
@@ -213,3 +257,35 @@ def test_cuda_host_steps_match_the_segmented_graphs(tmp_path, dtype):
     assert torch.equal(logits_h, logits_s) and toks_h == toks_s
     if dtype == "float32":
         assert run("off", False)[0] == toks_h
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_host_steps_of_the_host_arm_match_its_segments(tmp_path, dtype):
+    """On CUDA, the guard's host arm as captured host steps of mode "host" (the hits by the fused
+    kernel inside the graph) gives the segmented host arm's logits bit for bit, through cache
+    changes between its steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=6)
+
+    def run(host):
+        with OffloadedModel.load(ckpt, device="cuda", dtype=dtype, cpu_experts="auto", cpu_threads=4,
+                                 expert_cache_experts=24) as rt:
+            guard = rt.placer.guard
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 40, graphs=True)
+            dec.host_steps_enabled = host
+            guard.pin("off", longer=True)
+            toks = [int(dec.prefill(PROMPT).argmax())]
+            rows = []
+            for i in range(24):
+                guard.pin("off" if i % 8 == 0 else "host")  # the cache changes every eighth step
+                lg = dec.decode(toks[-1])
+                rows.append(lg)
+                toks.append(int(lg.argmax()))
+            fs = rt.cache.stats
+            return torch.cat(rows).cpu(), fs.hits, fs.cpu, fs.host_steps
+
+    got, want = run(True), run(False)
+    assert torch.equal(got[0], want[0]) and got[1:3] == want[1:3]
+    assert got[3] == 21 and want[3] == 0
