@@ -8,9 +8,10 @@ For each dtype (``--dtypes``, float32 and bfloat16) and each mode (off: every mi
 fetched; auto: each layer's misses split between the link and the CPU kernel by the cost
 model, checked by the guard against realized decode steps; auto-model: the cost model alone,
 no guard; auto-host / auto-off: the guard pinned to that arm, e.g. auto-host every miss on the
-CPU and the hits on the device; all: every expert on the CPU; all-seg / auto-seg: all / auto with
-host steps off, so that a graphed step with every expert on the CPU runs as segments with the
-experts module between them instead of one graph with host nodes, offload/host_graph.py), one greedy generation of ``--tokens`` tokens after a
+CPU and the hits on the device; all: every expert on the CPU; MODE-seg (all-seg, auto-seg,
+auto-host-seg, ...): MODE with host steps off, so that a graphed step that fetches nothing runs as
+segments with the experts module between them instead of one graph with host nodes,
+offload/host_graph.py), one greedy generation of ``--tokens`` tokens after a
 fixed prompt with an expert cache of ``--cache-fraction`` of all experts (plain decoding,
 eager: CUDA graphs off so the three modes run the same code around the experts). Reports the
 token ids' agreement with the fetch-only run of the same dtype (the aim in float32:
@@ -138,7 +139,8 @@ def main(argv=None) -> int:
         ap.error(f"--prewake-us: comma-separated integers, got {args.prewake_us!r}")
     if any(v is not None and not 0 <= v <= 100_000 for v in prewakes):
         ap.error("--prewake-us: values in 0 .. 100000")
-    known = ("off", "auto", "auto-model", "auto-host", "auto-all", "auto-off", "all", "all-seg", "auto-seg")
+    base = ("off", "auto", "auto-model", "auto-host", "auto-all", "auto-off", "all")
+    known = base + tuple(f"{m}-seg" for m in base if m != "off")
     bad = [m for m in args.modes.split(",") if m not in known]
     if bad:
         ap.error(f"unknown mode(s) {', '.join(bad)}: use {', '.join(known)}")
