@@ -2,9 +2,10 @@
 
 With every routed expert on the CPU (``--cpu-experts all``, or auto's guard on its "all" arm) the
 device runs only attention, norms, routers and the head. Driven from Python (graphs.py's
-segments, the experts module between them) each layer costs, beside the kernel, about 0.3-0.45 ms
-of host work: the routing copy's synchronisation, the kernel's argument lists, the result copy,
-the sum, the next segment's launch (docs/benchmarks.md, "lean host path"). A host step captures
+segments, the experts module between them) each layer also pays host work beside the kernel: the
+routing copy's synchronisation, the kernel's argument lists, the result copy, the sum, the next
+segment's launch (docs/benchmarks.md: about 0.45 ms in session 6; host steps saved 83-129 us per
+layer on an H100 machine in session 23). A host step captures
 the whole step as one graph instead; each layer's experts are, inside it,
 
     pack   one kernel: expert indices (int64), routing weights (float32) and token rows, as int16
