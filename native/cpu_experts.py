@@ -496,6 +496,7 @@ class CpuLayer:
             raise CpuExpertError(f"CPU layer: {kernel._strerror(rc)} (every expert must have hidden size {H})")
         self._L = p[0]
         self._runs = 0  # runs seen by check()
+        self._result = (ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t *"), ffi.new("uint64_t *"))
 
     @property
     def handle(self) -> int:
@@ -530,8 +531,7 @@ class CpuLayer:
     def result(self) -> tuple[int, int, float, int]:
         """(status, distinct experts, seconds, runs) of the last run."""
         self._live()
-        st, ex = self._ffi.new("int *"), self._ffi.new("int *")
-        ns, runs = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
+        st, ex, ns, runs = self._result  # made once: a host step reads every layer's after each step
         self._lib.pf_layer_result(self._L, st, ex, ns, runs)
         return int(st[0]), int(ex[0]), ns[0] / 1e9, int(runs[0])
 

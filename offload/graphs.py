@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -269,6 +270,28 @@ class GraphedDecoder:
             b *= 2
         return min(b, self.max_len)
 
+    @contextmanager
+    def _capturing(self):
+        """Graph capture on a side stream into one memory pool: yields ``capture(fn) -> (graph,
+        fn's result)``, which runs fn once eagerly first (allocations, lazy inits). The
+        scheduler's copy threads use CUDA too: nothing of theirs is in flight during the capture,
+        and only this thread's calls capture errors ("thread_local")."""
+        self.rt.cache.drain()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        def capture(fn):
+            fn()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                res = fn()
+            return g, res
+
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            yield capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
     def _capture(self, bucket: int, T: int) -> list:
         """Capture the segments of a T-token step for one key-length bucket (static inputs
         ``_static_inputs(T)``)."""
@@ -291,14 +314,8 @@ class GraphedDecoder:
                 return self._pre_experts(i, x, pe, masks)
             return seg
 
-        # The scheduler's copy threads use CUDA too: let nothing be in flight during the capture,
-        # and make only this thread's calls capture errors ("thread_local").
-        self.rt.cache.drain()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         outs: list[dict] = []
-        with torch.inference_mode(), torch.cuda.stream(stream):
+        with self._capturing() as capture:
             for i in range(n + 1):
                 if i == 0:
                     fn = seg0
@@ -308,10 +325,7 @@ class GraphedDecoder:
                     last = outs[-1]
                     head_last = T == 1 and self.rows is None
                     fn = (lambda last=last: self._head(last["x"] + e_in[n - 1].view_as(last["x"]), last=head_last))
-                fn()  # warm-up outside the graph (allocations, lazy inits)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    res = fn()
+                g, res = capture(fn)
                 if i == 0:
                     pe, masks, x, flat, scores, indices = res
                     outs.append({"pe": pe, "masks": masks, "x": x, "flat": flat, "scores": scores, "indices": indices})
@@ -322,7 +336,6 @@ class GraphedDecoder:
                 else:
                     outs.append({"logits": res})
                 segs.append(g)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         return [segs, outs, e_in]
 
     def _step_graphed(self, tokens: list[int]):
@@ -408,16 +421,8 @@ class GraphedDecoder:
         layers = steps.layers(R, self.dtype, mode)
         if mode == "host":
             steps.sync_cache()  # the warm-up reads the slot table
-        fn = self._host_step_fn(bucket, R, layers)
-        self.rt.cache.drain()
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            fn()  # warm-up outside the graph (allocations, lazy inits; its host calls run and are counted)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle(), stream=stream, capture_error_mode="thread_local"):
-                logits, xs = fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        with self._capturing() as capture:  # the warm-up's host calls run, and are counted
+            g, (logits, xs) = capture(self._host_step_fn(bucket, R, layers))
         return [g, logits, xs, layers, steps]
 
     def _step_host(self, bucket: int, R: int, T: int, mode: str = "all"):

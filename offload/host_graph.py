@@ -50,6 +50,7 @@ from collections import Counter
 import torch
 
 from pdflash import PdflashError
+from pdflash.offload.host_store import host_register, host_unregister
 
 
 def _launcher(device: torch.device):
@@ -84,11 +85,7 @@ def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, b
     t = torch.zeros(n, dtype=dtype)
     if not pin:
         return t, False
-    try:
-        rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), max(1, t.numel() * t.element_size()), 1))
-    except (AttributeError, RuntimeError):
-        rc = -1
-    if rc == 0:
+    if host_register(t):
         return t, True
     return torch.zeros(n, dtype=dtype, pin_memory=True), False
 
@@ -299,5 +296,5 @@ class HostSteps:
                 lay.cpu.close()
         self._layers.clear()
         for t in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            host_unregister(t)
         self._registered.clear()

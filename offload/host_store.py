@@ -101,7 +101,7 @@ class HostStore:
         try:
             self.buf = torch.empty((rows, layout.expert_bytes), dtype=torch.uint8)
             if pin:
-                self._registered = _host_register(self.buf)
+                self._registered = host_register(self.buf)
                 if not self._registered:
                     self.buf = torch.empty((rows, layout.expert_bytes), dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:
@@ -157,12 +157,17 @@ class HostStore:
     def close(self) -> None:
         """Release the buffer. Only when no copy from it is in flight (close the scheduler first)."""
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+            host_unregister(self.buf)
             self._registered = False
         self.buf = torch.empty(0, dtype=torch.uint8)
 
 
-def _host_register(buf: torch.Tensor) -> bool:
+def host_unregister(buf: torch.Tensor) -> None:
+    """Undo :func:`host_register` (no copy may be in flight from or to ``buf``)."""
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+def host_register(buf: torch.Tensor) -> bool:
     """Page-lock ``buf`` in place (cudaHostRegister, portable); False if that is not possible."""
     try:
         cudart = torch.cuda.cudart()
