@@ -312,7 +312,22 @@ class CpuExpertRunner(CpuRunner):
         self._slot_weights.clear()
 
 
-GUARD_ARMS = ("off", "all", "model", "host")  # checked in this order; a guard that never completes a check stays "off"
+GUARD_ARMS = ("off", "all", "model", "host")  # the default order of a check
+
+
+def guard_order(host_expert_s: float | None, fetch_expert_s: float) -> tuple[str, ...]:
+    """The order a guard checks its arms in. The first arm's window always runs in full, the
+    others' end early when they measure far behind (``HybridGuard.abandon``), so the arm most likely
+    to win goes first: the host arms ("all", then "host", then "model") where the calibrated kernel
+    computes a one-token expert sooner than the link moves one, fetch-only first otherwise.
+
+    The cost model's per-layer split ranks "model" best wherever both pipes are open, but the
+    steps measured on GPU hosts (docs/benchmarks.md) ranked "all" first in every case: whole-step
+    host graphs, no DMA competing with the kernel's DRAM reads, no Python between layers; so the
+    order goes by those arms' shape, not by the split's prediction."""
+    if host_expert_s is not None and host_expert_s < fetch_expert_s:
+        return ("all", "host", "model", "off")
+    return GUARD_ARMS
 
 
 class HybridGuard:
@@ -342,7 +357,10 @@ class HybridGuard:
     than ``cut`` behind the best leave the check; the check ends after ``rounds`` rounds or when
     one arm is left. The arm with the lowest time is kept ("off" unless another is faster by more
     than ``margin``) for ``hold`` decode steps, then checked again the same way; a check that
-    confirms the same arm doubles the hold, up to ``max_hold``. A check after a hold (a
+    confirms the same arm doubles the hold, up to ``max_hold``. A window whose first counted step
+    is more than ``abandon`` slower than the best median another arm still in the check measured at
+    that token count ends at once, and its arm leaves the check with that step as its time (an arm
+    far behind costs two steps, not a window; None: windows always run in full). A check after a hold (a
     re-check) opens with the kept arm and tries only the arms whose last median was within
     ``recheck`` of the best: arms measured far behind are not paid for again at every hold. If
     the re-check's best is more than ``recheck`` slower than the last check's best (the host or
@@ -355,13 +373,16 @@ class HybridGuard:
 
     def __init__(self, window: int = 4, rounds: int = 2, hold: int = 64, max_hold: int = 1024, margin: float = 0.02,
                  cut: float = 0.05, recheck: float = 0.25, arms: tuple[str, ...] = GUARD_ARMS,
-                 clock: Callable[[], float] = time.perf_counter, max_tokens: int = 16):
-        if window < 2 or rounds < 1 or hold < 1 or cut < 0 or recheck < 0 or max_tokens < 1:
-            raise ValueError("window >= 2, rounds >= 1, hold >= 1, cut >= 0, recheck >= 0 and max_tokens >= 1 are needed")
+                 clock: Callable[[], float] = time.perf_counter, max_tokens: int = 16, abandon: float | None = 0.5):
+        if window < 2 or rounds < 1 or hold < 1 or cut < 0 or recheck < 0 or max_tokens < 1 or (abandon is not None and abandon < 0):
+            raise ValueError("window >= 2, rounds >= 1, hold >= 1, cut >= 0, recheck >= 0, abandon >= 0 and "
+                             "max_tokens >= 1 are needed")
         arms = tuple(arms)
         if "off" not in arms or len(arms) < 2 or len(set(arms)) != len(arms) or any(a not in GUARD_ARMS for a in arms):
             raise ValueError(f"arms: two or more distinct of {GUARD_ARMS}, 'off' among them")
         self.window, self.rounds, self.margin, self.cut, self.recheck, self.arms = window, rounds, margin, cut, recheck, arms
+        self.abandon = abandon
+        self.abandoned = 0  # windows ended early (arms far behind)
         self.hold, self.max_hold, self._first_hold = hold, max_hold, hold
         self.clock = clock
         self.max_tokens = max_tokens
@@ -435,9 +456,29 @@ class HybridGuard:
             return
         if self._window_steps:  # the window's first step pays the switch
             self._samples[self.arm].setdefault(tokens, []).append(seconds)
+            if self._far_behind(seconds, tokens):
+                self._check_times[self.arm] = seconds
+                self.abandoned += 1
+                del self._live[self._turn]
+                self._turn -= 1
+                self._next_window()
+                return
         self._window_steps += 1
         if self._window_steps < self.window:
             return
+        self._next_window()
+
+    def _far_behind(self, seconds: float, tokens: int) -> bool:
+        """The current arm's step of ``tokens`` tokens is more than ``abandon`` slower than the
+        best median another live arm measured at that count in this check."""
+        if self.abandon is None or len(self._live) < 2:
+            return False
+        others = [_median(self._samples[a][tokens]) for a in self._live
+                  if a != self.arm and self._samples[a].get(tokens)]
+        return bool(others) and seconds > min(others) * (1 + self.abandon)
+
+    def _next_window(self) -> None:
+        """The current arm's window is over: the next live arm's, or the end of the round."""
         self._window_steps = 0
         self._turn += 1
         if self._turn < len(self._live):
@@ -497,7 +538,7 @@ class HybridGuard:
     def stats(self) -> dict:
         medians = {f"{a}_ms": (self._medians[a] * 1e3 if a in self._medians else None) for a in self.arms}
         return {"arm": self.arm, "host_path": self.enabled, "checks": self.checks, "full_checks": self.full_checks,
-                **medians, "hold_steps": self.hold}
+                "abandoned_windows": self.abandoned, **medians, "hold_steps": self.hold}
 
 
 def _median(xs: list[float]) -> float:

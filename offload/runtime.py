@@ -312,10 +312,11 @@ class OffloadedModel:
                 return
             raise PdflashError(f"--cpu-experts {cpu_mode}: {exc}") from None
         if cpu_mode == "auto":
-            from pdflash.offload.cpu_compute import CpuPlacement, HybridGuard
+            from pdflash.offload.cpu_compute import CpuPlacement, HybridGuard, guard_order
 
             self.cpu.calibrate()
-            guard = HybridGuard() if hybrid_guard else None
+            order = guard_order(self.cpu.seconds_for(1), self.cost.seconds_per_expert_fetch())
+            guard = HybridGuard(arms=order) if hybrid_guard else None
             self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
                                        background_band=self._background_priority, guard=guard)
             if guard is not None:

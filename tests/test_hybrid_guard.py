@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdflash.offload.cpu_compute import HybridGuard
+from pdflash.offload.cpu_compute import GUARD_ARMS, HybridGuard, guard_order
 
 
 class Clock:
@@ -205,6 +205,69 @@ def test_a_slower_recheck_measures_every_arm_again():
     arms = steps_by_arm(g, clock, slow, 2 * 4, opening=False)  # a full check follows at once
     assert arms == ["off"] * 2 + ["all"] * 2 + ["model"] * 2 + ["host"] * 2
     assert g.checks == 3 and g.full_checks == 2 and g.arm == "host"
+
+
+# step times of the guard's arms measured on a GPU host (gpt-oss-120b shape, session 23)
+MEASURED_MS = {"all": 32.6, "host": 38.0, "model": 56.0, "off": 101.0}
+
+
+def test_an_arm_far_behind_costs_two_steps_not_a_window():
+    clock = Clock()
+    g = HybridGuard(window=4, rounds=2, hold=64, arms=("all", "host", "model", "off"), clock=clock)
+    arms = steps_by_arm(g, clock, MEASURED_MS, 4 + 4 + 2 + 2)
+    # model (56 > 1.5 x 32.6) and off leave after their first counted step; host (38) runs its
+    # window, is cut at the round's end (more than 5 % behind), and the check ends
+    assert arms == ["all"] * 4 + ["host"] * 4 + ["model"] * 2 + ["off"] * 2
+    assert g.checks == 1 and g.arm == "all" and g.abandoned == 2
+    assert {a: g.stats()[f"{a}_ms"] for a in MEASURED_MS} == pytest.approx(MEASURED_MS)
+    assert g.stats()["abandoned_windows"] == 2
+    # the re-check after the hold tries only "host" beside the kept arm (the others were far behind)
+    arms = steps_by_arm(g, clock, MEASURED_MS, 63 + 4 + 4)
+    assert arms == ["all"] * 63 + ["all"] * 4 + ["host"] * 4 and g.checks == 2 and g.arm == "all"
+
+
+def test_without_abandon_every_window_runs_in_full():
+    clock = Clock()
+    g = HybridGuard(window=4, rounds=2, hold=64, arms=("all", "host", "model", "off"), clock=clock, abandon=None)
+    arms = steps_by_arm(g, clock, MEASURED_MS, 16)
+    assert arms == ["all"] * 4 + ["host"] * 4 + ["model"] * 4 + ["off"] * 4
+    assert g.checks == 1 and g.arm == "all" and g.abandoned == 0
+
+
+def test_the_first_arm_far_behind_is_measured_in_full_and_the_rest_are_not_abandoned():
+    """Only an arm behind one already measured leaves early: a slow first arm runs its window."""
+    clock = Clock()
+    g = HybridGuard(window=3, rounds=1, hold=8, clock=clock)  # off first
+    arms = steps_by_arm(g, clock, {"off": 90, "all": 30, "model": 40, "host": 44}, 3 * 4)
+    assert arms == ["off"] * 3 + ["all"] * 3 + ["model"] * 3 + ["host"] * 3
+    assert g.abandoned == 0 and g.arm == "all"
+
+
+def test_abandon_compares_steps_of_the_same_token_count():
+    """A verify block of 5 tokens is not abandoned for being slower than another arm's 1-token steps."""
+    clock = Clock()
+    g = HybridGuard(window=3, rounds=1, hold=8, arms=("all", "off"), clock=clock)
+    cost = {("all", 1): 0.030, ("all", 5): 0.060, ("off", 1): 0.035, ("off", 5): 0.070}
+    sizes = {"all": 1, "off": 5}
+    g.on_forward(1)
+    seen = []
+    for _ in range(3 + 3):
+        seen.append(g.arm)
+        clock.t += cost[(g.arm, sizes[g.arm])]
+        g.on_forward(sizes[g.arm])
+    assert seen == ["all"] * 3 + ["off"] * 3 and g.abandoned == 0
+
+
+def test_a_bad_abandon_setting_is_refused():
+    with pytest.raises(ValueError):
+        HybridGuard(abandon=-0.1)
+
+
+def test_guard_order_puts_the_host_arms_first_where_the_kernel_beats_the_link():
+    assert guard_order(0.2e-3, 0.5e-3) == ("all", "host", "model", "off")
+    assert guard_order(0.6e-3, 0.5e-3) == GUARD_ARMS
+    assert guard_order(None, 0.5e-3) == GUARD_ARMS  # not calibrated: fetch-only first
+    assert sorted(guard_order(0.2e-3, 0.5e-3)) == sorted(GUARD_ARMS)
 
 
 def test_placement_sends_nothing_to_the_cpu_while_the_guard_is_off(tmp_path):
