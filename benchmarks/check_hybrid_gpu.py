@@ -8,7 +8,8 @@ For each dtype (``--dtypes``, float32 and bfloat16) and each mode (off: every mi
 fetched; auto: each layer's misses split between the link and the CPU kernel by the cost
 model, checked by the guard against realized decode steps; auto-model: the cost model alone,
 no guard; auto-host / auto-off: the guard pinned to that arm, e.g. auto-host every miss on the
-CPU and the hits on the device; all: every expert on the CPU; MODE-seg (all-seg, auto-seg,
+CPU and the hits on the device (the host arm fetches nothing: its cache is filled first with as
+many experts of each layer as its share of the slots, the hits a fetching arm would leave); all: every expert on the CPU; MODE-seg (all-seg, auto-seg,
 auto-host-seg, ...): MODE with host steps off, so that a graphed step that fetches nothing runs as
 segments with the experts module between them instead of one graph with host nodes,
 offload/host_graph.py), one greedy generation of ``--tokens`` tokens after a
@@ -16,7 +17,8 @@ fixed prompt with an expert cache of ``--cache-fraction`` of all experts (plain 
 eager: CUDA graphs off so the three modes run the same code around the experts). Reports the
 token ids' agreement with the fetch-only run of the same dtype (the aim in float32:
 identical), tokens per second, and per token the experts served from the cache, fetched and
-computed on the CPU, with the CPU and link time. One JSON object (stdout with --json, or --out).
+computed on the CPU, with the CPU and link time, and the guard's first 96 steps (arm, tokens, ms,
+how it counted). One JSON object (stdout with --json, or --out).
 ``--cuda-graphs`` decodes through the graphed decoder (what ``generate`` does on CUDA);
 ``--link-gbps 25 --cpu-threads 8`` on CUDA emulates a desktop (PCIe 4.0 x16, an 8-core CPU).
 ``--prewake-us 0,500`` runs every mode that computes on the CPU once per value: how long the
@@ -68,6 +70,14 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
         graphs = bool(args.cuda_graphs)
         generate(rt, prompt, max_new_tokens=2, eos_token_ids=[], cuda_graphs=graphs)  # warm-up (allocations, calibration)
         rt.reset_cache()
+        if mode.startswith("auto-host") and rt.cache.capacity > rt.host.num_layers:
+            # the host arm fetches nothing: give it the share of hits a fetching arm leaves in the
+            # cache (the same experts of every layer; routing is uniform on these checkpoints)
+            per = rt.cache.capacity // rt.host.num_layers
+            rt.cache.fill((layer, e) for layer in range(rt.host.num_layers) for e in range(per))
+        guard = rt.placer.guard if rt.placer is not None else None
+        if guard is not None:
+            guard.trace_limit, guard.trace = 96, []
         bd = _Breakdown(rt) if args.breakdown else None
         prof = cProfile.Profile() if args.cprofile else None
         if prof is not None:
@@ -93,7 +103,8 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
                 "experts_per_token": st["experts_per_token"], "cpu_experts": st["cpu_experts"],
                 "link_busy_seconds": st["link_busy_seconds"], "exposed_fetch_seconds": st["exposed_fetch_seconds"],
                 "bytes_per_token": st["bytes_per_token"], "cache_slots": st["cache"]["slots"],
-                "cost_model": rt.cost.to_dict(), "layer_breakdown_us": breakdown}
+                "cost_model": rt.cost.to_dict(), "layer_breakdown_us": breakdown,
+                "guard_trace": [list(t) for t in guard.trace] if guard is not None else None}
 
 
 @contextlib.contextmanager

@@ -360,7 +360,11 @@ class HybridGuard:
     confirms the same arm doubles the hold, up to ``max_hold``. A window whose first counted step
     is more than ``abandon`` slower than the best median another arm still in the check measured at
     that token count ends at once, and its arm leaves the check with that step as its time (an arm
-    far behind costs two steps, not a window; None: windows always run in full). A check after a hold (a
+    far behind costs two steps, not a window; None: windows always run in full). The ``settle``
+    steps after a longer forward (a prefill) are not counted and run the current arm: the first
+    decode steps after a prefill measured about twice their steady time under whichever arm came
+    first (GPU hosts, sessions 23-24); the runtime calls ``on_sequence()`` when a sequence starts
+    (the gap before its prompt is no step, and its first ``settle`` steps settle). A check after a hold (a
     re-check) opens with the kept arm and tries only the arms whose last median was within
     ``recheck`` of the best: arms measured far behind are not paid for again at every hold. If
     the re-check's best is more than ``recheck`` slower than the last check's best (the host or
@@ -373,16 +377,22 @@ class HybridGuard:
 
     def __init__(self, window: int = 4, rounds: int = 2, hold: int = 64, max_hold: int = 1024, margin: float = 0.02,
                  cut: float = 0.05, recheck: float = 0.25, arms: tuple[str, ...] = GUARD_ARMS,
-                 clock: Callable[[], float] = time.perf_counter, max_tokens: int = 16, abandon: float | None = 0.5):
-        if window < 2 or rounds < 1 or hold < 1 or cut < 0 or recheck < 0 or max_tokens < 1 or (abandon is not None and abandon < 0):
-            raise ValueError("window >= 2, rounds >= 1, hold >= 1, cut >= 0, recheck >= 0, abandon >= 0 and "
-                             "max_tokens >= 1 are needed")
+                 clock: Callable[[], float] = time.perf_counter, max_tokens: int = 16, abandon: float | None = 0.5,
+                 settle: int = 4, trace: int = 0):
+        if (window < 2 or rounds < 1 or hold < 1 or cut < 0 or recheck < 0 or max_tokens < 1 or settle < 0 or trace < 0
+                or (abandon is not None and abandon < 0)):
+            raise ValueError("window >= 2, rounds >= 1, hold >= 1, cut >= 0, recheck >= 0, abandon >= 0, settle >= 0, "
+                             "trace >= 0 and max_tokens >= 1 are needed")
         arms = tuple(arms)
         if "off" not in arms or len(arms) < 2 or len(set(arms)) != len(arms) or any(a not in GUARD_ARMS for a in arms):
             raise ValueError(f"arms: two or more distinct of {GUARD_ARMS}, 'off' among them")
         self.window, self.rounds, self.margin, self.cut, self.recheck, self.arms = window, rounds, margin, cut, recheck, arms
         self.abandon = abandon
         self.abandoned = 0  # windows ended early (arms far behind)
+        self.settle = settle
+        self._settling = 0  # steps still to pass uncounted after a longer forward
+        self.trace_limit = trace
+        self.trace: list[tuple[str, int, float, str]] = []  # the first ``trace`` steps: (arm, tokens, ms, what)
         self.hold, self.max_hold, self._first_hold = hold, max_hold, hold
         self.clock = clock
         self.max_tokens = max_tokens
@@ -441,19 +451,39 @@ class HybridGuard:
     def on_forward(self, tokens: int) -> None:
         now = self.clock()
         prev, self._prev = self._prev, (now, tokens)
+        if tokens > self.max_tokens:
+            self._settling = self.settle
         if prev is None or prev[1] > self.max_tokens or tokens > self.max_tokens:
             return  # after a prefill, or before one (the gap may hold anything): not a step
         self._step(now - prev[0], prev[1])
 
+    def on_sequence(self) -> None:
+        """A new sequence starts: the gap since the last forward is no step, and its first
+        ``settle`` steps are not counted."""
+        self._prev = None
+        self._settling = self.settle
+
+    def _note(self, tokens: int, seconds: float, what: str) -> None:
+        if len(self.trace) < self.trace_limit:
+            self.trace.append((self.arm, tokens, round(seconds * 1e3, 3), what))
+
     def _step(self, seconds: float, tokens: int) -> None:
         """One step of ``tokens`` tokens ran with the current arm and took ``seconds``."""
         if self._pinned:
+            self._note(tokens, seconds, "pinned")
             return
+        settling = self._settling > 0
+        self._settling -= settling
         if self._holding:
+            self._note(tokens, seconds, "held")
             self._holding -= 1
             if not self._holding:
                 self._start_check(full=False)
             return
+        if settling:
+            self._note(tokens, seconds, "settling")
+            return
+        self._note(tokens, seconds, "counted" if self._window_steps else "switch")
         if self._window_steps:  # the window's first step pays the switch
             self._samples[self.arm].setdefault(tokens, []).append(seconds)
             if self._far_behind(seconds, tokens):

@@ -425,9 +425,18 @@ class OffloadedModel:
         if self._closed:
             raise PdflashError("this OffloadedModel is closed; load the model again")
 
+    def begin_sequence(self) -> None:
+        """A new sequence starts (its prompt comes next): the time since the last forward holds
+        whatever ran between two sequences and is no decode step (the hybrid guard)."""
+        if self.placer is not None and self.placer.guard is not None:
+            self.placer.guard.on_sequence()
+
     def new_kv_cache(self):
-        """An empty KV cache for ``forward`` (transformers DynamicCache, sliding layers as the model's config says)."""
+        """An empty KV cache for ``forward`` (transformers DynamicCache, sliding layers as the
+        model's config says); a new sequence starts (:meth:`begin_sequence`)."""
         from transformers import DynamicCache
+
+        self.begin_sequence()
 
         return DynamicCache(config=self.model.config)
 

@@ -258,9 +258,40 @@ def test_abandon_compares_steps_of_the_same_token_count():
     assert seen == ["all"] * 3 + ["off"] * 3 and g.abandoned == 0
 
 
+def test_steps_right_after_a_prefill_settle_uncounted_under_the_first_arm():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=1, hold=8, arms=("all", "off"), clock=clock, settle=3, trace=16)
+    g.on_forward(20)  # a prefill
+    # the prefill's own interval is no step; then three settle, then a window of each arm
+    arms = steps_by_arm(g, clock, {"all": 30, "off": 40}, 1 + 3 + 2 * 2, opening=False)
+    assert arms == ["all"] * (1 + 3 + 2) + ["off"] * 2
+    assert [w for _, _, _, w in g.trace] == ["settling"] * 3 + ["switch", "counted"] * 2
+    assert g.checks == 1 and g.arm == "all"
+    # a later prefill during the hold: its settle steps pass while held, nothing is skipped after
+    g.on_forward(20)
+    steps_by_arm(g, clock, {"all": 30, "off": 40}, 7, opening=False)
+    assert [w for _, _, _, w in g.trace[7:]] == ["held"] * 6 and g._settling == 0
+    assert HybridGuard(trace=4).trace == [] and HybridGuard().trace_limit == 0
+
+
+def test_settled_steps_are_not_measured():
+    """Slow steps right after a prefill do not count against the arm that runs them."""
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=1, hold=8, arms=("all", "off"), clock=clock, settle=2)
+    g.on_forward(20)
+    for seconds in (0.5, 0.09):  # the prefill, then a slow step: settling
+        clock.t += seconds
+        g.on_forward(1)
+    steps_by_arm(g, clock, {"all": 90, "off": 40}, 1, opening=False)  # slow, settling too
+    steps_by_arm(g, clock, {"all": 30, "off": 40}, 4, opening=False)
+    assert g.stats()["all_ms"] == pytest.approx(30) and g.arm == "all"
+
+
 def test_a_bad_abandon_setting_is_refused():
     with pytest.raises(ValueError):
         HybridGuard(abandon=-0.1)
+    with pytest.raises(ValueError):
+        HybridGuard(settle=-1)
 
 
 def test_guard_order_puts_the_host_arms_first_where_the_kernel_beats_the_link():
@@ -354,3 +385,37 @@ def test_a_prefill_under_the_all_arm_is_split_by_the_cost_model(tmp_path):
         split = generate(rt, prompt, max_new_tokens=4, eos_token_ids=[]).token_ids
         assert rt.placer.decisions - before == tiny.num_hidden_layers  # the prefill's layers asked the cost model
         assert split == judged
+
+
+def test_the_gap_between_two_sequences_is_no_step(tmp_path):
+    """A new sequence (rt.new_kv_cache, or a graphed decoder's prefill) tells the guard: the time
+    since the last sequence's last forward is not measured as a step, and its first steps settle."""
+    import torch
+
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.generate import generate
+    from pdflash.offload.runtime import OffloadedModel
+    from pdflash.offload.synthetic import write_checkpoint
+
+    tiny = ModelPreset.from_name("tiny")
+    path = write_checkpoint(tmp_path / "m", tiny, mxfp4=True, seed=3, progress=False)
+    with OffloadedModel.load(path, dtype=torch.float32, cpu_experts="auto", expert_cache_experts=tiny.num_experts_per_tok,
+                             link_gbps=0.01, cpu_threads=1) as rt:
+        guard = rt.placer.guard
+        guard.trace_limit, guard.settle = 64, 2
+        generate(rt, [1, 2, 3], max_new_tokens=3, eos_token_ids=[])
+        first = list(guard.trace)
+        assert [w for *_, w in first[:2]] == ["settling"] * 2
+        guard.clock = lambda: 1e9  # a gap of "years" before the next sequence
+        generate(rt, [1, 2, 3], max_new_tokens=1, eos_token_ids=[])
+        assert guard.trace[len(first):] == []  # the prompt forward opens the sequence: nothing measured
+
+
+def test_on_sequence_forgets_the_last_forward():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=1, hold=8, arms=("all", "off"), clock=clock, settle=0, trace=8)
+    g.on_forward(1)
+    clock.t += 100.0
+    g.on_sequence()
+    g.on_forward(1)
+    assert g.trace == []
