@@ -411,6 +411,11 @@ class HybridGuard:
         """The host path is in use now (any arm but "off")."""
         return self.arm != "off"
 
+    @property
+    def pinned(self) -> bool:
+        """One arm is kept for good (:meth:`pin`): nothing is checked."""
+        return self._pinned
+
     def arm_for(self, tokens: int) -> str:
         """The placement of a forward of ``tokens`` tokens: the kept (or tried) arm where the
         guard's measurements speak for it, the cost model's split ("model") for longer ones

@@ -383,7 +383,7 @@ class GraphedDecoder:
         return (logits if R == T else logits[:T]).clone(), self._features(taps)
 
     # -- host steps (host_graph.py) -----------------------------------------------------------
-    def _host_mode(self, T: int) -> str | None:
+    def _host_mode(self, T: int, placement: str | None = "current") -> str | None:
         """The host step this forward runs as ("all" or "host", see host_graph.py), or None: it
         needs CUDA graphs, a native CPU runner, a placement that fetches nothing ("all": every
         routed expert on the CPU; "host": the cache's hits on the device and every other expert on
@@ -391,7 +391,7 @@ class GraphedDecoder:
         turns host steps off."""
         if not self.graphs or self.layer_hooks or not self.host_steps_enabled:
             return None
-        mode = self.rt.host_placement(T)
+        mode = self.rt.host_placement(T) if placement == "current" else placement
         if mode is None:
             return None
         steps = HostSteps.for_runtime(self.rt)
@@ -447,14 +447,15 @@ class GraphedDecoder:
     # -- public ----------------------------------------------------------------------------
     def prepare(self, length: int | None = None, tokens=(1,)) -> None:
         """Capture now (else on first use) the graphs of the bucket that a step of each T in
-        ``tokens`` at ``length`` positions (default: the current length) uses; a no-op without
-        graphs."""
+        ``tokens`` at ``length`` positions (default: the current length) uses, for each placement
+        such a step may take (``rt.host_placements``: every arm the hybrid guard still tries); a
+        no-op without graphs."""
         if not self.graphs:
             return
-        for T in tokens:
+        for T, placement in [(T, p) for T in tokens for p in self.rt.host_placements(T)]:
             at = min(self.length if length is None else int(length), self.max_len - T)
             bucket, R = self.bucket(at + T), self._step_rows(T)
-            mode = self._host_mode(T)
+            mode = self._host_mode(T, placement)
             key = (bucket, R, mode) if mode else (bucket, R)
             graphs = self._host_graphs if mode else self._steps
             if key not in graphs:

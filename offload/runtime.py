@@ -379,6 +379,15 @@ class OffloadedModel:
             return arm if arm in ("all", "host") else None
         return None
 
+    def host_placements(self, tokens: int) -> list[str | None]:
+        """Every :meth:`host_placement` a forward of ``tokens`` tokens may take from now on: the
+        current one, or, while auto's guard still tries arms, each of its arms' (graphs.py
+        captures a graph for each before a sequence starts)."""
+        guard = self.placer.guard if self.cpu_mode == "auto" and self.placer is not None else None
+        if self.cpu is None or guard is None or guard.pinned or tokens > guard.max_tokens:
+            return [self.host_placement(tokens)]
+        return list(dict.fromkeys(a if a in ("all", "host") else None for a in guard.arms))
+
     def _layer_hook(self, i: int):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]

@@ -419,3 +419,25 @@ def test_on_sequence_forgets_the_last_forward():
     g.on_sequence()
     g.on_forward(1)
     assert g.trace == []
+
+
+def test_host_placements_lists_every_arm_a_step_may_take(tmp_path):
+    """What graphs.py captures before a sequence: every placement of the guard's arms while it
+    checks (segments for off and model, host steps for all and host), the pinned one once pinned."""
+    import torch
+
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.runtime import OffloadedModel
+    from pdflash.offload.synthetic import write_checkpoint
+
+    tiny = ModelPreset.from_name("tiny")
+    path = write_checkpoint(tmp_path / "m", tiny, mxfp4=True, seed=3, progress=False)
+    with OffloadedModel.load(path, dtype=torch.float32, cpu_experts="auto", expert_cache_experts=tiny.num_experts_per_tok,
+                             link_gbps=0.01, cpu_threads=1) as rt:
+        guard = rt.placer.guard
+        assert sorted(rt.host_placements(1), key=str) == sorted([None, "all", "host"], key=str)
+        assert rt.host_placements(guard.max_tokens + 1) == [None]  # a prefill: the cost model's split
+        guard.pin("host")
+        assert rt.host_placements(1) == ["host"] and guard.pinned
+        guard.pin("model")
+        assert rt.host_placements(1) == [None]
