@@ -133,3 +133,17 @@ def test_profile_decode_needs_one_checkpoint_source(capsys, tmp_path):
             mod.main(["--out-dir", str(tmp_path / "p"), *extra])
         assert e.value.code == 2
         assert "give --checkpoint-dir DIR or --in-memory" in capsys.readouterr().err
+
+
+def test_probe_graph_wait_refuses_bad_input_and_a_machine_without_cuda(capsys):
+    import torch
+
+    mod = _load("probe_graph_wait")
+    assert mod.main(["--delays", "10,x"]) == 2
+    assert "--delays" in capsys.readouterr().err
+    assert mod.main(["--repeats", "0"]) == 2
+    capsys.readouterr()
+    if not torch.cuda.is_available():
+        assert mod.main([]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "needs a CUDA device" in err[0]
