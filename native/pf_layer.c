@@ -24,6 +24,15 @@ struct pf_layer {
     int *rows;                   /* [positions] */
     int *dest;                   /* [positions] */
     float *scale;                /* [positions] */
+    uint8_t *skip;               /* [num_experts]: not computed in this pass */
+    int *count;                  /* [num_experts]: positions routed to each expert in this run */
+    /* fetching (has_fetch): the description, copied; the chosen experts and their tickets */
+    int has_fetch;
+    pf_layer_fetch f;
+    int *picked;                 /* [stages] */
+    uint64_t *tickets;           /* [stages] */
+    atomic_int fetched, fallback, fetch_off;
+    atomic_uint_least64_t wait_ns;
 };
 
 int pf_layer_create(const pf_layer_desc *d, pf_layer **out) {
@@ -48,7 +57,27 @@ int pf_layer_create(const pf_layer_desc *d, pf_layer **out) {
     L->rows = calloc(n, sizeof *L->rows);
     L->dest = calloc(n, sizeof *L->dest);
     L->scale = calloc(n, sizeof *L->scale);
-    if (!L->start || !L->sorted || !L->w || !L->counts || !L->rows || !L->dest || !L->scale) {
+    L->skip = calloc((size_t)d->num_experts, 1);
+    L->count = calloc((size_t)d->num_experts, sizeof *L->count);
+    if (d->fetch) {
+        const pf_layer_fetch *f = d->fetch;
+        if (!f->sched || !f->src || !f->stage || f->stages < 1 || !f->plan || !f->stage_of || f->nbytes == 0
+            || !(f->timeout_s > 0)) {
+            pf_layer_destroy(L);
+            return PF_CPU_EINVAL;
+        }
+        for (int e = 0; e < d->num_experts; e++)
+            if (!f->src[e]) { pf_layer_destroy(L); return PF_CPU_EINVAL; }
+        for (int i = 0; i < f->stages; i++)
+            if (!f->stage[i]) { pf_layer_destroy(L); return PF_CPU_EINVAL; }
+        L->has_fetch = 1;
+        L->f = *f;
+        L->d.fetch = &L->f;
+        L->picked = calloc((size_t)f->stages, sizeof *L->picked);
+        L->tickets = calloc((size_t)f->stages, sizeof *L->tickets);
+        if (!L->picked || !L->tickets) { pf_layer_destroy(L); return PF_CPU_ENOMEM; }
+    }
+    if (!L->start || !L->sorted || !L->w || !L->counts || !L->rows || !L->dest || !L->scale || !L->skip || !L->count) {
         pf_layer_destroy(L);
         return PF_CPU_ENOMEM;
     }
@@ -58,6 +87,10 @@ int pf_layer_create(const pf_layer_desc *d, pf_layer **out) {
     atomic_init(&L->experts_run, 0);
     atomic_init(&L->ns, 0);
     atomic_init(&L->runs, 0);
+    atomic_init(&L->fetched, 0);
+    atomic_init(&L->fallback, 0);
+    atomic_init(&L->fetch_off, 0);
+    atomic_init(&L->wait_ns, 0);
     *out = L;
     return PF_CPU_OK;
 }
@@ -71,6 +104,10 @@ void pf_layer_destroy(pf_layer *L) {
     free(L->rows);
     free(L->dest);
     free(L->scale);
+    free(L->skip);
+    free(L->count);
+    free(L->picked);
+    free(L->tickets);
     free(L);
 }
 
@@ -97,18 +134,30 @@ static long long index_at(const pf_layer *L, int p) {
     return ((const int32_t *)L->d.idx)[p];
 }
 
-/* Group the first n positions by expert (counting sort: stable, so each expert's positions stay
- * ascending) and lay out the kernel's entries; returns the entry count, or -1 for an index out
- * of range. *distinct: experts routed. */
-static int group(pf_layer *L, int n, int *distinct) {
-    const int E = L->d.num_experts, K = L->d.top_k;
-    const uint8_t *resident = L->d.resident;
-    memset(L->start, 0, ((size_t)E + 1) * sizeof *L->start);
+/* Count the first n positions' experts into count[]; -1 for an index out of range. */
+static int count_experts(pf_layer *L, int n) {
+    const int E = L->d.num_experts;
+    memset(L->count, 0, (size_t)E * sizeof *L->count);
     for (int p = 0; p < n; p++) {
         long long e = index_at(L, p);
         if (e < 0 || e >= E) return -1;
-        if (resident && resident[e]) { /* computed elsewhere: its row is zero here */
-            memset(L->d.out + (size_t)p * (size_t)L->d.hidden, 0, (size_t)L->d.hidden * sizeof(float));
+        L->count[e]++;
+    }
+    return 0;
+}
+
+/* Group the first n positions by expert, leaving out the experts marked in skip (their out rows
+ * are zeroed where zero_skipped), and lay out the kernel's entries (counting sort: stable, so
+ * each expert's positions stay ascending); returns the entry count. Indices are in range
+ * (count_experts). *distinct: experts grouped. */
+static int group(pf_layer *L, int n, const uint8_t *skip, int zero_skipped, int *distinct) {
+    const int E = L->d.num_experts, K = L->d.top_k;
+    memset(L->start, 0, ((size_t)E + 1) * sizeof *L->start);
+    for (int p = 0; p < n; p++) {
+        long long e = index_at(L, p);
+        if (skip[e]) { /* computed elsewhere: its row is zero here */
+            if (zero_skipped)
+                memset(L->d.out + (size_t)p * (size_t)L->d.hidden, 0, (size_t)L->d.hidden * sizeof(float));
             continue;
         }
         L->start[e + 1]++;
@@ -121,7 +170,7 @@ static int group(pf_layer *L, int n, int *distinct) {
     /* fill: start[e] walks up to the end of expert e's run, then is restored below */
     for (int p = 0; p < n; p++) {
         long long e = index_at(L, p);
-        if (!(resident && resident[e])) L->sorted[L->start[e]++] = p;
+        if (!skip[e]) L->sorted[L->start[e]++] = p;
     }
     for (int e = E; e > 0; e--) L->start[e] = L->start[e - 1];
     L->start[0] = 0;
@@ -144,22 +193,107 @@ static int group(pf_layer *L, int n, int *distinct) {
     return entries;
 }
 
+static int call_kernel(pf_layer *L, int entries) {
+    return pf_cpu_experts(L->d.cpu, entries, L->w, L->counts, L->rows, L->scale, L->d.x, L->d.x_format,
+                          L->d.rows, L->d.hidden, L->d.out, L->dest, L->positions, L->d.hidden);
+}
+
+/* Choose the experts to fetch (the plan's count of the non-resident ones, most positions first),
+ * submit them at band 0 and mark them in skip; returns how many were submitted. */
+static int submit_fetches(pf_layer *L, int n) {
+    const int E = L->d.num_experts;
+    const pf_layer_fetch *f = &L->f;
+    int missing = 0;
+    for (int e = 0; e < E; e++) missing += L->count[e] > 0 && !L->skip[e];
+    int want = f->plan[missing < n ? missing : n];
+    if (want > f->stages) want = f->stages;
+    if (want > missing) want = missing;
+    int chosen = 0;
+    while (chosen < want) { /* selection: few stages, few experts */
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (L->count[e] > 0 && !L->skip[e] && (best < 0 || L->count[e] > L->count[best])) best = e;
+        L->skip[best] = 1; /* provisional: unmarked below if the submit fails */
+        L->picked[chosen++] = best;
+    }
+    int submitted = 0;
+    for (int i = 0; i < chosen; i++) {
+        int e = L->picked[i];
+        uint64_t ticket = 0;
+        int rc = pf_submit(f->sched, f->key_base + (uint64_t)e, f->src[e], f->stage[submitted], f->nbytes,
+                           PF_ON_DEMAND, &ticket);
+        if (rc != PF_OK) {
+            L->skip[e] = 0; /* computed here */
+            continue;
+        }
+        L->picked[submitted] = e;
+        L->tickets[submitted++] = ticket;
+    }
+    atomic_store(&L->fallback, chosen - submitted);
+    return submitted;
+}
+
+/* Wait for the submitted tasks; each that did not land is computed on this thread, so that out
+ * covers it. Writes stage_of. Returns the kernel status of that fallback call. */
+static int finish_fetches(pf_layer *L, int n, int submitted, int *distinct) {
+    const int E = L->d.num_experts;
+    const pf_layer_fetch *f = &L->f;
+    for (int e = 0; e < E; e++) f->stage_of[e] = -1;
+    uint64_t t0 = now_ns();
+    int landed = 0, failed = 0;
+    memset(L->skip, 1, (size_t)E); /* the fallback pass computes only the failed ones */
+    for (int i = 0; i < submitted; i++) {
+        int st = pf_wait(f->sched, L->tickets[i], f->timeout_s);
+        int e = L->picked[i];
+        if (st == PF_DONE) {
+            f->stage_of[e] = i;
+            landed++;
+            continue;
+        }
+        if (st == PF_TIMEOUT) {
+            pf_cancel(f->sched, f->key_base + (uint64_t)e);
+            atomic_store(&L->fetch_off, 1);
+        }
+        L->skip[e] = 0;
+        failed++;
+    }
+    atomic_store(&L->wait_ns, now_ns() - t0);
+    atomic_store(&L->fetched, landed);
+    atomic_fetch_add(&L->fallback, failed);
+    if (!failed) return PF_CPU_OK;
+    int more = 0;
+    int entries = group(L, n, L->skip, 0, &more);
+    *distinct += more;
+    return call_kernel(L, entries);
+}
+
 int pf_layer_run(pf_layer *L) {
     if (!L) return PF_CPU_EINVAL;
     uint64_t t0 = now_ns();
-    const int K = L->d.top_k, H = L->d.hidden;
+    const int H = L->d.hidden, E = L->d.num_experts;
     int tokens = atomic_load(&L->tokens);
-    int n = tokens * K, distinct = 0;
-    int entries = group(L, n, &distinct);
-    int rc;
-    if (entries < 0) {
-        rc = PF_CPU_EINVAL;
-    } else {
-        rc = pf_cpu_experts(L->d.cpu, entries, L->w, L->counts, L->rows, L->scale, L->d.x, L->d.x_format,
-                            L->d.rows, H, L->d.out, L->dest, L->positions, H);
+    int n = tokens * L->d.top_k, distinct = 0, submitted = 0;
+    int rc = count_experts(L, n) == 0 ? PF_CPU_OK : PF_CPU_EINVAL;
+    int fetching = L->has_fetch && !atomic_load(&L->fetch_off);
+    atomic_store(&L->fetched, 0);
+    atomic_store(&L->fallback, 0);
+    atomic_store(&L->wait_ns, 0);
+    if (L->has_fetch)
+        for (int e = 0; e < E; e++) L->f.stage_of[e] = -1;
+    if (rc == PF_CPU_OK) {
+        for (int e = 0; e < E; e++) L->skip[e] = L->d.resident && L->d.resident[e];
+        if (fetching) submitted = submit_fetches(L, n);
+        int entries = group(L, n, L->skip, 1, &distinct);
+        rc = call_kernel(L, entries);
+        if (fetching) { /* always wait: the stages must be quiet before the next run */
+            int rc2 = finish_fetches(L, n, submitted, &distinct);
+            if (rc == PF_CPU_OK) rc = rc2;
+        }
     }
     if (rc != PF_CPU_OK) {
         memset(L->d.out, 0, (size_t)L->positions * (size_t)H * sizeof(float));
+        if (L->has_fetch)
+            for (int e = 0; e < E; e++) L->f.stage_of[e] = -1;
         distinct = 0;
     } else if (n < L->positions) {
         memset(L->d.out + (size_t)n * (size_t)H, 0, (size_t)(L->positions - n) * (size_t)H * sizeof(float));
@@ -181,5 +315,14 @@ int pf_layer_result(pf_layer *L, int *status, int *experts, uint64_t *ns, uint64
     if (status) *status = atomic_load(&L->status);
     if (experts) *experts = atomic_load(&L->experts_run);
     if (ns) *ns = atomic_load(&L->ns);
+    return PF_CPU_OK;
+}
+
+int pf_layer_fetch_result(pf_layer *L, int *fetched, int *fallback, uint64_t *wait_ns, int *disabled) {
+    if (!L) return PF_CPU_EINVAL;
+    if (fetched) *fetched = atomic_load(&L->fetched);
+    if (fallback) *fallback = atomic_load(&L->fallback);
+    if (wait_ns) *wait_ns = atomic_load(&L->wait_ns);
+    if (disabled) *disabled = atomic_load(&L->fetch_off);
     return PF_CPU_OK;
 }

@@ -22,14 +22,31 @@
  * With prewake_us > 0, a run that succeeded then wakes the pool for the next call
  * (pf_cpu_prewake): the next layer's run, a GPU segment later.
  *
+ * Fetching (optional, desc.fetch): a run may also move some of the non-resident experts to the
+ * device through the scheduler instead of computing them, so that the link and the CPU serve
+ * one layer side by side. With M distinct non-resident experts routed in the run, it fetches
+ * f = min(plan[M], stages, M) of them: those with the most positions (ties: the lower index).
+ * Each goes to its own stage (stage[i], i < f, in the order chosen) as one band-0 task (key
+ * key_base + expert, src[expert], nbytes) submitted before the CPU computes the other experts;
+ * their positions' out rows are zeroed, as for resident experts. After its kernel call the run
+ * waits for those tasks (pf_wait, at most timeout_s each) and writes stage_of: for every
+ * expert, the stage holding it or -1. An expert whose submit or task failed is computed here
+ * after all (its stage_of -1), so out and stage_of together always cover every position. A
+ * task that times out is cancelled, and the context fetches nothing from then on (a cancelled
+ * task's last chunk may still land in its stage). The plan is read at every run (the caller
+ * updates it between runs); pf_layer_fetch_result reads the last run's fetch figures.
+ * A host node that waits for the scheduler makes no CUDA call itself: the scheduler's worker
+ * threads copy on their own streams and the run blocks on a condition variable.
+ *
  * Errors: a run never returns a value to its caller (a host node cannot); it records its
  * status (PF_CPU_OK, PF_CPU_EINVAL for an expert index out of range, or the kernel's error),
- * and on an error zeroes all of out. pf_layer_result reads the last run's status, the number
+ * and on an error zeroes all of out (having waited for any task it submitted). pf_layer_result reads the last run's status, the number
  * of distinct experts it ran, its wall time and the count of runs.
  *
  * Ownership: the context owns its scratch arrays (sized for rows * K positions at creation)
- * and nothing else: pf_cpu, the weights array and what it points to, route, x and out are
- * borrowed and must outlive the context, unchanged while a run may be in progress. Runs of one
+ * and a copy of the fetch description, nothing else: pf_cpu, the weights array and what it
+ * points to, route, x, out and, with fetching, the scheduler, src, stage, plan and stage_of
+ * arrays (and the memory they point to) are borrowed and must outlive the context, unchanged while a run may be in progress. Runs of one
  * context must not overlap (a CUDA stream runs its host nodes one at a time); runs of different
  * contexts on one pf_cpu are serialized by the kernel. set_tokens, set_prewake and result may
  * be called from another thread than the runs (atomics), but a run started before the call
@@ -41,8 +58,21 @@
 #include <stdint.h>
 
 #include "pf_cpu.h"
+#include "pf_sched.h"
 
 typedef struct pf_layer pf_layer;
+
+typedef struct pf_layer_fetch {
+    pf_sched *sched;
+    const void *const *src;               /* [num_experts]: each expert's bytes (page-locked host) */
+    uint64_t nbytes;                      /* every expert's size */
+    void *const *stage;                   /* [stages]: destinations of nbytes each (device memory) */
+    int stages;                           /* >= 1 */
+    uint64_t key_base;                    /* task key of expert e: key_base + e (unique to this use) */
+    const uint8_t *plan;                  /* [rows * K + 1]: experts to fetch when M are not resident */
+    int32_t *stage_of;                    /* [num_experts], written by each run */
+    double timeout_s;                     /* > 0: the longest wait for one task */
+} pf_layer_fetch;
 
 typedef struct pf_layer_desc {
     pf_cpu *cpu;
@@ -58,6 +88,7 @@ typedef struct pf_layer_desc {
     int x_format;                         /* PF_CPU_F32 or PF_CPU_BF16 */
     float *out;                           /* [rows * K][H] */
     const uint8_t *resident;              /* [num_experts] or NULL (every routed expert computed) */
+    const pf_layer_fetch *fetch;          /* NULL: nothing fetched (copied at creation) */
 } pf_layer_desc;
 
 /* Check the description and build a context (tokens = rows, prewake_us = 0). On success *out
@@ -79,5 +110,10 @@ void pf_layer_host_fn(void *layer);
 /* The last run's status, distinct experts run and wall nanoseconds, and how many runs there
  * have been (0s before any run): a caller that launched one run checks that it happened. */
 int pf_layer_result(pf_layer *L, int *status, int *experts, uint64_t *ns, uint64_t *runs);
+
+/* The last run's fetching: experts fetched into stages, experts whose fetch failed (computed
+ * here instead), nanoseconds it blocked waiting for its tasks after its own kernel call, and
+ * whether fetching is off for good (a task timed out). Zeros without fetching. */
+int pf_layer_fetch_result(pf_layer *L, int *fetched, int *fallback, uint64_t *wait_ns, int *disabled);
 
 #endif /* PF_LAYER_H */

@@ -14,7 +14,7 @@ def run_quick(tmp_path, program: str, sources: list[str]) -> None:
     it with --quick and assert its last line reports passes and no failure."""
     exe = tmp_path / program
     subprocess.run([COMPILER, "-std=c11", "-O2", "-pthread", f"-I{NATIVE}", "-o", str(exe),
-                    os.path.join(NATIVE, "stress", program + ".c"), *(os.path.join(NATIVE, s) for s in sources), "-lm"],
+                    os.path.join(NATIVE, "stress", program + ".c"), *(os.path.join(NATIVE, s) for s in sources), "-lm", "-ldl"],
                    check=True)
     out = subprocess.run([str(exe), "--quick", "--seed", "7"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -1,8 +1,9 @@
 /*
  * cpu_stress.c: correctness and concurrency test of pf_cpu (C11 + pthreads).
  *
- * Built with pf_cpu.c by `make stress-asan` / `make stress-tsan` (or plainly:
- * cc -std=c11 -O2 -pthread -Inative native/stress/cpu_stress.c native/pf_cpu.c -lm).
+ * Built with pf_cpu.c, pf_layer.c and pf_sched.c by `make cpu-stress-asan` / `make cpu-stress-tsan`
+ * (or plainly: cc -std=c11 -O2 -pthread -Inative native/stress/cpu_stress.c native/pf_cpu.c
+ * native/pf_layer.c native/pf_sched.c -lm -ldl).
  *
  *   cpu_stress [--quick] [--seed N]
  *
@@ -24,7 +25,10 @@
  *             indices, f32 / bf16 rows, 1..rows tokens) on one shared pool, every output row
  *             checked against a one-token pf_cpu_expert call times its scale, rows past the
  *             tokens and rows of experts marked resident zero; an index out of range fails the
- *             run and zeroes out.
+ *             run and zeroes out. Every fourth context also fetches (a memcpy scheduler shared
+ *             by the threads, small chunks, every 7th chunk copy failing): the plan's count of
+ *             non-resident experts, most positions first, lands in the stages byte for byte with
+ *             zero rows, a failed fetch is computed instead, stage_of and the fetch figures agree.
  *
  * Exit 0 only if every check held; the last line is "cpu_stress: N passed, M failed".
  */
@@ -33,6 +37,7 @@
 #include "pf_layer.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -464,6 +469,8 @@ struct worker_arg {
     pf_cpu *shared;
     uint64_t seed;
     int calls;
+    pf_sched *sched; /* layer phase: fetching contexts' scheduler */
+    int id;
 };
 
 static void *shared_worker(void *p) {
@@ -538,17 +545,53 @@ static void phase_pool(int quick, uint64_t seed) {
     pf_cpu_destroy(c);
 }
 
+enum { LE = 5, LR = 6, LH = 64, NBYTES = 3000, STAGES = 2 };
+static _Atomic int fetched_total, fallback_total; /* over every fetching run: the paths were taken */
+
+/* A fetching context's run: stage_of, the stages' bytes and the fetch figures agree, the plan's
+ * count was taken (most positions first) unless a fetch failed; *fetched_rows gets, per expert,
+ * whether its rows are zero for being fetched. */
+static int check_fetch(pf_layer *L, const pf_layer_fetch *f, const int *count, const uint8_t *res, int use_res,
+                       uint8_t *const *src, uint8_t *const *stage, uint8_t *fetched_e) {
+    int fetched = -1, fallback = -1, off = -1, ok = 1, nf = 0, missing = 0;
+    uint64_t wait_ns;
+    pf_layer_fetch_result(L, &fetched, &fallback, &wait_ns, &off);
+    fetched_total += fetched;
+    fallback_total += fallback;
+    for (int e = 0; e < LE; e++) {
+        int s = f->stage_of[e];
+        fetched_e[e] = s >= 0;
+        missing += count[e] > 0 && !(use_res && res[e]);
+        if (s < 0) continue;
+        nf++;
+        ok &= s < STAGES && count[e] > 0 && !(use_res && res[e]) && !memcmp(stage[s], src[e], NBYTES);
+    }
+    int want = f->plan[missing] < STAGES ? f->plan[missing] : STAGES;
+    if (want > missing) want = missing;
+    ok &= fetched == nf && off == 0 && nf + fallback == want;
+    if (!fallback) /* the experts fetched have at least as many positions as any computed here */
+        for (int e = 0; e < LE; e++)
+            for (int g = 0; g < LE; g++)
+                if (fetched_e[e] && !fetched_e[g] && count[g] > 0 && !(use_res && res[g])) ok &= count[e] >= count[g];
+    return ok;
+}
+
 /* one thread's layer contexts on the shared pool (see the header comment) */
 static void *layer_worker(void *p) {
     struct worker_arg *a = p;
     uint64_t rng = a->seed;
-    enum { E = 5, R = 6, H = 64 };
+    enum { E = LE, R = LR, H = LH };
     expert ex[E];
     const pf_cpu_weights *w[E];
+    uint8_t *src[E], *stage[STAGES], plan[R * 4 + 1];
+    int32_t stage_of[E];
     for (int e = 0; e < E; e++) {
         expert_make(&ex[e], &rng, PF_CPU_MXFP4, H, 32 * (1 + e % 2), PF_CPU_BF16, 1);
         w[e] = &ex[e].w;
+        src[e] = malloc(NBYTES);
+        for (int j = 0; j < NBYTES; j++) src[e][j] = (uint8_t)rng_next(&rng);
     }
+    for (int s = 0; s < STAGES; s++) stage[s] = malloc(NBYTES);
     pf_cpu *own;
     if (pf_cpu_create(1, PF_CPU_LEVEL_AUTO, &own) != PF_CPU_OK) own = NULL; /* the references */
     for (int i = 0; i < a->calls && own; i++) {
@@ -562,10 +605,16 @@ static void *layer_worker(void *p) {
             if (xf == PF_CPU_BF16) ((uint16_t *)x)[j] = f32_to_bf16(v);
             else ((float *)x)[j] = v;
         }
-        uint8_t res[E];
+        uint8_t res[E], fetched_e[E] = {0};
+        int count[E];
+        pf_layer_fetch f = {.sched = a->sched, .src = (const void *const *)src, .nbytes = NBYTES,
+                            .stage = (void *const *)stage, .stages = STAGES,
+                            .key_base = ((uint64_t)(a->id + 1) << 32) | ((uint64_t)i << 8), .plan = plan,
+                            .stage_of = stage_of, .timeout_s = 30.0};
+        int fetching = a->sched && i % 4 == 3;
         pf_layer_desc d = {.cpu = a->shared, .experts = w, .num_experts = E, .top_k = K, .rows = R, .hidden = H,
                            .idx_bytes = idx_bytes, .idx = idx, .scale = scale, .x = x, .x_format = xf, .out = out,
-                           .resident = i % 2 ? res : NULL};
+                           .resident = i % 2 ? res : NULL, .fetch = fetching ? &f : NULL};
         pf_layer *L;
         if (pf_layer_create(&d, &L) != PF_CPU_OK) {
             a->t.total++;
@@ -582,15 +631,22 @@ static void *layer_worker(void *p) {
                 scale[p] = rng_unit(&rng);
             }
             for (int e = 0; e < E; e++) res[e] = rng_next(&rng) % 3 == 0;
+            for (int m = 0; m <= n; m++) plan[m] = (uint8_t)(rng_next(&rng) % (m + 2));
             for (int j = 0; j < n * H; j++) out[j] = 3.0f;
+            for (int s = 0; s < STAGES; s++) memset(stage[s], 0xA5, NBYTES);
+            memset(count, 0, sizeof count);
+            for (int p = 0; p < T * K && !bad; p++) count[idx_bytes == 8 ? ((int64_t *)idx)[p] : ((int32_t *)idx)[p]]++;
             pf_layer_set_tokens(L, T);
             int rc = pf_layer_run(L), st = 1, routed = -1, ok = 1;
             uint64_t ns, runs;
             pf_layer_result(L, &st, &routed, &ns, &runs);
             ok = rc == st && runs == (uint64_t)r + 1 && (bad ? rc == PF_CPU_EINVAL : rc == PF_CPU_OK);
+            if (fetching && ok && !bad) ok &= check_fetch(L, &f, count, res, d.resident != NULL, src, stage, fetched_e);
+            if (fetching && bad)
+                for (int e = 0; e < E; e++) ok &= stage_of[e] == -1;
             for (int p = 0; p < n && ok; p++) {
                 long long e = idx_bytes == 8 ? ((int64_t *)idx)[p] : ((int32_t *)idx)[p];
-                if (bad || p >= T * K || (d.resident && res[e])) {
+                if (bad || p >= T * K || (d.resident && res[e]) || (fetching && fetched_e[e])) {
                     for (int j = 0; j < H; j++) ok &= out[(size_t)p * H + j] == 0.0f;
                     continue;
                 }
@@ -608,7 +664,8 @@ static void *layer_worker(void *p) {
         free(idx), free(scale), free(out), free(x);
     }
     if (own) pf_cpu_destroy(own);
-    for (int e = 0; e < E; e++) expert_free(&ex[e]);
+    for (int e = 0; e < E; e++) expert_free(&ex[e]), free(src[e]);
+    for (int s = 0; s < STAGES; s++) free(stage[s]);
     return NULL;
 }
 
@@ -648,13 +705,45 @@ static void phase_layer(int quick, uint64_t seed) {
         pf_layer_destroy(L);
         pf_layer_destroy(NULL);
         CHECK(pf_layer_run(NULL) == PF_CPU_EINVAL);
+        /* fetch descriptions refused */
+        int32_t stage_of[2];
+        uint8_t plan[5] = {0}, b0[8], b1[8];
+        const void *srcs[2] = {b0, b1};
+        void *stages[1] = {b0};
+        pf_layer_fetch f = {.sched = (pf_sched *)&d, .src = srcs, .nbytes = 8, .stage = stages, .stages = 1,
+                            .plan = plan, .stage_of = stage_of, .timeout_s = 1.0};
+        bad = d;
+        bad.fetch = &f;
+        f.stages = 0;
+        CHECK(pf_layer_create(&bad, &L) == PF_CPU_EINVAL && L == NULL);
+        f.stages = 1, f.timeout_s = 0;
+        CHECK(pf_layer_create(&bad, &L) == PF_CPU_EINVAL);
+        f.timeout_s = 1.0, f.nbytes = 0;
+        CHECK(pf_layer_create(&bad, &L) == PF_CPU_EINVAL);
+        f.nbytes = 8, srcs[1] = NULL;
+        CHECK(pf_layer_create(&bad, &L) == PF_CPU_EINVAL);
         expert_free(&e0);
     }
+    pf_config cfg;
+    pf_config_default(&cfg);
+    cfg.workers = 2;
+    cfg.chunk_bytes = 1024;
+    cfg.fault_every = 7;
+    pf_sched *sched = NULL;
+    char err[128];
+    CHECK(pf_create(&cfg, &sched, err, sizeof err) == PF_OK);
     enum { NT = 3 };
     struct worker_arg args[NT];
     for (int i = 0; i < NT; i++)
-        args[i] = (struct worker_arg){.shared = c, .seed = seed * 131 + i + 1, .calls = quick ? 3 : 10};
-    run_threads(layer_worker, args, sizeof args[0], NT, "layer: runs on a shared pool");
+        args[i] = (struct worker_arg){.shared = c, .seed = seed * 131 + i + 1, .calls = quick ? 8 : 20,
+                                      .sched = sched, .id = i};
+    run_threads(layer_worker, args, sizeof args[0], NT, "layer: runs on a shared pool, some fetching");
+    printf("layer: %d experts fetched, %d failed fetches computed instead\n", fetched_total, fallback_total);
+    count(fetched_total > 0 && fallback_total > 0, "layer: fetches landed and failed fetches were computed");
+    if (sched) {
+        pf_shutdown(sched);
+        pf_destroy(sched);
+    }
     pf_cpu_destroy(c);
 }
 
