@@ -7,9 +7,12 @@
 For each dtype (``--dtypes``, float32 and bfloat16) and each mode (off: every missing expert
 fetched; auto: each layer's misses split between the link and the CPU kernel by the cost
 model, checked by the guard against realized decode steps; auto-model: the cost model alone,
-no guard; auto-host / auto-off: the guard pinned to that arm, e.g. auto-host every miss on the
-CPU and the hits on the device (the host arm fetches nothing: its cache is filled first with as
-many experts of each layer as its share of the slots, the hits a fetching arm would leave); all: every expert on the CPU; MODE-seg (all-seg, auto-seg,
+no guard (with --cuda-graphs its decode steps are host steps of mode "split": the link and the
+CPU side by side inside one graph; auto-model-seg: segments, the split made from Python per
+layer); auto-host / auto-off: the guard pinned to that arm, e.g. auto-host every miss on the
+CPU and the hits on the device (the host and model arms fetch nothing into the cache: it is
+filled first with as many experts of each layer as its share of the slots, the hits a fetching
+arm would leave); all: every expert on the CPU; MODE-seg (all-seg, auto-seg,
 auto-host-seg, ...): MODE with host steps off, so that a graphed step that fetches nothing runs as
 segments with the experts module between them instead of one graph with host nodes,
 offload/host_graph.py), one greedy generation of ``--tokens`` tokens after a
@@ -70,7 +73,7 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
         graphs = bool(args.cuda_graphs)
         generate(rt, prompt, max_new_tokens=2, eos_token_ids=[], cuda_graphs=graphs)  # warm-up (allocations, calibration)
         rt.reset_cache()
-        if mode.startswith("auto-host") and rt.cache.capacity > rt.host.num_layers:
+        if mode.startswith(("auto-host", "auto-model")) and rt.cache.capacity > rt.host.num_layers:
             # the host arm fetches nothing: give it the share of hits a fetching arm leaves in the
             # cache (the same experts of every layer; routing is uniform on these checkpoints)
             per = rt.cache.capacity // rt.host.num_layers

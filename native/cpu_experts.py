@@ -328,9 +328,9 @@ class CpuExperts:
             raise CpuExpertError(f"CPU expert kernel: {self._strerror(rc)}")
 
     def layer(self, structs: list, top_k: int, rows: int, idx: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
-              out: torch.Tensor, resident: torch.Tensor | None = None) -> "CpuLayer":
+              out: torch.Tensor, resident: torch.Tensor | None = None, fetch: "LayerFetch | None" = None) -> "CpuLayer":
         """A :class:`CpuLayer` on this pool (closed with it)."""
-        lay = CpuLayer(self, structs, top_k, rows, idx, scale, x, out, resident)
+        lay = CpuLayer(self, structs, top_k, rows, idx, scale, x, out, resident, fetch)
         with self._lock:
             if self._closed:
                 lay.close()
@@ -437,6 +437,28 @@ class CpuExperts:
             pass
 
 
+@dataclass
+class LayerFetch:
+    """How a :class:`CpuLayer` also fetches (``pf_layer_fetch`` in pf_layer.h): with M distinct
+    non-resident experts routed in a run, ``plan[M]`` of them (at most ``len(stages)``; those with
+    the most positions) are copied by ``scheduler`` at band 0 from ``src[e]`` (the expert's
+    ``nbytes`` bytes in page-locked host memory) to a stage (``stages``: addresses of ``nbytes``
+    each, device memory on the cuda backend) while the CPU computes the others; the run waits for
+    them after its kernel call and writes ``stage_of`` (int32 [num_experts]: the stage holding each
+    expert, -1 where it is not). Task keys are ``key_base + expert``: no other task of the
+    scheduler may use them. ``plan`` (uint8 [rows * K + 1]) and ``stage_of`` are host tensors kept
+    referenced by the layer; ``plan`` is read at every run. The scheduler must outlive the layer."""
+
+    scheduler: object  # pdflash.native.Scheduler
+    src: list[int]
+    nbytes: int
+    stages: list[int]
+    key_base: int
+    plan: torch.Tensor
+    stage_of: torch.Tensor
+    timeout_s: float = 30.0
+
+
 class CpuLayer:
     """One MoE layer's routed experts, run from its routing (``pf_layer.h``): described once over
     fixed host buffers, then run on every call, from this thread (:meth:`run`) or as a CUDA host
@@ -453,10 +475,12 @@ class CpuLayer:
     (kept referenced). Closing the pool closes its layers first; a host function launched on a
     CUDA stream must have run before either is closed (synchronise first). ``resident`` (uint8
     [num_experts], read at every run): experts marked nonzero are computed elsewhere (the
-    device), their positions' rows zeroed here."""
+    device), their positions' rows zeroed here. ``fetch`` (:class:`LayerFetch`): some of the
+    other experts are fetched to the device instead of computed, their rows zeroed too."""
 
     def __init__(self, kernel: CpuExperts, structs: list, top_k: int, rows: int, idx: torch.Tensor,
-                 scale: torch.Tensor, x: torch.Tensor, out: torch.Tensor, resident: torch.Tensor | None = None):
+                 scale: torch.Tensor, x: torch.Tensor, out: torch.Tensor, resident: torch.Tensor | None = None,
+                 fetch: LayerFetch | None = None):
         ffi, lib = kernel._ffi, kernel._lib
         self._ffi, self._lib = ffi, lib
         E, K, R = len(structs), int(top_k), int(rows)
@@ -490,6 +514,25 @@ class CpuLayer:
         d.x_format = _FORMAT[x.dtype]
         d.out = ffi.cast("float *", out.data_ptr())
         d.resident = ffi.NULL if resident is None else ffi.cast("uint8_t *", resident.data_ptr())
+        self.fetching = fetch is not None
+        if fetch is not None:
+            host(fetch.plan, "fetch plan", (torch.uint8,), (R * K + 1,))
+            host(fetch.stage_of, "fetch stage_of", (torch.int32,), (E,))
+            if len(fetch.src) != E or not fetch.stages or fetch.nbytes < 1 or not fetch.timeout_s > 0:
+                raise CpuExpertError(f"fetch: one source per expert ({E}), one stage or more, nbytes >= 1 and "
+                                     "timeout_s > 0 are needed")
+            srcs = ffi.new("void *[]", [ffi.cast("void *", a) for a in fetch.src])
+            stages = ffi.new("void *[]", [ffi.cast("void *", a) for a in fetch.stages])
+            f = ffi.new("pf_layer_fetch *")
+            f.sched = fetch.scheduler._enter()  # only to read the handle: the scheduler must outlive the layer
+            fetch.scheduler._leave()
+            f.src, f.nbytes, f.stage, f.stages = srcs, int(fetch.nbytes), stages, len(fetch.stages)
+            f.key_base = int(fetch.key_base)
+            f.plan = ffi.cast("uint8_t *", fetch.plan.data_ptr())
+            f.stage_of = ffi.cast("int32_t *", fetch.stage_of.data_ptr())
+            f.timeout_s = float(fetch.timeout_s)
+            d.fetch = f
+            self._keep = self._keep + (fetch, srcs, stages, f)
         p = ffi.new("pf_layer **")
         rc = lib.pf_layer_create(d, p)
         if rc != 0:
@@ -497,6 +540,7 @@ class CpuLayer:
         self._L = p[0]
         self._runs = 0  # runs seen by check()
         self._result = (ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t *"), ffi.new("uint64_t *"))
+        self._fetch_result = (ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t *"), ffi.new("int *"))
 
     @property
     def handle(self) -> int:
@@ -535,6 +579,14 @@ class CpuLayer:
         self._lib.pf_layer_result(self._L, st, ex, ns, runs)
         return int(st[0]), int(ex[0]), ns[0] / 1e9, int(runs[0])
 
+    def fetch_result(self) -> tuple[int, int, float, bool]:
+        """(experts fetched, failed fetches computed instead, seconds waited for fetches after the
+        kernel call, fetching off for good) of the last run; zeros without fetching."""
+        self._live()
+        fe, fb, ns, off = self._fetch_result
+        self._lib.pf_layer_fetch_result(self._L, fe, fb, ns, off)
+        return int(fe[0]), int(fb[0]), ns[0] / 1e9, bool(off[0])
+
     def check(self, runs: int = 1) -> tuple[int, float]:
         """After ``runs`` runs were launched since the last check (and have finished): raise if
         one did not happen or the last failed; returns (distinct experts, seconds) of the last."""
@@ -559,5 +611,5 @@ class CpuLayer:
             self._keep = None
 
 
-__all__ = ["CpuExperts", "CpuExpertError", "CpuLayer", "CpuLevelUnsupported", "ExpertWeights", "LEVELS", "MAX_TOKENS",
+__all__ = ["CpuExperts", "CpuExpertError", "CpuLayer", "LayerFetch", "CpuLevelUnsupported", "ExpertWeights", "LEVELS", "MAX_TOKENS",
            "default_threads", "detect_level", "supported_levels"]

@@ -620,12 +620,40 @@ class CpuPlacement:
         """The placement of a forward of ``tokens`` tokens ("model" without a guard)."""
         return self.guard.arm_for(tokens) if self.guard is not None else "model"
 
-    def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int,
-                 arm: str) -> list[int]:
+    def _observe(self) -> None:
         now = time.perf_counter()
         if now - self._last_observe >= self.observe_every_s:
             self.cost.observe_scheduler(self.scheduler.stats())
             self._last_observe = now
+
+    def fetch_plan(self, tokens: int, top_k: int, stages: int) -> list[int]:
+        """For a host step's layers (host_graph.py, mode "split"): ``plan[M]``, M = 0 .. tokens *
+        top_k, the experts to fetch when M distinct routed experts are not resident, by the cost
+        model's per-layer split (:meth:`CostModel.place_layer`) with the tokens spread evenly over
+        them; at most ``stages``."""
+        self._observe()
+        n = tokens * top_k
+        plan = [0]
+        for m in range(1, n + 1):
+            per = max(1, n // m)
+            plan.append(min(stages, len(self.cost.place_layer({e: per for e in range(m)}).fetch)))
+        self.decisions += 1
+        return plan
+
+    def note_host(self, layer: int, experts: list[int]) -> None:
+        """Experts of ``layer`` a forward computed on the CPU: those used ``hot_uses`` times within
+        ``hot_window`` forwards are queued into the cache in the background band."""
+        forward = self.cache.stats.forwards
+        for e in experts:
+            uses = self._uses.setdefault((layer, e), deque(maxlen=self.hot_uses))
+            uses.append(forward)
+            if len(uses) == self.hot_uses and forward - uses[0] < self.hot_window:
+                if self.cache.prefetch(layer, e, self.background_band):
+                    self.background += 1
+
+    def __call__(self, layer: int, misses: list[int], positions: dict[int, list[int]], K: int,
+                 arm: str) -> list[int]:
+        self._observe()
         in_flight, missing = 0, {}
         for e in misses:
             if self.cache.state_of(layer, e) == "arriving":
@@ -641,15 +669,8 @@ class CpuPlacement:
             resident = [len(p) for e, p in positions.items() if e not in miss_set]
             host = self.cost.place_layer(missing, in_flight=in_flight, resident_tokens=resident).host
         self.decisions += 1
-        if arm != "model":  # the CPU serves every miss: no link traffic competes with its DRAM reads
-            return host
-        forward = self.cache.stats.forwards
-        for e in host:
-            uses = self._uses.setdefault((layer, e), deque(maxlen=self.hot_uses))
-            uses.append(forward)
-            if len(uses) == self.hot_uses and forward - uses[0] < self.hot_window:
-                if self.cache.prefetch(layer, e, self.background_band):
-                    self.background += 1
+        if arm == "model":  # not "host": there the CPU serves every miss, no link traffic competes with its reads
+            self.note_host(layer, host)
         return host
 
 

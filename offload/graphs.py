@@ -163,6 +163,8 @@ class GraphedDecoder:
         self.layer_hooks: list = []  # fn(layer, hidden after attention), called before each layer's experts
         self._host_graphs: dict[tuple[int, int, str], list] = {}  # (bucket, rows, mode) -> a host step's graph and tensors
         self.host_steps_enabled = os.environ.get("PDFLASH_HOST_STEPS", "1") != "0"
+        # PDFLASH_SPLIT_STEPS=0: the model arm runs as segmented graphs, its misses split per layer from Python
+        self.split_steps_enabled = os.environ.get("PDFLASH_SPLIT_STEPS", "1") != "0"
 
     def _static_inputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         if T not in self._inputs:
@@ -384,15 +386,16 @@ class GraphedDecoder:
 
     # -- host steps (host_graph.py) -----------------------------------------------------------
     def _host_mode(self, T: int, placement: str | None = "current") -> str | None:
-        """The host step this forward runs as ("all" or "host", see host_graph.py), or None: it
-        needs CUDA graphs, a native CPU runner, a placement that fetches nothing ("all": every
-        routed expert on the CPU; "host": the cache's hits on the device and every other expert on
-        the CPU) and no layer hooks (they need Python between layers); ``PDFLASH_HOST_STEPS=0``
-        turns host steps off."""
+        """The host step this forward runs as ("all", "host" or "split", see host_graph.py), or
+        None: it needs CUDA graphs, a native CPU runner, a placement a host step serves ("all":
+        every routed expert on the CPU; "host": the cache's hits on the device and every other
+        expert on the CPU; "split": "host" with part of the misses fetched into stages) and no
+        layer hooks (they need Python between layers); ``PDFLASH_HOST_STEPS=0`` turns host steps
+        off, ``PDFLASH_SPLIT_STEPS=0`` the "split" ones."""
         if not self.graphs or self.layer_hooks or not self.host_steps_enabled:
             return None
         mode = self.rt.host_placement(T) if placement == "current" else placement
-        if mode is None:
+        if mode is None or (mode == "split" and not self.split_steps_enabled):
             return None
         steps = HostSteps.for_runtime(self.rt)
         return mode if steps is not None and steps.can_run(mode, self._step_rows(T)) else None
@@ -419,8 +422,10 @@ class GraphedDecoder:
     def _capture_host(self, bucket: int, R: int, mode: str = "all") -> list:
         steps = HostSteps.for_runtime(self.rt)
         layers = steps.layers(R, self.dtype, mode)
-        if mode == "host":
+        if mode in ("host", "split"):
             steps.sync_cache()  # the warm-up reads the slot table
+        if mode == "split":
+            steps.refresh_plan(R, R)
         with self._capturing() as capture:  # the warm-up's host calls run, and are counted
             g, (logits, xs) = capture(self._host_step_fn(bucket, R, layers))
         return [g, logits, xs, layers, steps]
@@ -429,8 +434,10 @@ class GraphedDecoder:
         if (bucket, R, mode) not in self._host_graphs:
             self._host_graphs[(bucket, R, mode)] = self._capture_host(bucket, R, mode)
         g, logits, xs, layers, steps = self._host_graphs[(bucket, R, mode)]
-        if mode == "host":
+        if mode in ("host", "split"):
             steps.sync_cache()
+        if mode == "split":
+            steps.refresh_plan(R, T)
         for lay in layers:
             lay.set_tokens(T)
         steps.runner.prewake()  # layer 0's call comes after the embedding and its attention

@@ -25,10 +25,25 @@ of the cache's resident experts (-1: not resident), the fused MXFP4 kernel over 
 so the hits' rows are the experts module's), while the host node skips the resident experts (a
 host-side resident map, ``pf_layer``'s); the device adds the CPU's rows to its own. The table and
 the map are refreshed before a step whenever the cache's resident set changed (``ExpertCache.version``);
-nothing changes the cache while a step runs (no fetch is submitted from inside a graph). The
+nothing changes the cache while a step runs (a step's own fetches, mode "split", go to stages). The
 arithmetic is the experts module's "all" path step for step (same packing, same grouping of
 positions into kernel calls, same float32 rows summed on the device in the same dtype), so a host
 step's tokens are the segmented step's, bit for bit.
+
+Mode "split" (the guard's "model" arm: the link and the CPU side by side) is mode "host" whose
+host node also fetches: of a layer's M distinct non-resident experts it hands ``plan[M]`` (the
+cost model's split, :meth:`HostSteps.refresh_plan`; those with the most positions) to the native
+scheduler at band 0, each into a stage (a device buffer of one expert, ``HostSteps.stages``),
+computes the others, then waits for the copies (``pf_layer``'s fetching: the host node blocks on
+the scheduler's condition variable, no CUDA call) and writes where each landed (``stage_of``, a
+page-locked int32 row per layer). After the host node the device copies that row up and runs the
+fused kernel a second time, from the stages; the three parts (hits, stages, the CPU's rows) are
+zero where another computed, so their sum is exact. Stages are not the cache: a staged expert is
+gone after its layer (stream order keeps the next layer's copies behind this layer's kernel: a
+host node starts only after the work queued before it has finished), and the cache changes only
+between steps (hot experts computed on the CPU are queued into it in the background band after
+the step, :meth:`HostSteps.finish`). The wait after the CPU's share is the step's exposed fetch
+time, counted where the host node waits.
 
 Bookkeeping the experts module does per layer (routing observers, per-layer CPU counts, the
 runner's kept-current rate) happens after the step, from the routing left in the host buffers:
@@ -90,12 +105,18 @@ def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, b
     return torch.zeros(n, dtype=dtype, pin_memory=True), False
 
 
+STAGES = 8  # most experts one layer of a "split" step fetches (stages: min(STAGES, 2 * top_k))
+STAGE_KEY = 1 << 31  # task keys of staged fetches: make_key(layer, STAGE_KEY + expert)
+PLAN_EVERY = 16  # steps between two plans of the cost model's split (the rates move slowly)
+
+
 class HostLayer:
     """One layer's experts inside a host step of ``rows`` token rows (see the module docstring)."""
 
     def __init__(self, steps: "HostSteps", layer: int, rows: int, bufs: "_RowBuffers", mode: str):
         self.steps = steps
-        self.mode = mode  # "all": every routed expert on the CPU; "host": the cache's hits on the device
+        self.mode = mode  # "all": every routed expert on the CPU; "host": the cache's hits on the device;
+        # "split": "host" whose host node also fetches part of the misses into stages
         self.layer = layer
         self.rows = R = rows
         self.bufs = bufs
@@ -105,9 +126,12 @@ class HostLayer:
         self.idx = down[: bufs.a].view(torch.int64)
         runner = steps.runner
         structs = [runner.struct(layer, e) for e in range(steps.num_experts)]
-        resident = steps.resident[layer] if mode == "host" else None
+        resident = steps.resident[layer] if mode in ("host", "split") else None
+        self.stage_of = bufs.stage_of[layer]  # "split": where the last run's fetched experts landed
+        fetch = steps.fetch_for(layer, bufs) if mode == "split" else None
         self.cpu = runner.kernel.layer(structs, K, R, self.idx, down[bufs.a: bufs.b].view(torch.float32),
-                                       down[bufs.b: bufs.n].view(self.x_dtype).view(R, H), bufs.up_host, resident)
+                                       down[bufs.b: bufs.n].view(self.x_dtype).view(R, H), bufs.up_host, resident,
+                                       fetch)
         self.tokens = R
         self.launched = 0  # runs queued or done since the last check
 
@@ -122,14 +146,9 @@ class HostLayer:
             w = w.gather(1, idx)
         out_dtype = torch.promote_types(s.dtype, w.dtype)
         bufs = self.bufs
-        if self.mode == "host":  # the hits from their cache slots, on the device (the experts module's fused path)
-            slot = s.slot_of[self.layer].index_select(0, idx.reshape(-1))  # [R*K], -1: not resident
-            work = torch.stack((bufs.pairs, slot.clamp(min=0)))  # a non-resident pair reads slot 0, then is masked
-            fused = s.fused
-            h = torch.empty((R * K, fused.inter), dtype=s.dtype, device=x.device)
-            contrib = torch.empty((R * K, H), dtype=out_dtype, device=x.device)
-            fused.run(s.rt.cache.slots, x.contiguous(), w.reshape(-1).contiguous(), work, h, contrib, K)
-            contrib = torch.where((slot >= 0)[:, None], contrib, torch.zeros((), dtype=out_dtype, device=x.device))
+        on_device = self.mode in ("host", "split")
+        if on_device:  # the hits from their cache slots, on the device (the experts module's fused path)
+            contrib = self._fused(s.rt.cache.slots, s.slot_of[self.layer], x, idx, w, out_dtype)
         parts = (idx.to(torch.int64).contiguous().view(-1).view(torch.int16),
                  w.to(torch.float32).contiguous().view(-1).view(torch.int16),
                  x.to(self.x_dtype).contiguous().view(-1).view(torch.int16))
@@ -142,9 +161,26 @@ class HostLayer:
             if not torch.cuda.is_current_stream_capturing():  # a capture records it: see replayed()
                 self.launched += 1
         bufs.up_dev.copy_(bufs.up_host, non_blocking=True)
-        if self.mode == "host":  # the CPU's rows are zero where the device computed, and the reverse
+        if self.mode == "split":  # the fetched experts, from the stages the host node filled
+            bufs.stage_dev.copy_(self.stage_of, non_blocking=True)
+            contrib.add_(self._fused(s.stages, bufs.stage_dev, x, idx, w, out_dtype))
+        if on_device:  # the CPU's rows are zero where the device computed, and the reverse
             return contrib.add_(bufs.up_dev).view(R, K, H).sum(dim=1).to(x.dtype)
         return bufs.up_dev.to(out_dtype).view(R, K, H).sum(dim=1).to(x.dtype)
+
+    def _fused(self, slots: torch.Tensor, slot_of: torch.Tensor, x: torch.Tensor, idx: torch.Tensor,
+               w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Every position's expert from its slot of ``slots`` (``slot_of``: expert -> slot, -1 where
+        it is not there: such a pair reads slot 0 and is masked to zero) -> [R*K, H] rows."""
+        s = self.steps
+        R, K, H = self.rows, s.top_k, s.hidden
+        slot = slot_of.index_select(0, idx.reshape(-1))  # [R*K]
+        work = torch.stack((self.bufs.pairs, slot.clamp(min=0)))
+        fused = s.fused
+        h = torch.empty((R * K, fused.inter), dtype=s.dtype, device=x.device)
+        contrib = torch.empty((R * K, H), dtype=out_dtype, device=x.device)
+        fused.run(slots, x.contiguous(), w.reshape(-1).contiguous(), work, h, contrib, K)
+        return torch.where((slot >= 0)[:, None], contrib, torch.zeros((), dtype=out_dtype, device=x.device))
 
     def replayed(self) -> None:
         """A graph holding this layer's host node was launched (its run is then checked by
@@ -175,6 +211,12 @@ class _RowBuffers:
         self.up_host = steps._buffer(rows * K * H, torch.float32).view(rows * K, H)
         self.up_dev = torch.empty((rows * K, H), dtype=torch.float32, device=steps.device)
         self.pairs = torch.arange(rows * K, dtype=torch.int32, device=steps.device)
+        E = steps.num_experts  # mode "split": the plan, where each layer's fetches landed, its device copy
+        self.plan = steps._buffer(rows * K + 1, torch.uint8)
+        self.plan_key: tuple | None = None  # (tokens, cost model's rates) the plan was made for
+        self.stage_of = steps._buffer(steps.num_layers * E, torch.int32).view(steps.num_layers, E)
+        self.stage_of.fill_(-1)
+        self.stage_dev = torch.full((E,), -1, dtype=torch.int32, device=steps.device)
 
 
 class HostSteps:
@@ -202,6 +244,8 @@ class HostSteps:
         self._version = None
         experts = rt.family.decoder_layers(rt.model)[0].mlp.experts
         self.fused = experts.kernel.fused(self.device) if hasattr(experts, "kernel") else None
+        self.stages: torch.Tensor | None = None  # mode "split": one expert's bytes a stage (made on first use)
+        self.steps_run = 0
         self._closed = False
 
     @classmethod
@@ -224,10 +268,51 @@ class HostSteps:
         return t
 
     def can_run(self, mode: str, rows: int) -> bool:
-        """Mode "all" always; "host" where the hits' fused kernel runs (CUDA, up to its token count)."""
+        """Mode "all" always; "host" where the hits' fused kernel runs (CUDA, up to its token count);
+        "split" where "host" runs and the runtime has a scheduler and a cost model to plan with."""
         from pdflash.offload.mxfp4_triton import MAX_TOKENS as FUSED_MAX_TOKENS
 
-        return mode == "all" or (mode == "host" and self.fused is not None and rows <= FUSED_MAX_TOKENS)
+        if mode == "all":
+            return True
+        fused = self.fused is not None and rows <= FUSED_MAX_TOKENS
+        if mode == "host":
+            return fused
+        return (mode == "split" and fused and getattr(self.rt, "scheduler", None) is not None
+                and getattr(self.rt, "placer", None) is not None)
+
+    def fetch_for(self, layer: int, bufs: "_RowBuffers"):
+        """The LayerFetch of one layer's host node in mode "split": the layer's experts' host rows,
+        the stages (allocated on first use: ``STAGES`` experts' bytes on the device, beside the
+        cache), keys apart from the cache's own (``make_key(layer, STAGE_KEY + expert)``)."""
+        from pdflash.native import make_key
+        from pdflash.native.cpu_experts import LayerFetch
+
+        rt = self.rt
+        if self.stages is None:
+            self.stages = torch.empty((min(STAGES, 2 * self.top_k), rt.cache.slots.shape[1]), dtype=torch.uint8,
+                                      device=self.device)
+        host = rt.host
+        return LayerFetch(rt.scheduler, [host.row(layer, e).data_ptr() for e in range(self.num_experts)],
+                          int(rt.cache.slots.shape[1]), [t.data_ptr() for t in self.stages],
+                          make_key(layer, STAGE_KEY), bufs.plan, bufs.stage_of[layer])
+
+    def invalidate_plans(self) -> None:
+        """Make every plan again before its next step (the runtime's cache and statistics were reset)."""
+        for bufs in self._bufs.values():
+            bufs.plan_key = None
+
+    def refresh_plan(self, rows: int, tokens: int) -> None:
+        """Before a step of mode "split": the plan its host nodes read (``plan[M]``: experts to fetch
+        of M non-resident ones, the cost model's per-layer split, ``CpuPlacement.fetch_plan``),
+        made again when the token count changed or every ``PLAN_EVERY`` steps (the rates move)."""
+        bufs = self._bufs[rows]
+        key = (tokens, self.steps_run // PLAN_EVERY)
+        if bufs.plan_key == key:
+            return
+        plan = self.rt.placer.fetch_plan(tokens, self.top_k, len(self.stages))
+        bufs.plan.zero_()
+        bufs.plan[: len(plan)].copy_(torch.tensor(plan, dtype=torch.uint8))
+        bufs.plan_key = key
 
     def sync_cache(self) -> None:
         """Before a host step of mode "host": the resident map and slot table from the cache
@@ -263,25 +348,39 @@ class HostSteps:
         rt, runner = self.rt, self.runner
         stats = rt.cache.stats
         K = self.top_k
+        mode = layers[0].mode
         routed = torch.stack([lay.idx[: tokens * K] for lay in layers]).tolist()
-        slot_of = {(layer, e): s for layer, e, s in self._slots_host} if layers[0].mode == "host" else {}
+        slot_of = {(layer, e): s for layer, e, s in self._slots_host} if mode in ("host", "split") else {}
         for lay, idx in zip(layers, routed):
             n, lay.launched = lay.launched, 0
             _, seconds = lay.cpu.check(runs=n)
             counts = Counter(idx)
             experts = sorted(counts)
-            on_cpu = []
+            on_cpu, cpu_experts, fetched = [], [], 0
             for e in experts:
                 s = slot_of.get((lay.layer, e))
-                if s is None:
-                    on_cpu.append(counts[e])
-                else:  # computed on the device from its slot
+                if s is not None:  # computed on the device from its slot
                     rt.cache.count_hit(lay.layer, s)
-            stats.layers[lay.layer].cpu += len(on_cpu)
+                elif mode == "split" and int(lay.stage_of[e]) >= 0:  # fetched into a stage
+                    fetched += 1
+                else:
+                    on_cpu.append(counts[e])
+                    cpu_experts.append(e)
+            layer_stats = stats.layers[lay.layer]
+            layer_stats.cpu += len(on_cpu)
+            if mode == "split":
+                _, _, waited, _ = lay.cpu.fetch_result()
+                layer_stats.misses += fetched
+                stats.demand_fetches += fetched
+                if fetched:
+                    layer_stats.exposed_s += waited
+                    layer_stats.waits += 1
+                rt.placer.note_host(lay.layer, cpu_experts)  # hot ones go to the cache in the background
             stats.cpu_seconds += seconds
             runner.account(on_cpu, seconds)
             rt._on_routed(lay.layer, experts)
         stats.host_steps += 1
+        self.steps_run += 1
         rt.cache.sync_point()
 
     def close(self) -> None:

@@ -73,6 +73,9 @@ def min_cache_experts(num_experts: int, top_k: int, block_tokens: int) -> int:
     return min(num_experts, max(1, block_tokens) * top_k)
 
 
+
+_HOST_STEP_OF_ARM = {"all": "all", "host": "host", "model": "split"}  # the guard's arms as host steps
+
 class RoutingRecord:
     """Experts each layer used, per forward, while recording (``OffloadedModel.record_routing``)."""
 
@@ -367,16 +370,21 @@ class OffloadedModel:
         return self.host_placement(tokens) == "all"
 
     def host_placement(self, tokens: int) -> str | None:
-        """How a forward of ``tokens`` tokens places experts when nothing is fetched: "all" (every
-        routed expert on the CPU), "host" (the guard's host arm: the cache's hits on the device,
-        every other expert on the CPU), or None (it fetches: the cost model's split, or off)."""
+        """How a forward of ``tokens`` tokens places experts where a host step (host_graph.py) can
+        serve it: "all" (every routed expert on the CPU), "host" (the guard's host arm: the cache's
+        hits on the device, every other expert on the CPU), "split" (the guard's model arm: the
+        cost model splits each layer's misses between the link and the CPU), or None (fetch-only,
+        or no guard)."""
         if self.cpu is None:
             return None
         if self.cpu_mode == "all":
             return "all"
         if self.cpu_mode == "auto" and self.placer is not None:
             arm = self.placer.arm(tokens)
-            return arm if arm in ("all", "host") else None
+            guard = self.placer.guard
+            if arm == "model" and guard is not None and tokens > guard.max_tokens:
+                return None  # a prefill the guard does not judge: the experts module's per-layer split
+            return _HOST_STEP_OF_ARM.get(arm)
         return None
 
     def host_placements(self, tokens: int) -> list[str | None]:
@@ -386,7 +394,7 @@ class OffloadedModel:
         guard = self.placer.guard if self.cpu_mode == "auto" and self.placer is not None else None
         if self.cpu is None or guard is None or guard.pinned or tokens > guard.max_tokens:
             return [self.host_placement(tokens)]
-        return list(dict.fromkeys(a if a in ("all", "host") else None for a in guard.arms))
+        return list(dict.fromkeys(_HOST_STEP_OF_ARM.get(a) for a in guard.arms))
 
     def _layer_hook(self, i: int):
         def hook(module, args, kwargs):
@@ -629,6 +637,9 @@ class OffloadedModel:
                 raise PdflashError(f"capacity_experts must be between {need} (one layer of a {self.block_tokens}-token "
                                    f"block) and the {self.cache.n_slots} slots allocated at load, got {capacity_experts}")
         self.cache.reset(capacity_experts)
+        steps = self.__dict__.get("_host_steps")
+        if steps is not None:
+            steps.invalidate_plans()
         if self.cpu is not None:
             self.cpu.reset_stats()
         self.prefetcher.reset()

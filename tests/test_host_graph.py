@@ -103,14 +103,69 @@ def test_a_layer_run_is_the_runners_grouped_call_bit_for_bit(idx_dtype, x_dtype)
         lay.run()
 
 
+def test_a_fetching_layer_stages_the_planned_experts_and_computes_the_rest():
+    """With a LayerFetch (memcpy scheduler, host stages) a run fetches plan[M] of its M
+    non-resident experts, the most positions first, into the stages byte for byte, zeroes their
+    rows and computes the others exactly as a plain layer does; stage_of says where each landed;
+    a failing copy is computed instead (out still covers every position)."""
+    from pdflash.native import Scheduler
+    from pdflash.native.cpu_experts import LayerFetch
+
+    H, E, K, R, NB = 64, 6, 2, 4, 5000
+    experts = [_expert(H, 32, seed=e) for e in range(E)]
+    g = torch.Generator().manual_seed(5)
+    src = [torch.randint(0, 256, (NB,), dtype=torch.uint8, generator=g) for _ in range(E)]
+    stages = [torch.zeros(NB, dtype=torch.uint8) for _ in range(2)]
+    for fault in (0, 1):
+        with CpuExperts(threads=2) as k, Scheduler("memcpy", workers=2, fault_every=fault) as sched:
+            structs = [w.struct(k.ffi) for w in experts]
+            idx = torch.tensor([0, 1, 0, 2, 0, 3, 1, 4], dtype=torch.int64)  # positions: 0:3, 1:2, 2..4:1
+            scale = torch.rand(R * K, generator=g)
+            x = torch.randn(R, H, generator=g)
+            want = torch.zeros(R * K, H)
+            plain = k.layer(structs, K, R, idx, scale, x, want)
+            plain.run()
+            resident = torch.zeros(E, dtype=torch.uint8)
+            resident[3] = 1
+            plan = torch.zeros(R * K + 1, dtype=torch.uint8)
+            stage_of = torch.full((E,), 7, dtype=torch.int32)
+            out = torch.full((R * K, H), 5.0)
+            fetch = LayerFetch(sched, [t.data_ptr() for t in src], NB, [t.data_ptr() for t in stages], 1 << 40,
+                               plan, stage_of)
+            lay = k.layer(structs, K, R, idx, scale, x, out, resident, fetch)
+            for planned in (0, 1, 2, 4):  # M = 4 non-resident experts (0, 1, 2, 4); two stages
+                plan[4] = planned
+                lay.run()
+                fetched, fallback, _, off = lay.fetch_result()
+                chosen = [0, 1][: min(planned, 2)]  # the most positions first
+                assert fetched + fallback == len(chosen) and not off
+                if not fault:
+                    assert fallback == 0 and [int(stage_of[e]) for e in chosen] == list(range(len(chosen)))
+                for e in range(E):
+                    s = int(stage_of[e])
+                    if s >= 0:
+                        assert e in chosen and torch.equal(stages[s], src[e])
+                skip = {3} | {e for e in range(E) if int(stage_of[e]) >= 0}
+                rows = torch.tensor([int(e) not in skip for e in idx.tolist()])
+                assert torch.equal(out[rows], want[rows]) and torch.count_nonzero(out[~rows]) == 0
+            with pytest.raises(CpuExpertError, match="fetch plan"):
+                k.layer(structs, K, R, idx, scale, x, out, None,
+                        LayerFetch(sched, fetch.src, NB, fetch.stages, 0, plan[:-1], stage_of))
+            with pytest.raises(CpuExpertError, match="one source per expert"):
+                k.layer(structs, K, R, idx, scale, x, out, None,
+                        LayerFetch(sched, fetch.src[:-1], NB, fetch.stages, 0, plan, stage_of))
+
+
 def _replaying_capture_host(self, bucket: int, R: int, mode: str = "all") -> list:
     """``GraphedDecoder._capture_host`` for a CPU: the step function is warmed up once, as the
     capture does, and each "replay" runs it again and publishes its outputs in the first run's
     tensors, where the captured graph's outputs would be."""
     steps = HostSteps.for_runtime(self.rt)
     layers = steps.layers(R, self.dtype, mode)
-    if mode == "host":
+    if mode in ("host", "split"):
         steps.sync_cache()
+    if mode == "split":
+        steps.refresh_plan(R, R)
     fn = self._host_step_fn(bucket, R, layers)
     logits, xs = fn()
 
@@ -229,6 +284,71 @@ def test_a_host_step_with_the_caches_hits_is_the_host_arm_bit_for_bit(tmp_path, 
         assert want[4] == 0 and got[4] == 5
 
 
+def _fused_on_cpu(monkeypatch):
+    from pdflash.offload import mxfp4_triton
+
+    monkeypatch.setenv("PDFLASH_FUSED_EXPERTS", "1")
+    if not mxfp4_triton.available(torch.device("cpu")):
+        pytest.skip("the fused kernels need Triton (its interpreter on the CPU)")
+
+
+def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeypatch):
+    """The guard's model arm as host steps of mode "split": a plan that fetches every miss gives
+    the host arm's logits with every expert resident, bit for bit (a staged expert is the fused
+    kernel's, like a hit); a plan that fetches nothing gives the host arm's with the same cache;
+    the cost model's own plan keeps fetch-only's greedy tokens (float32) and counts hits, fetched
+    misses (with the time the host nodes waited for them) and CPU experts, one per routed expert."""
+    _fused_on_cpu(monkeypatch)
+    monkeypatch.setattr(GraphedDecoder, "_capture_host", _replaying_capture_host)
+    monkeypatch.setattr(GraphedDecoder, "_capture", _replaying_capture)
+    ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=24)
+    L, E = 4, 8
+    with OffloadedModel.load(ckpt, device="cpu", dtype="float32", cpu_experts="auto", link_gbps=1.0,
+                             expert_cache_experts=L * E - 1, cpu_threads=2) as rt:
+        guard, placer = rt.placer.guard, rt.placer
+        placer.hot_uses = 10**6  # the cache stays as filled: runs compare bit for bit
+        plan_of = placer.fetch_plan
+
+        def run(arm, cached, plan=None, steps=3):
+            rt.reset_cache(cached)
+            keys = [(layer, e) for layer in range(L) for e in range(E)]
+            rt.cache.fill(keys[:-1] if cached == L * E - 1 else [k for k in keys if sum(k) % 3 == 0][:cached])
+            placer.fetch_plan = plan or plan_of
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 10, graphs=False)
+            guard.pin("all", longer=True)  # the prompt's keys and values whatever the cache holds
+            toks = [int(dec.prefill(PROMPT).argmax())]
+            dec.graphs = True
+            guard.pin(arm)
+            fs = rt.cache.stats
+            before = (fs.host_steps, fs.hits, fs.misses, fs.cpu, fs.demand_fetches,
+                      sum(lc.waits for lc in fs.layers))
+            rows = []
+            for _ in range(steps):
+                rows.append(dec.decode(toks[-1]))
+                toks.append(int(rows[-1].argmax()))
+            after = (fs.host_steps, fs.hits, fs.misses, fs.cpu, fs.demand_fetches, sum(lc.waits for lc in fs.layers))
+            host_steps, hits, misses, cpu, demand, waits = (b - a for a, b in zip(before, after))
+            assert host_steps == (steps if arm != "off" else 0)
+            if arm != "off":  # every routed expert once: a hit, a fetched miss or a CPU expert
+                assert hits + misses + cpu == steps * L * 2 and demand == misses
+            return torch.cat(rows), toks, (hits, misses, cpu, waits)
+
+        every = lambda tokens, top_k, stages: list(range(tokens * top_k + 1))  # noqa: E731
+        nothing = lambda tokens, top_k, stages: [0] * (tokens * top_k + 1)  # noqa: E731
+        want, _, (hits, misses, cpu, _) = run("model", L * E - 1, every)
+        assert hits > 0 and cpu == 0
+        got, _, (hits, misses, cpu, waits) = run("model", 12, every)
+        assert torch.equal(got, want) and misses > 0 and cpu == 0 and waits > 0
+        want = run("host", 12)[0]
+        got, _, (hits, misses, cpu, _) = run("model", 12, nothing)
+        assert torch.equal(got, want) and misses == 0 and cpu > 0
+        _, toks_off, _ = run("off", 12, steps=5)
+        _, toks, counts = run("model", 12, lambda tokens, top_k, stages: [0, 1, 1][: tokens * top_k + 1], steps=5)
+        assert toks == toks_off and counts[1] > 0 and counts[2] > 0, counts
+        plan = plan_of(1, 2, 4)
+        assert len(plan) == 3 and plan[0] == 0 and all(0 <= n <= m for m, n in enumerate(plan))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_host_steps_match_the_segmented_graphs(tmp_path, dtype):
@@ -289,3 +409,46 @@ def test_cuda_host_steps_of_the_host_arm_match_its_segments(tmp_path, dtype):
     got, want = run(True), run(False)
     assert torch.equal(got[0], want[0]) and got[1:3] == want[1:3]
     assert got[3] == 21 and want[3] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_split_host_steps_fetch_beside_the_cpu(tmp_path):
+    """On CUDA, the model arm as captured host steps of mode "split": host nodes that hand part of
+    a layer's misses to the scheduler (real copies on its streams, waited for on a condition
+    variable inside the graph) and compute the rest. A plan that fetches every miss gives, bit
+    for bit, the logits of a cache holding every expert but one (staged experts are the fused
+    kernel's, like hits); the cost model's plan keeps fetch-only's greedy tokens in float32."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=7)
+    L, E = 4, 8
+
+    def run(arm, cached, plan=None, steps=16):
+        with OffloadedModel.load(ckpt, device="cuda", dtype="float32", cpu_experts="auto", cpu_threads=4,
+                                 expert_cache_experts=L * E - 1) as rt:
+            guard, placer = rt.placer.guard, rt.placer
+            placer.hot_uses = 10**6
+            if plan is not None:
+                placer.fetch_plan = plan
+            keys = [(layer, e) for layer in range(L) for e in range(E)]
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 40, graphs=True)
+            guard.pin("all", longer=True)
+            toks = [int(dec.prefill(PROMPT).argmax())]
+            rt.cache.fill(keys[:cached])
+            guard.pin(arm)
+            rows = []
+            for _ in range(steps):
+                rows.append(dec.decode(toks[-1]))
+                toks.append(int(rows[-1].argmax()))
+            fs = rt.cache.stats
+            return torch.cat(rows).cpu(), toks, fs.host_steps, fs.misses, sum(lc.waits for lc in fs.layers), fs.cpu
+
+    every = lambda tokens, top_k, stages: list(range(tokens * top_k + 1))  # noqa: E731
+    want = run("model", L * E - 1, every)
+    got = run("model", 12, every)
+    assert torch.equal(got[0], want[0]) and got[2] == 16 and got[3] > 0 and got[4] > 0 and got[5] == 0
+    off = run("off", 12)
+    mixed = run("model", 12, lambda tokens, top_k, stages: [0, 1, 1][: tokens * top_k + 1])
+    assert mixed[1] == off[1] and mixed[2] == 16 and mixed[3] > 0 and mixed[5] > 0
+    assert run("model", 12)[1] == off[1]  # the cost model's own plan
+

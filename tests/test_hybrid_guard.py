@@ -423,7 +423,7 @@ def test_on_sequence_forgets_the_last_forward():
 
 def test_host_placements_lists_every_arm_a_step_may_take(tmp_path):
     """What graphs.py captures before a sequence: every placement of the guard's arms while it
-    checks (segments for off and model, host steps for all and host), the pinned one once pinned."""
+    checks (segments for off, host steps for all, host and model: "split"), the pinned one once pinned."""
     import torch
 
     from pdflash.offload.config import ModelPreset
@@ -435,9 +435,11 @@ def test_host_placements_lists_every_arm_a_step_may_take(tmp_path):
     with OffloadedModel.load(path, dtype=torch.float32, cpu_experts="auto", expert_cache_experts=tiny.num_experts_per_tok,
                              link_gbps=0.01, cpu_threads=1) as rt:
         guard = rt.placer.guard
-        assert sorted(rt.host_placements(1), key=str) == sorted([None, "all", "host"], key=str)
+        assert sorted(rt.host_placements(1), key=str) == sorted([None, "all", "host", "split"], key=str)
         assert rt.host_placements(guard.max_tokens + 1) == [None]  # a prefill: the cost model's split
         guard.pin("host")
         assert rt.host_placements(1) == ["host"] and guard.pinned
         guard.pin("model")
+        assert rt.host_placements(1) == ["split"]
+        guard.pin("off")
         assert rt.host_placements(1) == [None]
