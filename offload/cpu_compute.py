@@ -371,6 +371,12 @@ class HybridGuard:
     the link changed), a full check of every arm follows at once. ``on_forward(tokens)`` is a
     forward observer of the runtime.
 
+    A short sequence cannot pay for a check: one announced with fewer than :attr:`min_steps`
+    steps (``on_sequence(steps)``; a ``generate`` of a few tokens) runs the first arm, the one the
+    order ranks best, unchecked, as long as no check has completed and the short sequences so
+    far have run fewer than ``min_steps`` steps in all; after that a check runs across short
+    sequences as across long ones (its windows continue where the last sequence stopped).
+
     The arm rules the forwards it is judged by. A longer forward (a prefill, perhaps a later
     ``generate`` on the same runtime) reads each expert's weights once per 16 tokens on the CPU
     and is priced by the cost model's split instead (:meth:`arm_for`), whichever arm the steps keep."""
@@ -404,6 +410,8 @@ class HybridGuard:
         self._pinned = False  # pin(): one arm kept, nothing checked
         self._pin_longer = False  # pin(longer=True): the pinned arm rules prefills too
         self._prev: tuple[float, int] | None = None  # (start, tokens) of the previous forward
+        self._short = False  # this sequence runs the first arm unchecked (on_sequence)
+        self.short_steps = 0  # steps run unchecked by short sequences
         self._start_check()
 
     @property
@@ -415,6 +423,11 @@ class HybridGuard:
     def pinned(self) -> bool:
         """One arm is kept for good (:meth:`pin`): nothing is checked."""
         return self._pinned
+
+    @property
+    def short(self) -> bool:
+        """This sequence runs the first arm unchecked (:meth:`on_sequence`)."""
+        return self._short
 
     def arm_for(self, tokens: int) -> str:
         """The placement of a forward of ``tokens`` tokens: the kept (or tried) arm where the
@@ -450,6 +463,7 @@ class HybridGuard:
     def unpin(self) -> None:
         """Forget any pinned or kept arm and check every arm from the next step, as a new guard does."""
         self._pinned, self._pin_longer, self._choice, self._prev = False, False, None, None
+        self._short, self.short_steps = False, 0
         self.hold = self._first_hold
         self._start_check()
 
@@ -462,11 +476,26 @@ class HybridGuard:
             return  # after a prefill, or before one (the gap may hold anything): not a step
         self._step(now - prev[0], prev[1])
 
-    def on_sequence(self) -> None:
-        """A new sequence starts: the gap since the last forward is no step, and its first
-        ``settle`` steps are not counted."""
+    @property
+    def min_steps(self) -> int:
+        """The fewest steps a sequence needs to be checked in: two rounds of every arm's window
+        after the settle steps."""
+        return 2 * (self.settle + self.window * len(self.arms))
+
+    def on_sequence(self, steps: int | None = None) -> None:
+        """A new sequence starts, of at most ``steps`` decode steps (None: unknown): the gap since
+        the last forward is no step, and its first ``settle`` steps are not counted. A short one
+        may run the first arm unchecked (see the class docstring)."""
         self._prev = None
         self._settling = self.settle
+        was = self._short
+        self._short = (steps is not None and steps < self.min_steps and not self._pinned and self.checks == 0
+                       and self.short_steps < self.min_steps)
+        if self._short:
+            self.arm = self.arms[0]
+        elif was and not self._pinned:  # back to the check where it stopped; its window starts again
+            self.arm = self._live[self._turn] if not self._holding else self._choice
+            self._window_steps = 0
 
     def _note(self, tokens: int, seconds: float, what: str) -> None:
         if len(self.trace) < self.trace_limit:
@@ -476,6 +505,10 @@ class HybridGuard:
         """One step of ``tokens`` tokens ran with the current arm and took ``seconds``."""
         if self._pinned:
             self._note(tokens, seconds, "pinned")
+            return
+        if self._short:
+            self._note(tokens, seconds, "unchecked")
+            self.short_steps += 1
             return
         settling = self._settling > 0
         self._settling -= settling
@@ -573,7 +606,9 @@ class HybridGuard:
     def stats(self) -> dict:
         medians = {f"{a}_ms": (self._medians[a] * 1e3 if a in self._medians else None) for a in self.arms}
         return {"arm": self.arm, "host_path": self.enabled, "checks": self.checks, "full_checks": self.full_checks,
-                "abandoned_windows": self.abandoned, **medians, "hold_steps": self.hold}
+                "abandoned_windows": self.abandoned, **medians, "hold_steps": self.hold,
+                "short_sequence": self._short, "unchecked_steps": self.short_steps,
+                "trace": [{"arm": a, "tokens": t, "ms": ms, "counted": how} for a, t, ms, how in self.trace]}
 
 
 def _median(xs: list[float]) -> float:

@@ -116,6 +116,7 @@ def generate(
         if dev.type != "cuda":
             raise PdflashError("--cuda-graphs needs --device cuda")
         dec = GraphedDecoder(rt, max_len=int(ids.shape[1]) + max_new_tokens, graphs=True)
+        rt.begin_sequence(max_new_tokens)  # before the captures: a short run needs only its first arm's
         dec.prepare(int(ids.shape[1]))  # the bucket of the first decode step
         step_prefill, step_decode = dec.prefill, dec.decode
     else:
@@ -124,6 +125,7 @@ def generate(
         with rt.decode_threads():  # the decode shape's first-call setup, before the prompt
             warm_linears([rt.model], [1])
         kv = rt.new_kv_cache()
+        rt.begin_sequence(max_new_tokens)  # a short run may keep the guard's first arm unchecked
         step_prefill = lambda p: prefill(rt, p, kv)  # noqa: E731
         step_decode = lambda t: decode_one_token(rt, t, kv)  # noqa: E731
 

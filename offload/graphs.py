@@ -479,7 +479,7 @@ class GraphedDecoder:
         """:meth:`prefill`, also returning the ``tap_layers`` outputs [1, T, K*H] (or None)."""
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
         self.length = 0
-        self.rt.begin_sequence()
+        self.rt.begin_sequence(self.max_len - int(ids.shape[1]))  # at most that many steps follow
         feats = []  # every chunk's tapped outputs: the draft needs all the prompt's positions
 
         def run(chunk: torch.Tensor, start: int) -> torch.Tensor:

@@ -75,6 +75,7 @@ def min_cache_experts(num_experts: int, top_k: int, block_tokens: int) -> int:
 
 
 _HOST_STEP_OF_ARM = {"all": "all", "host": "host", "model": "split"}  # the guard's arms as host steps
+GUARD_TRACE_STEPS = 64  # the guard's first steps kept for --json (arm, tokens, ms, how counted)
 
 class RoutingRecord:
     """Experts each layer used, per forward, while recording (``OffloadedModel.record_routing``)."""
@@ -319,7 +320,7 @@ class OffloadedModel:
 
             self.cpu.calibrate()
             order = guard_order(self.cpu.seconds_for(1), self.cost.seconds_per_expert_fetch())
-            guard = HybridGuard(arms=order) if hybrid_guard else None
+            guard = HybridGuard(arms=order, trace=GUARD_TRACE_STEPS) if hybrid_guard else None
             self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
                                        background_band=self._background_priority, guard=guard)
             if guard is not None:
@@ -392,7 +393,7 @@ class OffloadedModel:
         current one, or, while auto's guard still tries arms, each of its arms' (graphs.py
         captures a graph for each before a sequence starts)."""
         guard = self.placer.guard if self.cpu_mode == "auto" and self.placer is not None else None
-        if self.cpu is None or guard is None or guard.pinned or tokens > guard.max_tokens:
+        if self.cpu is None or guard is None or guard.pinned or guard.short or tokens > guard.max_tokens:
             return [self.host_placement(tokens)]
         return list(dict.fromkeys(_HOST_STEP_OF_ARM.get(a) for a in guard.arms))
 
@@ -442,11 +443,13 @@ class OffloadedModel:
         if self._closed:
             raise PdflashError("this OffloadedModel is closed; load the model again")
 
-    def begin_sequence(self) -> None:
-        """A new sequence starts (its prompt comes next): the time since the last forward holds
-        whatever ran between two sequences and is no decode step (the hybrid guard)."""
+    def begin_sequence(self, steps: int | None = None) -> None:
+        """A new sequence starts (its prompt comes next), of at most ``steps`` decode steps (None:
+        unknown): the time since the last forward holds whatever ran between two sequences and is
+        no decode step, and a short sequence may run the guard's first arm unchecked (the hybrid
+        guard, ``HybridGuard.on_sequence``)."""
         if self.placer is not None and self.placer.guard is not None:
-            self.placer.guard.on_sequence()
+            self.placer.guard.on_sequence(steps)
 
     def new_kv_cache(self):
         """An empty KV cache for ``forward`` (transformers DynamicCache, sliding layers as the

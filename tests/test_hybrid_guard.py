@@ -403,6 +403,7 @@ def test_the_gap_between_two_sequences_is_no_step(tmp_path):
                              link_gbps=0.01, cpu_threads=1) as rt:
         guard = rt.placer.guard
         guard.trace_limit, guard.settle = 64, 2
+        guard.short_steps = guard.min_steps  # short sequences are checked too (no first-arm exemption left)
         generate(rt, [1, 2, 3], max_new_tokens=3, eos_token_ids=[])
         first = list(guard.trace)
         assert [w for *_, w in first[:2]] == ["settling"] * 2
@@ -419,6 +420,49 @@ def test_on_sequence_forgets_the_last_forward():
     g.on_sequence()
     g.on_forward(1)
     assert g.trace == []
+
+
+def test_a_short_sequence_runs_the_first_arm_unchecked_until_short_ones_add_up():
+    """A sequence announced shorter than a check (min_steps) keeps the first arm, its steps traced
+    as unchecked; once short sequences have run min_steps steps in all, the check runs across
+    them and completes as in one long sequence; after a completed check, and for long, unknown
+    or pinned sequences, nothing is exempt."""
+    clock = Clock()
+    arms = ("all", "host", "model", "off")
+    ms = {"all": 0.020, "host": 0.030, "model": 0.040, "off": 0.050}
+    g = HybridGuard(window=2, rounds=1, settle=1, arms=arms, clock=clock, trace=200)
+    assert g.min_steps == 2 * (1 + 2 * 4)
+
+    def sequence(steps):
+        g.on_sequence(steps)
+        used = []
+        for _ in range(steps):
+            g.on_forward(1)
+            used.append(g.arm)
+            clock.t += ms[g.arm]
+        return used
+
+    used = sequence(8) + sequence(8) + sequence(8)  # 7 steps each (the first forward follows no step)
+    assert used == ["all"] * 24 and g.short_steps == 21 and g.checks == 0
+    assert [what for *_, what in g.trace] == ["unchecked"] * 21
+    assert g.stats()["unchecked_steps"] == 21
+    while g.checks == 0 and len(used) < 200:  # short_steps >= min_steps: checked across sequences
+        used += sequence(8)
+        assert not g.short
+    assert g.checks == 1 and g.arm == "all" and set(used[24:]) == set(arms) and g.short_steps == 21
+    g.on_sequence(4)  # a check has completed
+    assert not g.short
+    g = HybridGuard(window=2, rounds=1, settle=1, arms=arms, clock=clock)
+    for steps in (100, None):
+        g.on_sequence(steps)
+        assert not g.short
+    g.on_sequence(3)
+    assert g.short and g.arm == "all" and g.stats()["short_sequence"]
+    g.on_sequence(100)  # back to the check where it stood
+    assert not g.short and g.arm == "all"
+    g.pin("off")
+    g.on_sequence(3)
+    assert not g.short and g.arm == "off"
 
 
 def test_host_placements_lists_every_arm_a_step_may_take(tmp_path):
