@@ -351,6 +351,7 @@ class HostSteps:
         mode = layers[0].mode
         routed = torch.stack([lay.idx[: tokens * K] for lay in layers]).tolist()
         slot_of = {(layer, e): s for layer, e, s in self._slots_host} if mode in ("host", "split") else {}
+        hot = []  # "split": each layer's CPU experts, offered to the cache once every hit is counted
         for lay, idx in zip(layers, routed):
             n, lay.launched = lay.launched, 0
             _, seconds = lay.cpu.check(runs=n)
@@ -375,10 +376,12 @@ class HostSteps:
                 if fetched:
                     layer_stats.exposed_s += waited
                     layer_stats.waits += 1
-                rt.placer.note_host(lay.layer, cpu_experts)  # hot ones go to the cache in the background
+                hot.append((lay.layer, cpu_experts))
             stats.cpu_seconds += seconds
             runner.account(on_cpu, seconds)
             rt._on_routed(lay.layer, experts)
+        for layer, experts in hot:  # hot ones go to the cache in the background (this may evict a hit's slot)
+            rt.placer.note_host(layer, experts)
         stats.host_steps += 1
         self.steps_run += 1
         rt.cache.sync_point()

@@ -345,6 +345,9 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
         _, toks_off, _ = run("off", 12, steps=5)
         _, toks, counts = run("model", 12, lambda tokens, top_k, stages: [0, 1, 1][: tokens * top_k + 1], steps=5)
         assert toks == toks_off and counts[1] > 0 and counts[2] > 0, counts
+        placer.hot_uses, placer._uses = 1, {}  # every CPU expert is hot: queued into the (full) cache after its step, evicting hits
+        _, toks, counts = run("model", 12, lambda tokens, top_k, stages: [0, 1, 1][: tokens * top_k + 1], steps=5)
+        assert toks == toks_off and placer.background > 0
         plan = plan_of(1, 2, 4)
         assert len(plan) == 3 and plan[0] == 0 and all(0 <= n <= m for m, n in enumerate(plan))
 
@@ -436,12 +439,14 @@ def test_cuda_split_host_steps_fetch_beside_the_cpu(tmp_path):
             toks = [int(dec.prefill(PROMPT).argmax())]
             rt.cache.fill(keys[:cached])
             guard.pin(arm)
+            fs = rt.cache.stats
+            before = (fs.host_steps, fs.misses, sum(lc.waits for lc in fs.layers), fs.cpu)  # the prompt's
             rows = []
             for _ in range(steps):
                 rows.append(dec.decode(toks[-1]))
                 toks.append(int(rows[-1].argmax()))
-            fs = rt.cache.stats
-            return torch.cat(rows).cpu(), toks, fs.host_steps, fs.misses, sum(lc.waits for lc in fs.layers), fs.cpu
+            after = (fs.host_steps, fs.misses, sum(lc.waits for lc in fs.layers), fs.cpu)
+            return (torch.cat(rows).cpu(), toks, *(b - a for a, b in zip(before, after)))
 
     every = lambda tokens, top_k, stages: list(range(tokens * top_k + 1))  # noqa: E731
     want = run("model", L * E - 1, every)
