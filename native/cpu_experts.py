@@ -514,7 +514,6 @@ class CpuLayer:
         d.x_format = _FORMAT[x.dtype]
         d.out = ffi.cast("float *", out.data_ptr())
         d.resident = ffi.NULL if resident is None else ffi.cast("uint8_t *", resident.data_ptr())
-        self.fetching = fetch is not None
         if fetch is not None:
             host(fetch.plan, "fetch plan", (torch.uint8,), (R * K + 1,))
             host(fetch.stage_of, "fetch stage_of", (torch.int32,), (E,))

@@ -422,10 +422,7 @@ class GraphedDecoder:
     def _capture_host(self, bucket: int, R: int, mode: str = "all") -> list:
         steps = HostSteps.for_runtime(self.rt)
         layers = steps.layers(R, self.dtype, mode)
-        if mode in ("host", "split"):
-            steps.sync_cache()  # the warm-up reads the slot table
-        if mode == "split":
-            steps.refresh_plan(R, R)
+        steps.before_step(mode, R, R)  # the warm-up reads the slot table and the plan
         with self._capturing() as capture:  # the warm-up's host calls run, and are counted
             g, (logits, xs) = capture(self._host_step_fn(bucket, R, layers))
         return [g, logits, xs, layers, steps]
@@ -434,10 +431,7 @@ class GraphedDecoder:
         if (bucket, R, mode) not in self._host_graphs:
             self._host_graphs[(bucket, R, mode)] = self._capture_host(bucket, R, mode)
         g, logits, xs, layers, steps = self._host_graphs[(bucket, R, mode)]
-        if mode in ("host", "split"):
-            steps.sync_cache()
-        if mode == "split":
-            steps.refresh_plan(R, T)
+        steps.before_step(mode, R, T)
         for lay in layers:
             lay.set_tokens(T)
         steps.runner.prewake()  # layer 0's call comes after the embedding and its attention

@@ -213,7 +213,7 @@ class _RowBuffers:
         self.pairs = torch.arange(rows * K, dtype=torch.int32, device=steps.device)
         E = steps.num_experts  # mode "split": the plan, where each layer's fetches landed, its device copy
         self.plan = steps._buffer(rows * K + 1, torch.uint8)
-        self.plan_key: tuple | None = None  # (tokens, cost model's rates) the plan was made for
+        self.plan_key: tuple | None = None  # (tokens, plan period) the plan was made for (refresh_plan)
         self.stage_of = steps._buffer(steps.num_layers * E, torch.int32).view(steps.num_layers, E)
         self.stage_of.fill_(-1)
         self.stage_dev = torch.full((E,), -1, dtype=torch.int32, device=steps.device)
@@ -296,6 +296,14 @@ class HostSteps:
                           int(rt.cache.slots.shape[1]), [t.data_ptr() for t in self.stages],
                           make_key(layer, STAGE_KEY), bufs.plan, bufs.stage_of[layer])
 
+    def before_step(self, mode: str, rows: int, tokens: int) -> None:
+        """What a step (or a capture's warm-up) of ``mode`` reads must be current: the cache's
+        slot table and resident map ("host", "split") and the fetch plan ("split")."""
+        if mode in ("host", "split"):
+            self.sync_cache()
+        if mode == "split":
+            self.refresh_plan(rows, tokens)
+
     def invalidate_plans(self) -> None:
         """Make every plan again before its next step (the runtime's cache and statistics were reset)."""
         for bufs in self._bufs.values():
@@ -352,6 +360,7 @@ class HostSteps:
         routed = torch.stack([lay.idx[: tokens * K] for lay in layers]).tolist()
         slot_of = {(layer, e): s for layer, e, s in self._slots_host} if mode in ("host", "split") else {}
         hot = []  # "split": each layer's CPU experts, offered to the cache once every hit is counted
+        staged = layers[0].bufs.stage_of.tolist() if mode == "split" else None  # [layer][expert]: stage or -1
         for lay, idx in zip(layers, routed):
             n, lay.launched = lay.launched, 0
             _, seconds = lay.cpu.check(runs=n)
@@ -362,7 +371,7 @@ class HostSteps:
                 s = slot_of.get((lay.layer, e))
                 if s is not None:  # computed on the device from its slot
                     rt.cache.count_hit(lay.layer, s)
-                elif mode == "split" and int(lay.stage_of[e]) >= 0:  # fetched into a stage
+                elif staged is not None and staged[lay.layer][e] >= 0:  # fetched into a stage
                     fetched += 1
                 else:
                     on_cpu.append(counts[e])

@@ -162,10 +162,7 @@ def _replaying_capture_host(self, bucket: int, R: int, mode: str = "all") -> lis
     tensors, where the captured graph's outputs would be."""
     steps = HostSteps.for_runtime(self.rt)
     layers = steps.layers(R, self.dtype, mode)
-    if mode in ("host", "split"):
-        steps.sync_cache()
-    if mode == "split":
-        steps.refresh_plan(R, R)
+    steps.before_step(mode, R, R)
     fn = self._host_step_fn(bucket, R, layers)
     logits, xs = fn()
 
