@@ -487,3 +487,24 @@ def test_host_placements_lists_every_arm_a_step_may_take(tmp_path):
         assert rt.host_placements(1) == ["split"]
         guard.pin("off")
         assert rt.host_placements(1) == [None]
+
+
+def test_fetch_plan_is_the_cost_models_split_for_each_miss_count():
+    """A split host step's plan: for M misses of one token each (decode), the experts the cost
+    model's per-layer split fetches; here an expert costs 0.2 ms on the host and 0.26 ms over the
+    link (13 MB at 50 GB/s), so the link takes one of 2-3 misses and two of 4, capped by the stages."""
+    from types import SimpleNamespace
+
+    from pdflash.offload.cost import CostModel
+    from pdflash.offload.cpu_compute import CpuPlacement
+
+    cost = CostModel(13_000_000, link_gbps=50.0)
+    host_s = [2e-4]
+    runner = SimpleNamespace(seconds_for=lambda tokens: host_s[0])
+    sched = SimpleNamespace(stats=lambda: {})
+    cost.observe_scheduler = lambda stats: None  # no link counters here: the simulated link's rate
+    placer = CpuPlacement(SimpleNamespace(stats=SimpleNamespace(forwards=0)), sched, runner, cost)
+    assert placer.fetch_plan(1, 4, 8) == [0, 0, 1, 1, 2]
+    assert placer.fetch_plan(1, 4, 1) == [0, 0, 1, 1, 1]  # one stage
+    host_s[0] = 1e-3  # a slow host: the link takes more
+    assert placer.fetch_plan(1, 4, 8) == [0, 1, 2, 3, 3]  # the host takes one of 4 (1 ms against 1.04)
