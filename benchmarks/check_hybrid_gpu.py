@@ -189,6 +189,9 @@ def main(argv=None) -> int:
             print(f"{dtype:9s} {label:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
                   f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
                   f"identical {r['identical_to_first_mode']}{_guard_text(r)}", file=sys.stderr)
+            for mode_, t in (r["cpu_experts"].get("host_timeline_ms") or {}).items():
+                print(f"    host steps ({mode_}, {t['steps']}), ms per step: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in t.items() if k != "steps"), file=sys.stderr)
             if r["layer_breakdown_us"]:
                 print("    per decode layer, us: " + ", ".join(f"{k} {v:.0f}" for k, v in r["layer_breakdown_us"].items()
                                                            if k != "layers"), file=sys.stderr)

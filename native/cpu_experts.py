@@ -540,6 +540,7 @@ class CpuLayer:
         self._runs = 0  # runs seen by check()
         self._result = (ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t *"), ffi.new("uint64_t *"))
         self._fetch_result = (ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t *"), ffi.new("int *"))
+        self._clock = (ffi.new("uint64_t *"), ffi.new("uint64_t *"))
 
     @property
     def handle(self) -> int:
@@ -585,6 +586,14 @@ class CpuLayer:
         fe, fb, ns, off = self._fetch_result
         self._lib.pf_layer_fetch_result(self._L, fe, fb, ns, off)
         return int(fe[0]), int(fb[0]), ns[0] / 1e9, bool(off[0])
+
+    def clock(self) -> tuple[int, int]:
+        """(start, kernel) of the last run in nanoseconds: when it started, on the clock of
+        ``time.monotonic_ns``, and how long its kernel calls took; zeros before any run."""
+        self._live()
+        begin, kernel = self._clock
+        self._lib.pf_layer_clock(self._L, begin, kernel)
+        return int(begin[0]), int(kernel[0])
 
     def check(self, runs: int = 1) -> tuple[int, float]:
         """After ``runs`` runs were launched since the last check (and have finished): raise if

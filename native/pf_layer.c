@@ -15,6 +15,8 @@ struct pf_layer {
     atomic_int status;           /* last run */
     atomic_int experts_run;
     atomic_uint_least64_t ns;
+    atomic_uint_least64_t begin_ns;  /* last run: CLOCK_MONOTONIC at its start */
+    atomic_uint_least64_t kernel_ns; /* last run: its kernel call(s) */
     atomic_uint_least64_t runs;
     /* scratch, owned, sized for rows * K positions (and num_experts + 1 bucket starts) */
     int *start;                  /* [num_experts + 1]: first sorted position of each expert */
@@ -264,12 +266,16 @@ static int finish_fetches(pf_layer *L, int n, int submitted, int *distinct) {
     int more = 0;
     int entries = group(L, n, L->skip, 0, &more);
     *distinct += more;
-    return call_kernel(L, entries);
+    uint64_t k0 = now_ns();
+    int rc = call_kernel(L, entries);
+    atomic_fetch_add(&L->kernel_ns, now_ns() - k0);
+    return rc;
 }
 
 int pf_layer_run(pf_layer *L) {
     if (!L) return PF_CPU_EINVAL;
     uint64_t t0 = now_ns();
+    atomic_store(&L->begin_ns, t0);
     const int H = L->d.hidden, E = L->d.num_experts;
     int tokens = atomic_load(&L->tokens);
     int n = tokens * L->d.top_k, distinct = 0, submitted = 0;
@@ -278,13 +284,16 @@ int pf_layer_run(pf_layer *L) {
     atomic_store(&L->fetched, 0);
     atomic_store(&L->fallback, 0);
     atomic_store(&L->wait_ns, 0);
+    atomic_store(&L->kernel_ns, 0);
     if (L->has_fetch)
         for (int e = 0; e < E; e++) L->f.stage_of[e] = -1;
     if (rc == PF_CPU_OK) {
         for (int e = 0; e < E; e++) L->skip[e] = L->d.resident && L->d.resident[e];
         if (fetching) submitted = submit_fetches(L, n);
         int entries = group(L, n, L->skip, 1, &distinct);
+        uint64_t k0 = now_ns();
         rc = call_kernel(L, entries);
+        atomic_store(&L->kernel_ns, now_ns() - k0);
         if (fetching) { /* always wait: the stages must be quiet before the next run */
             int rc2 = finish_fetches(L, n, submitted, &distinct);
             if (rc == PF_CPU_OK) rc = rc2;
@@ -324,5 +333,12 @@ int pf_layer_fetch_result(pf_layer *L, int *fetched, int *fallback, uint64_t *wa
     if (fallback) *fallback = atomic_load(&L->fallback);
     if (wait_ns) *wait_ns = atomic_load(&L->wait_ns);
     if (disabled) *disabled = atomic_load(&L->fetch_off);
+    return PF_CPU_OK;
+}
+
+int pf_layer_clock(pf_layer *L, uint64_t *begin_ns, uint64_t *kernel_ns) {
+    if (!L) return PF_CPU_EINVAL;
+    if (begin_ns) *begin_ns = atomic_load(&L->begin_ns);
+    if (kernel_ns) *kernel_ns = atomic_load(&L->kernel_ns);
     return PF_CPU_OK;
 }

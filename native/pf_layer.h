@@ -116,4 +116,12 @@ int pf_layer_result(pf_layer *L, int *status, int *experts, uint64_t *ns, uint64
  * whether fetching is off for good (a task timed out). Zeros without fetching. */
 int pf_layer_fetch_result(pf_layer *L, int *fetched, int *fallback, uint64_t *wait_ns, int *disabled);
 
+/* The last run's clock: when it started (CLOCK_MONOTONIC nanoseconds, the clock of
+ * Python's time.monotonic_ns on Linux) and the nanoseconds of its kernel calls (the CPU's
+ * share of its wall time; the rest is grouping, submits and the fetch wait). Zeros before any
+ * run. With the wall time of pf_layer_result, a caller places each run on a timeline: what ran
+ * between two host nodes (the device's work) is the gap between one run's end and the next
+ * one's start. */
+int pf_layer_clock(pf_layer *L, uint64_t *begin_ns, uint64_t *kernel_ns);
+
 #endif /* PF_LAYER_H */

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from contextlib import contextmanager
 
 import torch
@@ -435,12 +436,13 @@ class GraphedDecoder:
         for lay in layers:
             lay.set_tokens(T)
         steps.runner.prewake()  # layer 0's call comes after the embedding and its attention
+        launched = time.monotonic_ns()
         g.replay()
         if self.device.type == "cuda":
             for lay in layers:
                 lay.replayed()
             torch.cuda.current_stream(self.device).synchronize()
-        steps.finish(layers, T)
+        steps.finish(layers, T, launched, time.monotonic_ns())
         self.length += T
         taps = {i: (xs[i] if R == T else xs[i][:, :T]) for i in self.tap_layers}
         return (logits if R == T else logits[:T]).clone(), self._features(taps)

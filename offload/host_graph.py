@@ -110,6 +110,22 @@ STAGE_KEY = 1 << 31  # task keys of staged fetches: make_key(layer, STAGE_KEY + 
 PLAN_EVERY = 16  # steps between two plans of the cost model's split (the rates move slowly)
 
 
+def step_timeline(launched_ns: int, done_ns: int, runs: list[tuple[int, float, int, float]]) -> dict[str, float]:
+    """Where one host step's wall time went, in seconds, from its launch and end
+    (``time.monotonic_ns``) and each layer's host node run in order: (start ns on the same
+    clock, wall seconds, kernel ns, seconds waited for fetches). ``head`` (launch to the first
+    node: the embedding, the first attention, the launch itself) + ``node`` (inside the host
+    nodes) + ``gaps`` (between one node's end and the next one's start: the device's work
+    between them, the copies and the hand-offs) + ``tail`` (the last node's end to the step's
+    end) = ``step``; of ``node``, ``kernel`` is the CPU kernel's calls and ``fetch_wait`` the
+    wait for the link after them."""
+    ends = [b + round(sec * 1e9) for b, sec, _, _ in runs]
+    gaps = sum(runs[i][0] - ends[i - 1] for i in range(1, len(runs)))
+    return {"step": (done_ns - launched_ns) / 1e9, "head": (runs[0][0] - launched_ns) / 1e9,
+            "node": sum(sec for _, sec, _, _ in runs), "kernel": sum(k for _, _, k, _ in runs) / 1e9,
+            "fetch_wait": sum(w for _, _, _, w in runs), "gaps": gaps / 1e9, "tail": (done_ns - ends[-1]) / 1e9}
+
+
 class HostLayer:
     """One layer's experts inside a host step of ``rows`` token rows (see the module docstring)."""
 
@@ -350,9 +366,12 @@ class HostSteps:
                 lay.cpu.set_prewake(self.runner.prewake_us)  # the next layer's call comes a segment later
         return got
 
-    def finish(self, layers: list[HostLayer], tokens: int) -> None:
+    def finish(self, layers: list[HostLayer], tokens: int, launched_ns: int | None = None,
+               done_ns: int | None = None) -> None:
         """After a step (its work finished): check every layer's run, then do the experts
-        module's bookkeeping (see the module docstring)."""
+        module's bookkeeping (see the module docstring). With ``launched_ns`` and ``done_ns``
+        (``time.monotonic_ns`` just before the step was launched and once it had finished), the
+        step's timeline is added to the statistics (:func:`step_timeline`)."""
         rt, runner = self.rt, self.runner
         stats = rt.cache.stats
         K = self.top_k
@@ -361,9 +380,13 @@ class HostSteps:
         slot_of = {(layer, e): s for layer, e, s in self._slots_host} if mode in ("host", "split") else {}
         hot = []  # "split": each layer's CPU experts, offered to the cache once every hit is counted
         staged = layers[0].bufs.stage_of.tolist() if mode == "split" else None  # [layer][expert]: stage or -1
+        runs = []  # (start ns, wall s, kernel ns, fetch wait s) of each layer's host node
         for lay, idx in zip(layers, routed):
             n, lay.launched = lay.launched, 0
             _, seconds = lay.cpu.check(runs=n)
+            begin, kernel = lay.cpu.clock()
+            waited = lay.cpu.fetch_result()[2] if mode == "split" else 0.0
+            runs.append((begin, seconds, kernel, waited))
             counts = Counter(idx)
             experts = sorted(counts)
             on_cpu, cpu_experts, fetched = [], [], 0
@@ -379,7 +402,6 @@ class HostSteps:
             layer_stats = stats.layers[lay.layer]
             layer_stats.cpu += len(on_cpu)
             if mode == "split":
-                _, _, waited, _ = lay.cpu.fetch_result()
                 layer_stats.misses += fetched
                 stats.demand_fetches += fetched
                 if fetched:
@@ -391,6 +413,8 @@ class HostSteps:
             rt._on_routed(lay.layer, experts)
         for layer, experts in hot:  # hot ones go to the cache in the background (this may evict a hit's slot)
             rt.placer.note_host(layer, experts)
+        if launched_ns is not None and done_ns is not None:
+            stats.add_host_step(mode, step_timeline(launched_ns, done_ns, runs))
         stats.host_steps += 1
         self.steps_run += 1
         rt.cache.sync_point()

@@ -593,6 +593,7 @@ class OffloadedModel:
                 "computed": fs.cpu,
                 "seconds": fs.cpu_seconds if ran else None,
                 "host_steps": fs.host_steps,
+                "host_timeline_ms": fs.host_timeline_ms(),
                 "guard": self.placer.guard.stats() if self.placer is not None and self.placer.guard is not None else None,
                 "cache_experts_native": self.slot_cpu is not None,
                 **(self.cpu.stats() if self.cpu is not None else {}),

@@ -49,6 +49,8 @@ class FetchStats:
     tokens: int = 0  # tokens processed by forwards (prefill tokens included)
     cpu_seconds: float = 0.0  # wall time of the CPU expert computations (overlapping device work on CUDA)
     host_steps: int = 0  # forwards run as host steps (every expert on the CPU, one CUDA graph: host_graph.py)
+    # host steps' timeline, per mode: {"steps": n, "<part>_s": seconds summed over steps} (HostSteps.finish)
+    host_timeline: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.layers:
@@ -76,6 +78,21 @@ class FetchStats:
     @property
     def exposed_s(self) -> float:
         return sum(self.exposed_by_band.values(), 0.0)
+
+    def add_host_step(self, mode: str, parts: dict[str, float]) -> None:
+        """One host step's timeline (seconds by part) added to its mode's sums."""
+        sums = self.host_timeline.setdefault(mode, {"steps": 0})
+        sums["steps"] += 1
+        for name, sec in parts.items():
+            sums[name + "_s"] = sums.get(name + "_s", 0.0) + sec
+
+    def host_timeline_ms(self) -> dict[str, dict[str, float]]:
+        """Per mode: steps, and each part's mean milliseconds per step."""
+        out = {}
+        for mode, sums in self.host_timeline.items():
+            n = sums["steps"]
+            out[mode] = {"steps": n, **{k[:-2]: 1e3 * v / n for k, v in sums.items() if k != "steps"}}
+        return out
 
     def hit_rate(self) -> float | None:
         n = self.hits + self.misses

@@ -11,7 +11,7 @@ import torch
 from pdflash.native import NativeLibraryMissing
 from pdflash.offload.config import ModelPreset
 from pdflash.offload.graphs import GraphedDecoder
-from pdflash.offload.host_graph import HostSteps
+from pdflash.offload.host_graph import HostSteps, step_timeline
 from pdflash.offload.runtime import OffloadedModel
 from pdflash.offload.synthetic import write_checkpoint
 from test_batch_invariant import _replaying_capture
@@ -326,6 +326,15 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
             after = (fs.host_steps, fs.hits, fs.misses, fs.cpu, fs.demand_fetches, sum(lc.waits for lc in fs.layers))
             host_steps, hits, misses, cpu, demand, waits = (b - a for a, b in zip(before, after))
             assert host_steps == (steps if arm != "off" else 0)
+            timeline = fs.host_timeline_ms()
+            if arm != "off":  # every step on the timeline: its parts add up to it
+                mode = "split" if arm == "model" else arm
+                t = timeline[mode]
+                assert t["steps"] == steps
+                assert t["head"] + t["node"] + t["gaps"] + t["tail"] == pytest.approx(t["step"], rel=1e-6, abs=1e-3)
+                assert 0 <= t["kernel"] <= t["node"] and 0 <= t["fetch_wait"] <= t["node"] and t["head"] >= 0
+            else:
+                assert timeline == {}
             if arm != "off":  # every routed expert once: a hit, a fetched miss or a CPU expert
                 assert hits + misses + cpu == steps * L * 2 and demand == misses
             return torch.cat(rows), toks, (hits, misses, cpu, waits)
@@ -347,6 +356,19 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
         assert toks == toks_off and placer.background > 0
         plan = plan_of(1, 2, 4)
         assert len(plan) == 3 and plan[0] == 0 and all(0 <= n <= m for m, n in enumerate(plan))
+
+
+def test_a_step_timeline_places_each_host_node_between_launch_and_end():
+    """head (launch to the first node) + time inside the nodes + the gaps between them + tail
+    (last node to the end) is the step; the kernel calls and the fetch waits are parts of the nodes."""
+    ms = 1_000_000
+    runs = [(10 * ms, 0.002, 1 * ms, 0.0005), (13 * ms, 0.003, 2 * ms, 0.0), (20 * ms, 0.001, ms // 2, 0.0)]
+    t = step_timeline(7 * ms, 25 * ms, runs)
+    assert t["step"] == pytest.approx(0.018) and t["head"] == pytest.approx(0.003)
+    assert t["node"] == pytest.approx(0.006) and t["kernel"] == pytest.approx(0.0035)
+    assert t["fetch_wait"] == pytest.approx(0.0005)
+    assert t["gaps"] == pytest.approx(0.001 + 0.004) and t["tail"] == pytest.approx(0.004)
+    assert t["head"] + t["node"] + t["gaps"] + t["tail"] == pytest.approx(t["step"])
 
 
 @pytest.mark.gpu
@@ -443,6 +465,10 @@ def test_cuda_split_host_steps_fetch_beside_the_cpu(tmp_path):
                 rows.append(dec.decode(toks[-1]))
                 toks.append(int(rows[-1].argmax()))
             after = (fs.host_steps, fs.misses, sum(lc.waits for lc in fs.layers), fs.cpu)
+            if arm == "model":  # the graph's host nodes on the step's timeline, in order
+                t = rt.stats()["cpu_experts"]["host_timeline_ms"]["split"]
+                assert t["steps"] >= steps and min(t["head"], t["node"], t["gaps"], t["tail"]) >= 0
+                assert t["head"] + t["node"] + t["gaps"] + t["tail"] == pytest.approx(t["step"], rel=1e-6, abs=1e-3)
             return (torch.cat(rows).cpu(), toks, *(b - a for a, b in zip(before, after)))
 
     every = lambda tokens, top_k, stages: list(range(tokens * top_k + 1))  # noqa: E731
