@@ -19,11 +19,14 @@ the whole step as one graph instead; each layer's experts are, inside it,
 so a step costs one graph launch and one synchronisation, and no Python between layers.
 
 Mode "host" (the hybrid guard's host arm: the cache's hits on the device, every other expert on the
-CPU, nothing fetched) adds, before the pack, the hits: each position's slot from a device table
+CPU, nothing fetched) adds the hits: each position's slot from a device table
 of the cache's resident experts (-1: not resident), the fused MXFP4 kernel over every position
-(a non-resident one reads slot 0 and is masked to zero afterwards; each pair's result is its own,
-so the hits' rows are the experts module's), while the host node skips the resident experts (a
-host-side resident map, ``pf_layer``'s); the device adds the CPU's rows to its own. The table and
+(a non-resident one reads no weights and gives a zero row; each pair's result is its own, so the
+hits' rows are the experts module's), while the host node skips the resident experts (a
+host-side resident map, ``pf_layer``'s); the device adds the CPU's rows to its own. On CUDA the
+hits' kernel runs on a side stream forked before the pack and joined after the host node, so the
+device computes them while the host node runs (``PDFLASH_HOST_SIDE_STREAM=0``: before the pack,
+on the step's stream). The table and
 the map are refreshed before a step whenever the cache's resident set changed (``ExpertCache.version``);
 nothing changes the cache while a step runs (a step's own fetches, mode "split", go to stages). The
 arithmetic is the experts module's "all" path step for step (same packing, same grouping of
@@ -59,7 +62,9 @@ step function runs eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 from collections import Counter
 
 import torch
@@ -163,8 +168,13 @@ class HostLayer:
         out_dtype = torch.promote_types(s.dtype, w.dtype)
         bufs = self.bufs
         on_device = self.mode in ("host", "split")
-        if on_device:  # the hits from their cache slots, on the device (the experts module's fused path)
-            contrib = self._fused(s.rt.cache.slots, s.slot_of[self.layer], x, idx, w, out_dtype)
+        side = s.side if on_device else None
+        if on_device:  # the hits from their cache slots, on the device (the experts module's fused path),
+            # on the side stream where there is one: beside the host node instead of before it
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                contrib = self._fused(s.rt.cache.slots, s.slot_of[self.layer], x, idx, w, out_dtype)
         parts = (idx.to(torch.int64).contiguous().view(-1).view(torch.int16),
                  w.to(torch.float32).contiguous().view(-1).view(torch.int16),
                  x.to(self.x_dtype).contiguous().view(-1).view(torch.int16))
@@ -177,6 +187,8 @@ class HostLayer:
             if not torch.cuda.is_current_stream_capturing():  # a capture records it: see replayed()
                 self.launched += 1
         bufs.up_dev.copy_(bufs.up_host, non_blocking=True)
+        if side is not None:  # the hits' rows, joined back before they are summed
+            torch.cuda.current_stream(x.device).wait_stream(side)
         if self.mode == "split":  # the fetched experts, from the stages the host node filled
             bufs.stage_dev.copy_(self.stage_of, non_blocking=True)
             contrib.add_(self._fused(s.stages, bufs.stage_dev, x, idx, w, out_dtype))
@@ -191,7 +203,7 @@ class HostLayer:
         s = self.steps
         R, K, H = self.rows, s.top_k, s.hidden
         slot = slot_of.index_select(0, idx.reshape(-1))  # [R*K]
-        work = torch.stack((self.bufs.pairs, slot.clamp(min=0)))
+        work = torch.stack((self.bufs.pairs, slot))  # the kernels read nothing for slot -1
         fused = s.fused
         h = torch.empty((R * K, fused.inter), dtype=s.dtype, device=x.device)
         contrib = torch.empty((R * K, H), dtype=out_dtype, device=x.device)
@@ -261,6 +273,10 @@ class HostSteps:
         experts = rt.family.decoder_layers(rt.model)[0].mlp.experts
         self.fused = experts.kernel.fused(self.device) if hasattr(experts, "kernel") else None
         self.stages: torch.Tensor | None = None  # mode "split": one expert's bytes a stage (made on first use)
+        # modes "host" and "split" on CUDA: the hits' fused call runs on this stream, beside the
+        # host node (PDFLASH_HOST_SIDE_STREAM=0: before it, on the step's stream)
+        side = self.device.type == "cuda" and os.environ.get("PDFLASH_HOST_SIDE_STREAM", "1") != "0"
+        self.side = torch.cuda.Stream(self.device) if side else None
         self.steps_run = 0
         self._closed = False
 
@@ -408,8 +424,9 @@ class HostSteps:
                     layer_stats.exposed_s += waited
                     layer_stats.waits += 1
                 hot.append((lay.layer, cpu_experts))
-            stats.cpu_seconds += seconds
-            runner.account(on_cpu, seconds)
+            kernel_s = runs[-1][2] / 1e9  # the CPU's share: a split node's fetch wait is the link's
+            stats.cpu_seconds += kernel_s
+            runner.account(on_cpu, kernel_s)
             rt._on_routed(lay.layer, experts)
         for layer, experts in hot:  # hot ones go to the cache in the background (this may evict a hit's slot)
             rt.placer.note_host(layer, experts)

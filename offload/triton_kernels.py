@@ -58,7 +58,8 @@ def _round(v, BF16: tl.constexpr):
 def mxfp4_gate_up_glu(x_ptr, x_stride, work_ptr, n_work, slots_ptr, slot_bytes, bias_ptr, bias_stride, lut_ptr, h_ptr,
                  w_off, s_off, b_off, I, K, limit, alpha,
                  NB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BF16: tl.constexpr):
-    p, slot, j, jm = _work_item(work_ptr, n_work, I, BN)
+    p, slot, j, live = _work_item(work_ptr, n_work, I, BN)
+    jm = live & ((j * 0 + slot) >= 0)  # a pair whose expert is not here (slot -1) reads nothing: its h row is 0
     t = p // K
     base = slots_ptr + slot * slot_bytes
     v = x_ptr + t * x_stride
@@ -71,21 +72,23 @@ def mxfp4_gate_up_glu(x_ptr, x_stride, work_ptr, n_work, slots_ptr, slot_bytes, 
     up = tl.minimum(tl.maximum(up, -limit), limit)
     sig = _round(tl.sigmoid(_round(gate * alpha, BF16)), BF16)
     glu = _round(gate * sig, BF16)
-    out = _round(up + 1.0, BF16) * glu
-    tl.store(h_ptr + p * I + j, _round(out, BF16).to(h_ptr.dtype.element_ty), mask=jm)
+    out = tl.where(jm, _round(up + 1.0, BF16) * glu, 0.0)
+    tl.store(h_ptr + p * I + j, _round(out, BF16).to(h_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
 def mxfp4_down(h_ptr, rw_ptr, work_ptr, n_work, slots_ptr, slot_bytes, bias_ptr, bias_stride, lut_ptr, out_ptr,
           w_off, s_off, b_off, H,
           NB: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BF16: tl.constexpr, OUT_BF16: tl.constexpr):
-    p, slot, j, jm = _work_item(work_ptr, n_work, H, BN)
+    p, slot, j, live = _work_item(work_ptr, n_work, H, BN)
+    jm = live & ((j * 0 + slot) >= 0)  # a pair whose expert is not here (slot -1) reads nothing: its row is 0
     base = slots_ptr + slot * slot_bytes
     y = _mxfp4_rows_dot(base, w_off, s_off, j, jm, h_ptr + p * (2 * NB), lut_ptr, NB, BN, BC)
     bias = _round(tl.load(bias_ptr + slot * bias_stride + b_off + j, mask=jm, other=0.0).to(tl.float32), BF16)
     y = _round(_round(y, BF16) + bias, BF16)
     wt = tl.load(rw_ptr + p).to(tl.float32)
-    tl.store(out_ptr + p * H + j, _round(y * wt, OUT_BF16).to(out_ptr.dtype.element_ty), mask=jm)
+    y = tl.where(jm, y * wt, 0.0)
+    tl.store(out_ptr + p * H + j, _round(y, OUT_BF16).to(out_ptr.dtype.element_ty), mask=live)
 
 
 # -- dense / FP8 experts with SiLU (dense_triton.py) --------------------------------------

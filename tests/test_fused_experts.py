@@ -61,6 +61,28 @@ def test_fused_is_batch_invariant():
     assert torch.equal(alone[2:4], together[2:4])
 
 
+def test_a_pair_without_a_slot_gives_a_zero_row_and_leaves_the_others_alone():
+    """Slot -1 (the expert is not on the device: host steps' hits and stages) reads no weights
+    and gives a zero row; every other pair's row is the one it has alone, bit for bit."""
+    layout, slots, g = _slots()
+    kernel = GptOssExpertKernel(layout, torch.bfloat16, 1.702, 7.0)
+    fused = kernel.fused(torch.device("cpu"))
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(T * K, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[1, 3], [3, 0], [2, 4]])
+    want = fused_contrib(kernel, slots, x, w, idx, [list(range(T * K))])
+    slot = idx.view(-1).clone()
+    slot[[0, 3, 4]] = -1
+    h = torch.full((T * K, fused.inter), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((T * K, H), float("nan"), dtype=torch.bfloat16)
+    fused.run(slots, x, w, torch.stack((torch.arange(T * K), slot)).to(torch.int32), h, out, K)
+    for p in range(T * K):
+        if slot[p] < 0:
+            assert torch.equal(out[p], torch.zeros(H, dtype=torch.bfloat16)), p
+        else:
+            assert torch.equal(out[p], want[p]), p
+
+
 def test_fused_off_switch_and_dense_experts(monkeypatch):
     layout, _, _ = _slots()
     monkeypatch.setenv("PDFLASH_FUSED_EXPERTS", "0")
