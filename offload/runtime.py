@@ -319,12 +319,21 @@ class OffloadedModel:
             from pdflash.offload.cpu_compute import CpuPlacement, HybridGuard, guard_order
 
             self.cpu.calibrate()
-            order = guard_order(self.cpu.seconds_for(1), self.cost.seconds_per_expert_fetch())
+            order = guard_order(self.cpu.seconds_for(1), self.cost.seconds_per_expert_fetch(), self._host_steps_likely())
             guard = HybridGuard(arms=order, trace=GUARD_TRACE_STEPS) if hybrid_guard else None
             self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
                                        background_band=self._background_priority, guard=guard)
             if guard is not None:
                 self.add_forward_observer(guard.on_forward)
+
+    def _host_steps_likely(self) -> bool:
+        """Whether a graphed decoder will run the guard's host arm as host steps (mode "host":
+        CUDA, the fused MXFP4 kernel, host steps not turned off by PDFLASH_HOST_STEPS=0)."""
+        if self.device.type != "cuda" or os.environ.get("PDFLASH_HOST_STEPS", "1") == "0":
+            return False
+        from pdflash.offload import mxfp4_triton
+
+        return bool(self.host.layout.quantized) and mxfp4_triton.available(self.device)
 
     def _start_slot_cpu(self, original, cpu_threads: int | None) -> None:
         """CPU device, experts through the cache: the native kernel computes them from their slot

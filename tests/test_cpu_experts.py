@@ -475,13 +475,13 @@ def test_runner_prices_an_expert_by_its_calibrated_cost_per_token_count(tmp_path
         cost_ms = lambda T: 1.0 + 0.5 * (min(T, 4) - 1)  # noqa: E731
         seen = []
 
-        def fake(layer, expert, x):
+        def fake(experts, x):  # one call over several experts: each costs its share
             T = x.shape[0]
             seen.append(T)
-            now[0] += cost_ms(T) * 1e-3 * (3.0 if T == 8 and seen.count(8) == 1 else 1.0)
-            return torch.zeros_like(x, dtype=torch.float32)
+            assert len(set(experts)) == len(experts) == runner.calibration_batch
+            now[0] += len(experts) * cost_ms(T) * 1e-3 * (3.0 if T == 8 and seen.count(8) == 1 else 1.0)
 
-        monkeypatch.setattr(runner, "_compute", fake)
+        monkeypatch.setattr(runner, "_compute_many", fake)
         rate = runner.calibrate(repeats=2)
         assert sorted(set(seen)) == [1, 2, 4, 8, 16]
         assert rate == pytest.approx(runner.expert_bytes / 1e-3)

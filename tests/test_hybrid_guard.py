@@ -296,6 +296,8 @@ def test_a_bad_abandon_setting_is_refused():
 
 def test_guard_order_puts_the_host_arms_first_where_the_kernel_beats_the_link():
     assert guard_order(0.2e-3, 0.5e-3) == ("all", "host", "model", "off")
+    assert guard_order(0.2e-3, 0.5e-3, host_steps=True) == ("host", "all", "model", "off")
+    assert guard_order(0.6e-3, 0.5e-3, host_steps=True) == GUARD_ARMS
     assert guard_order(0.6e-3, 0.5e-3) == GUARD_ARMS
     assert guard_order(None, 0.5e-3) == GUARD_ARMS  # not calibrated: fetch-only first
     assert sorted(guard_order(0.2e-3, 0.5e-3)) == sorted(GUARD_ARMS)
