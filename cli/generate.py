@@ -263,6 +263,8 @@ def _print_summary(report: dict) -> None:
                             f"({ce.get('threads')} threads, {ce.get('level')})"
                             + (f"; {ce['host_steps']} host steps (one CUDA graph each)" if ce.get("host_steps") else "")),
         ]
+        for mode, tl in (ce.get("host_timeline_ms") or {}).items():
+            rows.append((f"host steps ({mode}), ms each", _timeline_text(tl)))
         if ce.get("guard"):
             rows.append(("hybrid guard", _guard_text(ce["guard"])))
     elif ce.get("reason_off"):
@@ -272,6 +274,24 @@ def _print_summary(report: dict) -> None:
     for k, v in rows:
         t.add_row(k, v)
     out.print(t)
+
+
+def _live_timeline(fs) -> str:
+    """The live table's view of the host steps so far: mean ms per step inside the host nodes
+    and between them (every mode together)."""
+    sums = fs.host_timeline.values()
+    n = sum(t["steps"] for t in sums)
+    if not n:
+        return ""
+    node, gaps = (sum(t.get(k, 0.0) for t in sums) * 1e3 / n for k in ("node_s", "gaps_s"))
+    return f" ({node:.1f} ms in nodes, {gaps:.1f} between, per step)"
+
+
+def _timeline_text(tl: dict) -> str:
+    """One mode's host-step timeline (mean ms per step): where a step's wall time went."""
+    return (f"{tl['step']:.2f} over {tl['steps']} steps: host nodes {tl['node']:.2f} (CPU kernel {tl['kernel']:.2f}, "
+            f"fetch wait {tl['fetch_wait']:.2f}), device between nodes {tl['gaps']:.2f}, "
+            f"launch and end {tl['head'] + tl['tail']:.2f}")
 
 
 def _guard_text(guard: dict) -> str:
@@ -439,7 +459,7 @@ def generate(
                 per = (lambda n: f"{n / fs.tokens:.2f}") if fs.tokens else (lambda n: "n/a")  # noqa: E731
                 fields += [("experts/token cache|fetched|cpu", f"{per(fs.hits)}|{per(fs.misses)}|{per(fs.cpu)}"),
                            ("cpu time", f"{fs.cpu_seconds:.3f} s"),
-                           ("host steps", str(fs.host_steps)),
+                           ("host steps", str(fs.host_steps) + _live_timeline(fs)),
                            ("link busy", f"{rt.scheduler.stats()['link_busy_s']:.3f} s")]
             if rate.get("verifies"):
                 fields += [("accept len", f"{rate['committed'] / rate['verifies']:.2f}"),

@@ -89,7 +89,7 @@ def test_table_reports_the_hybrid_guard(ck, run, capsys):
     """On CUDA auto's guard decides; the summary table says which arm it keeps and what each
     measured (the CPU device has no guard: its auto is all, or off for an offload experiment, so
     the guard's stats are set on a real CPU report here)."""
-    from pdflash.cli.generate import _print_summary
+    from pdflash.cli.generate import _print_summary, _timeline_text
 
     code, out, err = run("generate", PROMPT, "--model", ck, "--max-new-tokens", 2, "--json", "--device", "cpu",
                          "--cpu-threads", 1)
@@ -102,6 +102,14 @@ def test_table_reports_the_hybrid_guard(ck, run, capsys):
     text = capsys.readouterr().out
     assert "hybrid guard" in text and "kept all after 2 check(s)" in text
     assert "off 43.5" in text and "all 31.4" in text and "host" not in text.split("hybrid guard")[1].split("\n")[0]
+    report["cpu_experts"]["host_timeline_ms"] = {"split": {"steps": 47, "step": 27.97, "head": 0.43, "node": 17.22,
+                                                           "kernel": 11.84, "fetch_wait": 4.38, "gaps": 9.78,
+                                                           "tail": 0.55}}
+    _print_summary(report)
+    assert "host steps (split), ms each" in capsys.readouterr().out  # the row (its text wraps in the table)
+    line = _timeline_text(report["cpu_experts"]["host_timeline_ms"]["split"])
+    assert line == ("27.97 over 47 steps: host nodes 17.22 (CPU kernel 11.84, fetch wait 4.38), device between "
+                    "nodes 9.78, launch and end 0.98")
     report["cpu_experts"]["guard"].update(checks=0, arm="off", off_ms=None, all_ms=None, model_ms=None)
     _print_summary(report)
     assert "no check completed yet" in capsys.readouterr().out
@@ -217,3 +225,18 @@ def test_console_entry_point_end_to_end(ck):
     bad = subprocess.run([sys.executable, "-m", "pdflash.cli.main", "generate", "x", "--model", "/nonexistent/dir"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("Error: ") and "Traceback" not in bad.stderr
+
+
+def test_live_table_places_the_host_steps_so_far():
+    """The live table's host-step column: mean ms per step inside the host nodes and between
+    them, every mode's steps together; nothing before the first host step."""
+    from pdflash.cli.generate import _live_timeline
+    from pdflash.offload.stats import FetchStats
+
+    fs = FetchStats(num_layers=2)
+    assert _live_timeline(fs) == ""
+    parts = dict(step=0.02, head=0.001, kernel=0.01, fetch_wait=0.0, tail=0.001)
+    fs.add_host_step("host", {**parts, "node": 0.012, "gaps": 0.006})
+    fs.add_host_step("all", {**parts, "node": 0.016, "gaps": 0.004})
+    assert _live_timeline(fs) == " (14.0 ms in nodes, 5.0 between, per step)"
+    assert fs.host_timeline_ms()["host"]["node"] == pytest.approx(12.0)
