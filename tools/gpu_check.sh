@@ -39,6 +39,8 @@ for i in $(seq 1 "$SMOKE_RUNS"); do
 done
 $PY -c "import json,sys; print(json.dumps([json.loads(l) for l in open(sys.argv[1])], indent=1))" "$WORK/smoke.jsonl" > "$OUT/smoke_runs.json"
 echo "smoke: $smoke_ok of $SMOKE_RUNS runs passed"
+# every failed check in the log too, so a log alone says what failed
+$PY -c "import json,sys; [print('smoke run', r['run'], 'failed:', r['failed']) for r in map(json.loads, open(sys.argv[1])) if not r['ok']]" "$WORK/smoke.jsonl"
 [ "$smoke_ok" -eq "$SMOKE_RUNS" ] || fail=1
 
 echo "== generate on the gpt-oss-20b shape (25 % expert cache)"
