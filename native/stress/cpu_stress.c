@@ -20,7 +20,8 @@
  *   shared    several threads call one context at once (calls are serialized) and their
  *             own contexts, each checking its results; contexts are created and destroyed
  *             while others run.
- *   layer     pf_layer (pf_layer.h): bad descriptions and token counts refused; several
+ *   layer     pf_layer (pf_layer.h): bad descriptions and token counts refused; each run's clock
+ *             (pf_layer_clock: started, kernel time within its wall time); several
  *             threads each run their own layer contexts (random routing, int64 / int32
  *             indices, f32 / bf16 rows, 1..rows tokens) on one shared pool, every output row
  *             checked against a one-token pf_cpu_expert call times its scale, rows past the
@@ -641,6 +642,8 @@ static void *layer_worker(void *p) {
             uint64_t ns, runs;
             pf_layer_result(L, &st, &routed, &ns, &runs);
             ok = rc == st && runs == (uint64_t)r + 1 && (bad ? rc == PF_CPU_EINVAL : rc == PF_CPU_OK);
+            uint64_t begin = 0, kernel_ns = 0; /* the run's clock: it started, its kernel took part of it */
+            ok &= pf_layer_clock(L, &begin, &kernel_ns) == PF_CPU_OK && begin > 0 && kernel_ns <= ns;
             if (fetching && ok && !bad) ok &= check_fetch(L, &f, count, res, d.resident != NULL, src, stage, fetched_e);
             if (fetching && bad)
                 for (int e = 0; e < E; e++) ok &= stage_of[e] == -1;
@@ -702,9 +705,11 @@ static void phase_layer(int quick, uint64_t seed) {
         pf_layer_host_fn(L);
         uint64_t runs = 0;
         CHECK(pf_layer_result(L, NULL, NULL, NULL, &runs) == PF_CPU_OK && runs == 2);
+        CHECK(pf_layer_clock(L, NULL, NULL) == PF_CPU_OK);
         pf_layer_destroy(L);
         pf_layer_destroy(NULL);
         CHECK(pf_layer_run(NULL) == PF_CPU_EINVAL);
+        CHECK(pf_layer_clock(NULL, NULL, NULL) == PF_CPU_EINVAL);
         /* fetch descriptions refused */
         int32_t stage_of[2];
         uint8_t plan[5] = {0}, b0[8], b1[8];
