@@ -319,6 +319,7 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
             fs = rt.cache.stats
             before = (fs.host_steps, fs.hits, fs.misses, fs.cpu, fs.demand_fetches,
                       sum(lc.waits for lc in fs.layers))
+            cpu_s, runner_s = fs.cpu_seconds, rt.cpu.seconds
             rows = []
             for _ in range(steps):
                 rows.append(dec.decode(toks[-1]))
@@ -333,6 +334,10 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
                 assert t["steps"] == steps
                 assert t["head"] + t["node"] + t["gaps"] + t["tail"] == pytest.approx(t["step"], rel=1e-6, abs=1e-3)
                 assert 0 <= t["kernel"] <= t["node"] and 0 <= t["fetch_wait"] <= t["node"] and t["head"] >= 0
+                # the CPU's time is the kernel's own, not the node's (a split node also waits for the link)
+                kernel_s = fs.host_timeline[mode]["kernel_s"]
+                assert fs.cpu_seconds - cpu_s == pytest.approx(kernel_s)
+                assert rt.cpu.seconds - runner_s <= kernel_s * (1 + 1e-9)  # the runner's rate: nodes with CPU experts
             else:
                 assert timeline == {}
             if arm != "off":  # every routed expert once: a hit, a fetched miss or a CPU expert
