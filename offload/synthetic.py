@@ -135,6 +135,12 @@ def _make_chunk(name: str, rule: tuple[str, float, float], dtype: torch.dtype, s
         x.add_(mean)
     return x.to(dtype)
 
+def _fill_chunk(dest: torch.Tensor, name: str, rule: tuple[str, float, float], dtype: torch.dtype, seed: int,
+                chunk: int) -> None:
+    """Chunk ``chunk`` of tensor ``name`` (:func:`_make_chunk`) written into ``dest``, its slice."""
+    dest.copy_(_make_chunk(name, rule, dtype, seed, chunk, dest.numel()))
+
+
 # -- safetensors streaming --------------------------------------------------------------------
 def _ordered(jobs: list, fn: Callable, workers: int) -> Iterator:
     """fn(job) for each job, in order, computed ahead by a thread pool (bounded window)."""
@@ -419,22 +425,19 @@ class SyntheticCheckpoint:
         return self.get_many([name])[0]
 
     def get_many(self, names: list[str]) -> list[torch.Tensor]:
-        """The tensors, their chunks generated in parallel."""
-        jobs, plan = [], []
+        """The tensors, their chunks generated in parallel, each written by its worker into its
+        slice of the tensor (no concatenation on the calling thread)."""
+        jobs, out = [], []
         for name in names:
             self.dtype(name)  # a missing name is a PdflashError
             numel = math.prod(self.specs[name].shape)
-            starts = list(range(0, numel, CHUNK_ELEMS))
-            plan.append((name, len(starts)))
-            for c, start in enumerate(starts):
-                jobs.append(self._pool.submit(_make_chunk, name, self.rules[name], self.dtypes[name], self.seed, c,
-                                              min(CHUNK_ELEMS, numel - start)))
-        out, i = [], 0
-        for name, n in plan:
-            parts = [jobs[j].result() for j in range(i, i + n)]
-            i += n
-            flat = parts[0] if n == 1 else torch.cat(parts)
+            flat = torch.empty(numel, dtype=self.dtypes[name])
+            for c, start in enumerate(range(0, numel, CHUNK_ELEMS)):
+                jobs.append(self._pool.submit(_fill_chunk, flat[start: start + CHUNK_ELEMS], name, self.rules[name],
+                                              self.dtypes[name], self.seed, c))
             out.append(flat.view(self.specs[name].shape))
+        for job in jobs:
+            job.result()  # raises what a worker raised
         return out
 
     def close(self) -> None:

@@ -124,13 +124,19 @@ def test_make_synthetic_then_generate_with_a_draft(run, tmp_path):
     assert code == 1 and "no mxfp4 format" in err
 
 
-@pytest.mark.parametrize("preset,kw", [("qwen3-tiny", dict(quant="fp8")), ("tiny", dict(mxfp4=True))])
-def test_in_memory_synthetic_is_the_written_checkpoint(tmp_path, preset, kw):
+@pytest.mark.parametrize("preset,kw,chunk", [("qwen3-tiny", dict(quant="fp8"), None), ("tiny", dict(mxfp4=True), None),
+                                             ("tiny", dict(mxfp4=True), 1000)])
+def test_in_memory_synthetic_is_the_written_checkpoint(tmp_path, monkeypatch, preset, kw, chunk):
     """SyntheticCheckpoint generates the bytes write_checkpoint writes: the host stores of both
-    loads are byte-identical and the greedy tokens equal; its directory goes away on close."""
+    loads are byte-identical and the greedy tokens equal; its directory goes away on close. With
+    small chunks (``chunk``) a tensor is generated in many pieces, each written into its slice."""
+    from pdflash.offload import synthetic
     from pdflash.offload.generate import generate
     from pdflash.offload.runtime import OffloadedModel
     from pdflash.offload.synthetic import SyntheticCheckpoint
+
+    if chunk is not None:
+        monkeypatch.setattr(synthetic, "CHUNK_ELEMS", chunk)
 
     p = ModelPreset.from_name(preset)
     path = write_checkpoint(tmp_path / "m", p, seed=5, **kw)
