@@ -215,3 +215,23 @@ def test_the_gpu_stage_script_runs_its_hybrid_stage_on_the_cpu(tmp_path):
     assert res["config"]["guard_arm"] == "host" and {r["arm"] for r in res["runs"]} >= {"plain", "plain-fetch", "B2@0.9"}
     bad = subprocess.run(["bash", str(script), "bogus"], env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "stage must be" in bad.stderr
+
+
+def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
+    """benchmarks/hybrid_gpu.sh 20b (CPU check: tiny preset in memory): the stage's JSON and log
+    land under $OUT/20b, its status in $OUT/status.txt; no stage or an unknown one exits 2."""
+    import os
+    import subprocess
+    import sys
+
+    script = SCRIPT.parent / "hybrid_gpu.sh"
+    env = {**os.environ, "DEVICE": "cpu", "PRESET_20B": "tiny", "MODES_20B": "off,all", "TOKENS_HYBRID": "4",
+           "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(script), "20b"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    res = json.loads((tmp_path / "out" / "20b" / "hybrid.json").read_text())
+    assert [r["asked"] for r in res["runs"]] == ["off", "all"] and all(r["tokens_per_second"] for r in res["runs"])
+    assert (tmp_path / "out" / "status.txt").read_text().startswith("20b: status 0")
+    for args in ([], ["bogus"]):
+        bad = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.startswith("Error:") and len(bad.stderr.splitlines()) == 1

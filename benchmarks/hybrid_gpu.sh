@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Hybrid expert execution on one GPU machine, in stages that together fit one device call
+# (at most 10 minutes): name the stages to run, in order; each has its own time limit and writes
+# everything it produced under $OUT/<stage>/, so nothing stays behind on the machine.
+#
+#   OUT=/some/dir bash benchmarks/hybrid_gpu.sh check 20b desktop
+#
+#   check    tools/gpu_check.sh (SMOKE_RUNS, default 1; TOKENS, default 16), all its files
+#   20b      check_hybrid_gpu.py, gpt-oss-20b shape in memory, 25 % cache, CUDA graphs, bf16,
+#            MODES_20B (default off,all,auto-host,auto-model,auto)
+#   desktop  the same with the link paced to 25 GB/s and 8 CPU threads, MODES_DESKTOP
+#            (default off,all,auto-host,auto-model,auto)
+#   120b     gpt-oss-120b shape in memory, 8 GiB of cache (0.1408 of its experts), MODES_120B
+#            (default all,auto-host)
+#
+# TOKENS_HYBRID (default 48) tokens per run; LIMIT_<STAGE> (seconds) overrides a stage's limit.
+# A CPU check of the script: DEVICE=cpu PRESET_20B=tiny MODES_20B=off,all TOKENS_HYBRID=4 ... 20b
+# (no CUDA graphs on the CPU).
+# Exit status: 0 when every stage finished with status 0, else 1 (each stage's status is in
+# $OUT/status.txt); 2 for an unknown stage. Before it, on a machine without network, install
+# pdflash's build dependency from local wheels (see docs/gpu_check.md).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-$ROOT/out}"
+PY="${PYTHON:-python3}"
+TOKENS_HYBRID="${TOKENS_HYBRID:-48}"
+DEVICE="${DEVICE:-cuda}"
+GRAPHS=$([ "$DEVICE" = cuda ] && echo --cuda-graphs)
+[ "$#" -ge 1 ] || { echo "Error: name one or more stages: check, 20b, desktop, 120b" >&2; exit 2; }
+for stage in "$@"; do
+  case "$stage" in check|20b|desktop|120b) ;; *) echo "Error: unknown stage '$stage': use check, 20b, desktop or 120b" >&2; exit 2 ;; esac
+done
+mkdir -p "$OUT"
+cd "$ROOT"
+fail=0
+
+hybrid() {  # name limit args...
+  local name="$1" limit="$2"
+  shift 2
+  timeout "$limit" "$PY" benchmarks/check_hybrid_gpu.py --device "$DEVICE" $GRAPHS --dtypes bfloat16 \
+    --tokens "$TOKENS_HYBRID" --out "$OUT/$name/hybrid.json" "$@" > "$OUT/$name/hybrid.log" 2>&1
+}
+
+for stage in "$@"; do
+  mkdir -p "$OUT/$stage"
+  start=$(date +%s)
+  case "$stage" in
+    check)
+      OUT="$OUT/check" WORK="${WORK:-/tmp/pdflash-gpu-check}" SMOKE_RUNS="${SMOKE_RUNS:-1}" TOKENS="${TOKENS:-16}" \
+        PYTHON="$PY" timeout "${LIMIT_CHECK:-240}" bash tools/gpu_check.sh > "$OUT/check/stdout.log" 2>&1
+      ;;
+    20b)
+      hybrid 20b "${LIMIT_20B:-240}" --in-memory "${PRESET_20B:-gpt-oss-20b}" --modes "${MODES_20B:-off,all,auto-host,auto-model,auto}"
+      ;;
+    desktop)
+      hybrid desktop "${LIMIT_DESKTOP:-240}" --in-memory gpt-oss-20b --link-gbps 25 --cpu-threads 8 \
+        --modes "${MODES_DESKTOP:-off,all,auto-host,auto-model,auto}"
+      ;;
+    120b)
+      hybrid 120b "${LIMIT_120B:-360}" --in-memory gpt-oss-120b --cache-fraction 0.1408 --modes "${MODES_120B:-all,auto-host}"
+      ;;
+  esac
+  rc=$?
+  [ "$rc" -eq 0 ] || fail=1
+  echo "$stage: status $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/status.txt"
+  grep -hE "tok/s|host steps \(|gpu check:|smoke run|passed|failed" "$OUT/$stage"/*.log 2>/dev/null | tail -24
+done
+exit "$fail"
