@@ -279,11 +279,11 @@ def _print_summary(report: dict) -> None:
 def _live_timeline(fs) -> str:
     """The live table's view of the host steps so far: mean ms per step inside the host nodes
     and between them (every mode together)."""
-    sums = fs.host_timeline.values()
-    n = sum(t["steps"] for t in sums)
+    modes = fs.host_timeline_ms().values()
+    n = sum(t["steps"] for t in modes)
     if not n:
         return ""
-    node, gaps = (sum(t.get(k, 0.0) for t in sums) * 1e3 / n for k in ("node_s", "gaps_s"))
+    node, gaps = (sum(t[k] * t["steps"] for t in modes) / n for k in ("node", "gaps"))
     return f" ({node:.1f} ms in nodes, {gaps:.1f} between, per step)"
 
 

@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from pdflash import PdflashError
-from pdflash.offload.host_graph import HostSteps
+from pdflash.offload.host_graph import HostSteps, host_steps_enabled
 from pdflash.offload.prompt import chunked_prefill
 
 
@@ -163,7 +163,7 @@ class GraphedDecoder:
         self.tap_layers: list[int] = []  # layers whose outputs forward() returns as features
         self.layer_hooks: list = []  # fn(layer, hidden after attention), called before each layer's experts
         self._host_graphs: dict[tuple[int, int, str], list] = {}  # (bucket, rows, mode) -> a host step's graph and tensors
-        self.host_steps_enabled = os.environ.get("PDFLASH_HOST_STEPS", "1") != "0"
+        self.host_steps_enabled = host_steps_enabled()
         # PDFLASH_SPLIT_STEPS=0: the model arm runs as segmented graphs, its misses split per layer from Python
         self.split_steps_enabled = os.environ.get("PDFLASH_SPLIT_STEPS", "1") != "0"
 

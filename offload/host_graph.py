@@ -110,6 +110,11 @@ def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, b
     return torch.zeros(n, dtype=dtype, pin_memory=True), False
 
 
+def host_steps_enabled() -> bool:
+    """Host steps are on unless ``PDFLASH_HOST_STEPS=0`` (then graphed steps run as segments)."""
+    return os.environ.get("PDFLASH_HOST_STEPS", "1") != "0"
+
+
 STAGES = 8  # most experts one layer of a "split" step fetches (stages: min(STAGES, 2 * top_k))
 STAGE_KEY = 1 << 31  # task keys of staged fetches: make_key(layer, STAGE_KEY + expert)
 PLAN_EVERY = 16  # steps between two plans of the cost model's split (the rates move slowly)

@@ -329,9 +329,11 @@ class OffloadedModel:
     def _host_steps_likely(self) -> bool:
         """Whether a graphed decoder will run the guard's host arm as host steps (mode "host":
         CUDA, the fused MXFP4 kernel, host steps not turned off by PDFLASH_HOST_STEPS=0)."""
-        if self.device.type != "cuda" or os.environ.get("PDFLASH_HOST_STEPS", "1") == "0":
-            return False
         from pdflash.offload import mxfp4_triton
+        from pdflash.offload.host_graph import host_steps_enabled
+
+        if self.device.type != "cuda" or not host_steps_enabled():
+            return False
 
         return bool(self.host.layout.quantized) and mxfp4_triton.available(self.device)
 
