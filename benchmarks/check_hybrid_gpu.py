@@ -8,8 +8,9 @@ For each dtype (``--dtypes``, float32 and bfloat16) and each mode (off: every mi
 fetched; auto: each layer's misses split between the link and the CPU kernel by the cost
 model, checked by the guard against realized decode steps; auto-model: the cost model alone,
 no guard (with --cuda-graphs its decode steps are host steps of mode "split": the link and the
-CPU side by side inside one graph; auto-model-seg: segments, the split made from Python per
-layer); auto-host / auto-off: the guard pinned to that arm, e.g. auto-host every miss on the
+CPU side by side inside one graph, each host node also prefetching the next layer's predicted
+experts at band 1 (route-ahead); auto-model-noahead, auto-noahead: the same without route-ahead,
+PDFLASH_ROUTE_AHEAD=0; auto-model-seg: segments, the split made from Python per layer); auto-host / auto-off: the guard pinned to that arm, e.g. auto-host every miss on the
 CPU and the hits on the device (the host and model arms fetch nothing into the cache: it is
 filled first with as many experts of each layer as its share of the slots, the hits a fetching
 arm would leave); all: every expert on the CPU; MODE-seg (all-seg, auto-seg,
@@ -57,10 +58,9 @@ PROMPT = [200, 1000, 31, 9, 77, 4000, 250, 17, 3, 44, 81, 90, 123, 7, 66, 19]
 def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | None = None) -> dict:
     """One generation in ``mode``; ``prewake_us`` (None: the runtime's default) is this runtime's
     CPU runner's prewake poll."""
-    asked, segmented = mode, mode.endswith("-seg")
-    if segmented:
-        mode = mode[: -len("-seg")]
-    with _host_steps(not segmented), OffloadedModel.load(ckpt, device=device, dtype=dtype,
+    asked, segmented, plan_only = mode, mode.endswith("-seg"), mode.endswith("-noahead")
+    mode = mode.removesuffix("-seg").removesuffix("-noahead")
+    with _env("PDFLASH_HOST_STEPS", not segmented), _env("PDFLASH_ROUTE_AHEAD", not plan_only), OffloadedModel.load(ckpt, device=device, dtype=dtype,
                                                          cpu_experts="auto" if mode.startswith("auto") else mode,
                              cpu_threads=args.cpu_threads, link_gbps=args.link_gbps, hybrid_guard=mode != "auto-model",
                              expert_cache_experts=None if mode == "all" else args._slots) as rt:
@@ -111,17 +111,17 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
 
 
 @contextlib.contextmanager
-def _host_steps(on: bool):
-    """PDFLASH_HOST_STEPS for the runtimes (and graphed decoders) made inside."""
-    old = os.environ.get("PDFLASH_HOST_STEPS")
-    os.environ["PDFLASH_HOST_STEPS"] = "1" if on else "0"
+def _env(name: str, on: bool):
+    """The switch ``name`` ("1" / "0") for the runtimes (and graphed decoders) made inside."""
+    old = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ["PDFLASH_HOST_STEPS"]
+            del os.environ[name]
         else:
-            os.environ["PDFLASH_HOST_STEPS"] = old
+            os.environ[name] = old
 
 
 def main(argv=None) -> int:
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     if any(v is not None and not 0 <= v <= 100_000 for v in prewakes):
         ap.error("--prewake-us: values in 0 .. 100000")
     base = ("off", "auto", "auto-model", "auto-host", "auto-all", "auto-off", "all")
-    known = base + tuple(f"{m}-seg" for m in base if m != "off")
+    known = base + tuple(f"{m}-seg" for m in base if m != "off") + ("auto-model-noahead", "auto-noahead")
     bad = [m for m in args.modes.split(",") if m not in known]
     if bad:
         ap.error(f"unknown mode(s) {', '.join(bad)}: use {', '.join(known)}")
@@ -189,6 +189,9 @@ def main(argv=None) -> int:
             print(f"{dtype:9s} {label:4s} ({r['mode']}): {r['tokens_per_second'] or 0:7.2f} tok/s  experts/token cache "
                   f"{ept['cache'] or 0:.2f} fetched {ept['fetched'] or 0:.2f} cpu {ept['cpu'] or 0:.2f}  "
                   f"identical {r['identical_to_first_mode']}{_guard_text(r)}", file=sys.stderr)
+            ra = r["cpu_experts"].get("route_ahead") or {}
+            if ra.get("sent"):
+                print(f"    route-ahead: {ra['sent']} sent, {ra['used']} used, {ra['cancelled']} cancelled", file=sys.stderr)
             for mode_, t in (r["cpu_experts"].get("host_timeline_ms") or {}).items():
                 print(f"    host steps ({mode_}, {t['steps']}), ms per step: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in t.items() if k != "steps"), file=sys.stderr)

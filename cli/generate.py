@@ -265,6 +265,10 @@ def _print_summary(report: dict) -> None:
         ]
         for mode, tl in (ce.get("host_timeline_ms") or {}).items():
             rows.append((f"host steps ({mode}), ms each", _timeline_text(tl)))
+        ra = ce.get("route_ahead") or {}
+        if ra.get("sent"):
+            rows.append(("route-ahead (split steps)", f"{ra['sent']} next-layer prefetches, {ra['used']} used, "
+                                                      f"{ra['cancelled']} cancelled"))
         if ce.get("guard"):
             rows.append(("hybrid guard", _guard_text(ce["guard"])))
     elif ce.get("reason_off"):

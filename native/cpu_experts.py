@@ -541,6 +541,8 @@ class CpuLayer:
         self._result = (ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t *"), ffi.new("uint64_t *"))
         self._fetch_result = (ffi.new("int *"), ffi.new("int *"), ffi.new("uint64_t *"), ffi.new("int *"))
         self._clock = (ffi.new("uint64_t *"), ffi.new("uint64_t *"))
+        self._ahead_result = (ffi.new("int *"), ffi.new("int *"), ffi.new("int *"))
+        self._ahead = None
 
     @property
     def handle(self) -> int:
@@ -587,6 +589,35 @@ class CpuLayer:
         self._lib.pf_layer_fetch_result(self._L, fe, fb, ns, off)
         return int(fe[0]), int(fb[0]), ns[0] / 1e9, bool(off[0])
 
+    def set_ahead(self, next_layer: "CpuLayer | None", predicted: torch.Tensor | None = None, most: int = 0) -> None:
+        """Route-ahead (``pf_layer_set_ahead``): each run also prefetches, at band 1 into
+        ``next_layer``'s stages, up to ``most`` of the experts ``predicted`` for it (int64 host
+        tensor [rows * K], read at every run); ``next_layer`` (which fetches) claims those it needs
+        at its next run and cancels the rest. ``None``: nothing prefetched. Only while neither runs."""
+        self._live()
+        if next_layer is None:
+            self._lib.pf_layer_set_ahead(self._L, self._ffi.NULL, self._ffi.NULL, 0)
+            self._ahead = None
+            return
+        next_layer._live()
+        if (not isinstance(predicted, torch.Tensor) or predicted.device.type != "cpu" or predicted.dtype != torch.int64
+                or not predicted.is_contiguous() or predicted.numel() != self.rows * self.top_k):
+            raise CpuExpertError(f"predicted must be a contiguous int64 host tensor of {self.rows * self.top_k} experts")
+        rc = self._lib.pf_layer_set_ahead(self._L, next_layer._L, self._ffi.cast("int64_t *", predicted.data_ptr()),
+                                          int(most))
+        if rc != 0:
+            raise CpuExpertError("route-ahead: the next layer must fetch, have this layer's experts, top_k and rows, "
+                                 f"and most must be in 0 .. its stages (got {most})")
+        self._ahead = (next_layer, predicted)  # kept referenced while this layer may read them
+
+    def ahead_result(self) -> tuple[int, int, int]:
+        """(prefetches submitted for the next layer, prefetches into this layer claimed, cancelled)
+        of the last run."""
+        self._live()
+        sent, used, unused = self._ahead_result
+        self._lib.pf_layer_ahead_result(self._L, sent, used, unused)
+        return int(sent[0]), int(used[0]), int(unused[0])
+
     def clock(self) -> tuple[int, int]:
         """(start, kernel) of the last run in nanoseconds: when it started, on the clock of
         ``time.monotonic_ns``, and how long its kernel calls took; zeros before any run."""
@@ -614,7 +645,7 @@ class CpuLayer:
     def close(self) -> None:
         """Idempotent; no run may be in progress or pending."""
         if getattr(self, "_L", None) is not None:
-            self._lib.pf_layer_destroy(self._L)
+            self._lib.pf_layer_destroy(self._L)  # resolves prefetches still made into its stages
             self._L = None
             self._keep = None
 

@@ -33,8 +33,21 @@ struct pf_layer {
     pf_layer_fetch f;
     int *picked;                 /* [stages] */
     uint64_t *tickets;           /* [stages] */
+    int *slot;                   /* [stages]: the stage of picked[i] */
+    uint8_t *busy;               /* [stages]: holds a task of this run */
     atomic_int fetched, fallback, fetch_off;
     atomic_uint_least64_t wait_ns;
+    /* route-ahead: the context this one's runs prefetch for (pf_layer_set_ahead) */
+    pf_layer *next;
+    const int64_t *predicted;    /* [rows * K]: experts predicted for next */
+    int ahead_most;
+    /* route-ahead into this context's stages, by the previous context's run (has_fetch): prefetch
+     * i went to stage i; resolved (claimed, or cancelled and waited for) by this context's next run */
+    int ahead_n;
+    int *ahead_e;                /* [stages] */
+    uint64_t *ahead_ticket;      /* [stages] */
+    int *pcount;                 /* [num_experts]: scratch of the previous context's prefetch */
+    atomic_int ahead_sent, ahead_used, ahead_unused;
 };
 
 int pf_layer_create(const pf_layer_desc *d, pf_layer **out) {
@@ -75,9 +88,18 @@ int pf_layer_create(const pf_layer_desc *d, pf_layer **out) {
         L->has_fetch = 1;
         L->f = *f;
         L->d.fetch = &L->f;
-        L->picked = calloc((size_t)f->stages, sizeof *L->picked);
-        L->tickets = calloc((size_t)f->stages, sizeof *L->tickets);
-        if (!L->picked || !L->tickets) { pf_layer_destroy(L); return PF_CPU_ENOMEM; }
+        size_t S = (size_t)f->stages;
+        L->picked = calloc(S, sizeof *L->picked);
+        L->tickets = calloc(S, sizeof *L->tickets);
+        L->slot = calloc(S, sizeof *L->slot);
+        L->busy = calloc(S, 1);
+        L->ahead_e = calloc(S, sizeof *L->ahead_e);
+        L->ahead_ticket = calloc(S, sizeof *L->ahead_ticket);
+        L->pcount = calloc((size_t)d->num_experts, sizeof *L->pcount);
+        if (!L->picked || !L->tickets || !L->slot || !L->busy || !L->ahead_e || !L->ahead_ticket || !L->pcount) {
+            pf_layer_destroy(L);
+            return PF_CPU_ENOMEM;
+        }
     }
     if (!L->start || !L->sorted || !L->w || !L->counts || !L->rows || !L->dest || !L->scale || !L->skip || !L->count) {
         pf_layer_destroy(L);
@@ -93,12 +115,18 @@ int pf_layer_create(const pf_layer_desc *d, pf_layer **out) {
     atomic_init(&L->fallback, 0);
     atomic_init(&L->fetch_off, 0);
     atomic_init(&L->wait_ns, 0);
+    atomic_init(&L->ahead_sent, 0);
+    atomic_init(&L->ahead_used, 0);
+    atomic_init(&L->ahead_unused, 0);
     *out = L;
     return PF_CPU_OK;
 }
 
+static void drop_ahead(pf_layer *L);
+
 void pf_layer_destroy(pf_layer *L) {
     if (!L) return;
+    if (L->ahead_n) drop_ahead(L); /* its stages must be quiet before the caller frees them */
     free(L->start);
     free(L->sorted);
     free(L->w);
@@ -110,6 +138,11 @@ void pf_layer_destroy(pf_layer *L) {
     free(L->count);
     free(L->picked);
     free(L->tickets);
+    free(L->slot);
+    free(L->busy);
+    free(L->ahead_e);
+    free(L->ahead_ticket);
+    free(L->pcount);
     free(L);
 }
 
@@ -200,43 +233,120 @@ static int call_kernel(pf_layer *L, int entries) {
                           L->d.rows, L->d.hidden, L->d.out, L->dest, L->positions, L->d.hidden);
 }
 
-/* Choose the experts to fetch (the plan's count of the non-resident ones, most positions first),
- * submit them at band 0 and mark them in skip; returns how many were submitted. */
-static int submit_fetches(pf_layer *L, int n) {
+/* Resolve the prefetches a previous context's run made into L's stages without using them:
+ * cancel each and wait until it has ended (a chunk in flight lands first), so that the stages
+ * are quiet. A wait that times out turns fetching off (its stage may still be written). */
+static void drop_ahead(pf_layer *L) {
+    const pf_layer_fetch *f = &L->f;
+    for (int i = 0; i < L->ahead_n; i++) {
+        pf_cancel(f->sched, f->key_base + (uint64_t)L->ahead_e[i]);
+        if (pf_wait(f->sched, L->ahead_ticket[i], f->timeout_s) == PF_TIMEOUT) atomic_store(&L->fetch_off, 1);
+    }
+    L->ahead_n = 0;
+}
+
+/* Route-ahead, from the previous context's run: the distinct experts of pred[0..n) that N does
+ * not hold resident (most positions first, ties: the lower index), at most `most`, each
+ * submitted at band 1 into N's stage i (i counting the submits that succeeded). Returns i. */
+static int prefetch_into(pf_layer *N, const int64_t *pred, int n, int most) {
+    if (N->ahead_n) drop_ahead(N); /* left by a run that never came: not expected */
+    if (atomic_load(&N->fetch_off)) return 0;
+    const int E = N->d.num_experts;
+    const pf_layer_fetch *f = &N->f;
+    memset(N->pcount, 0, (size_t)E * sizeof *N->pcount);
+    for (int p = 0; p < n; p++)
+        if (pred[p] >= 0 && pred[p] < E && !(N->d.resident && N->d.resident[pred[p]])) N->pcount[pred[p]]++;
+    int want = most < f->stages ? most : f->stages, sent = 0;
+    while (sent < want) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (N->pcount[e] > 0 && (best < 0 || N->pcount[e] > N->pcount[best])) best = e;
+        if (best < 0) break;
+        N->pcount[best] = 0;
+        uint64_t ticket = 0;
+        if (pf_submit(f->sched, f->key_base + (uint64_t)best, f->src[best], f->stage[sent], f->nbytes, PF_ROUTE_AHEAD,
+                      &ticket) != PF_OK)
+            continue; /* not prefetched: this layer computes or fetches it as usual */
+        N->ahead_e[sent] = best;
+        N->ahead_ticket[sent++] = ticket;
+    }
+    N->ahead_n = sent;
+    return sent;
+}
+
+/* busy[] values: a stage's use in the current run */
+enum { STAGE_FREE = 0, STAGE_CLAIMED = 1, STAGE_UNUSED = 2, STAGE_PLANNED = 3 };
+
+/* At a run's start: each prefetch made into L's stages whose expert this run needs (routed, not
+ * resident) becomes one of its fetches (promoted to band 0, marked in skip); the others are
+ * cancelled (waited for in finish_fetches). Returns the fetches claimed (picked/tickets/slot). */
+static int claim_ahead(pf_layer *L) {
+    const pf_layer_fetch *f = &L->f;
+    int claimed = 0;
+    memset(L->busy, STAGE_FREE, (size_t)f->stages);
+    for (int i = 0; i < L->ahead_n; i++) {
+        int e = L->ahead_e[i];
+        uint64_t key = f->key_base + (uint64_t)e;
+        if (L->count[e] > 0 && !L->skip[e]) {
+            pf_promote(f->sched, key, PF_ON_DEMAND);
+            L->skip[e] = 1;
+            L->busy[i] = STAGE_CLAIMED;
+            L->picked[claimed] = e;
+            L->tickets[claimed] = L->ahead_ticket[i];
+            L->slot[claimed++] = i;
+        } else {
+            pf_cancel(f->sched, key);
+            L->busy[i] = STAGE_UNUSED;
+        }
+    }
+    atomic_store(&L->ahead_used, claimed);
+    atomic_store(&L->ahead_unused, L->ahead_n - claimed);
+    return claimed;
+}
+
+/* Choose the experts to fetch (the plan's count of the non-resident ones not claimed, most
+ * positions first), submit them at band 0 into free stages and mark them in skip; returns the
+ * fetches in picked/tickets/slot, the `submitted` claimed ones first. */
+static int submit_fetches(pf_layer *L, int n, int submitted) {
     const int E = L->d.num_experts;
     const pf_layer_fetch *f = &L->f;
-    int missing = 0;
+    int missing = 0, free_stages = 0;
     for (int e = 0; e < E; e++) missing += L->count[e] > 0 && !L->skip[e];
+    for (int i = 0; i < f->stages; i++) free_stages += L->busy[i] == STAGE_FREE;
     int want = f->plan[missing < n ? missing : n];
-    if (want > f->stages) want = f->stages;
+    if (want > free_stages) want = free_stages;
     if (want > missing) want = missing;
-    int chosen = 0;
+    int chosen = 0, first = submitted;
     while (chosen < want) { /* selection: few stages, few experts */
         int best = -1;
         for (int e = 0; e < E; e++)
             if (L->count[e] > 0 && !L->skip[e] && (best < 0 || L->count[e] > L->count[best])) best = e;
         L->skip[best] = 1; /* provisional: unmarked below if the submit fails */
-        L->picked[chosen++] = best;
+        L->picked[first + chosen++] = best;
     }
-    int submitted = 0;
+    int stage = 0;
     for (int i = 0; i < chosen; i++) {
-        int e = L->picked[i];
+        int e = L->picked[first + i];
+        while (L->busy[stage] != STAGE_FREE) stage++;
         uint64_t ticket = 0;
-        int rc = pf_submit(f->sched, f->key_base + (uint64_t)e, f->src[e], f->stage[submitted], f->nbytes,
+        int rc = pf_submit(f->sched, f->key_base + (uint64_t)e, f->src[e], f->stage[stage], f->nbytes,
                            PF_ON_DEMAND, &ticket);
         if (rc != PF_OK) {
             L->skip[e] = 0; /* computed here */
             continue;
         }
+        L->busy[stage] = STAGE_PLANNED;
         L->picked[submitted] = e;
-        L->tickets[submitted++] = ticket;
+        L->tickets[submitted] = ticket;
+        L->slot[submitted++] = stage;
     }
-    atomic_store(&L->fallback, chosen - submitted);
+    atomic_store(&L->fallback, chosen - (submitted - first));
     return submitted;
 }
 
-/* Wait for the submitted tasks; each that did not land is computed on this thread, so that out
- * covers it. Writes stage_of. Returns the kernel status of that fallback call. */
+/* Wait for the run's fetches; each that did not land is computed on this thread, so that out
+ * covers it. Writes stage_of. Then waits for the unused prefetches (cancelled by claim_ahead):
+ * every stage is quiet when the run ends. Returns the kernel status of the fallback call. */
 static int finish_fetches(pf_layer *L, int n, int submitted, int *distinct) {
     const int E = L->d.num_experts;
     const pf_layer_fetch *f = &L->f;
@@ -248,7 +358,7 @@ static int finish_fetches(pf_layer *L, int n, int submitted, int *distinct) {
         int st = pf_wait(f->sched, L->tickets[i], f->timeout_s);
         int e = L->picked[i];
         if (st == PF_DONE) {
-            f->stage_of[e] = i;
+            f->stage_of[e] = L->slot[i];
             landed++;
             continue;
         }
@@ -259,6 +369,10 @@ static int finish_fetches(pf_layer *L, int n, int submitted, int *distinct) {
         L->skip[e] = 0;
         failed++;
     }
+    for (int i = 0; i < L->ahead_n; i++)
+        if (L->busy[i] == STAGE_UNUSED && pf_wait(f->sched, L->ahead_ticket[i], f->timeout_s) == PF_TIMEOUT)
+            atomic_store(&L->fetch_off, 1);
+    L->ahead_n = 0;
     atomic_store(&L->wait_ns, now_ns() - t0);
     atomic_store(&L->fetched, landed);
     atomic_fetch_add(&L->fallback, failed);
@@ -285,19 +399,26 @@ int pf_layer_run(pf_layer *L) {
     atomic_store(&L->fallback, 0);
     atomic_store(&L->wait_ns, 0);
     atomic_store(&L->kernel_ns, 0);
+    atomic_store(&L->ahead_used, 0);
+    atomic_store(&L->ahead_unused, 0);
+    /* the next layer's predicted experts first: the link starts on them while this layer computes */
+    atomic_store(&L->ahead_sent, L->next ? prefetch_into(L->next, L->predicted, n, L->ahead_most) : 0);
     if (L->has_fetch)
         for (int e = 0; e < E; e++) L->f.stage_of[e] = -1;
     if (rc == PF_CPU_OK) {
         for (int e = 0; e < E; e++) L->skip[e] = L->d.resident && L->d.resident[e];
-        if (fetching) submitted = submit_fetches(L, n);
+        if (L->has_fetch) submitted = claim_ahead(L);
+        if (fetching) submitted = submit_fetches(L, n, submitted);
         int entries = group(L, n, L->skip, 1, &distinct);
         uint64_t k0 = now_ns();
         rc = call_kernel(L, entries);
         atomic_store(&L->kernel_ns, now_ns() - k0);
-        if (fetching) { /* always wait: the stages must be quiet before the next run */
+        if (L->has_fetch) { /* always wait: the stages must be quiet before the next run */
             int rc2 = finish_fetches(L, n, submitted, &distinct);
             if (rc == PF_CPU_OK) rc = rc2;
         }
+    } else if (L->ahead_n) {
+        drop_ahead(L);
     }
     if (rc != PF_CPU_OK) {
         memset(L->d.out, 0, (size_t)L->positions * (size_t)H * sizeof(float));
@@ -314,6 +435,31 @@ int pf_layer_run(pf_layer *L) {
     atomic_store(&L->ns, now_ns() - t0);
     atomic_fetch_add(&L->runs, 1);
     return rc;
+}
+
+int pf_layer_set_ahead(pf_layer *L, pf_layer *next, const int64_t *predicted, int most) {
+    if (!L) return PF_CPU_EINVAL;
+    if (!next) {
+        L->next = NULL;
+        L->predicted = NULL;
+        L->ahead_most = 0;
+        return PF_CPU_OK;
+    }
+    if (next == L || !next->has_fetch || !predicted || most < 0 || most > next->f.stages
+        || next->d.num_experts != L->d.num_experts || next->d.top_k != L->d.top_k || next->d.rows < L->d.rows)
+        return PF_CPU_EINVAL;
+    L->next = next;
+    L->predicted = predicted;
+    L->ahead_most = most;
+    return PF_CPU_OK;
+}
+
+int pf_layer_ahead_result(pf_layer *L, int *sent, int *used, int *unused) {
+    if (!L) return PF_CPU_EINVAL;
+    if (sent) *sent = atomic_load(&L->ahead_sent);
+    if (used) *used = atomic_load(&L->ahead_used);
+    if (unused) *unused = atomic_load(&L->ahead_unused);
+    return PF_CPU_OK;
 }
 
 void pf_layer_host_fn(void *layer) { (void)pf_layer_run((pf_layer *)layer); }

@@ -35,6 +35,17 @@
  * task that times out is cancelled, and the context fetches nothing from then on (a cancelled
  * task's last chunk may still land in its stage). The plan is read at every run (the caller
  * updates it between runs); pf_layer_fetch_result reads the last run's fetch figures.
+ *
+ * Route-ahead (optional, pf_layer_set_ahead(L, next, predicted, most)): a run of L first
+ * prefetches for the context that runs after it (next, which fetches): of the experts predicted
+ * for next at predicted[0 .. tokens*K) (int64; entries out of range ignored), the distinct ones
+ * next does not hold resident, most positions first (ties: the lower index), at most `most`, each
+ * one band-1 task (PF_ROUTE_AHEAD, key next's key_base + expert) into next's stage i. next's
+ * following run claims each such prefetch whose expert it needs (routed, not resident): promoted
+ * to band 0, it is one of that run's fetches (waited for after the kernel call, stage_of names
+ * its stage), and the plan's fetches take the stages left free; it cancels the others and waits
+ * until they have ended, so every stage is quiet when a run ends. Destroying a context resolves
+ * prefetches still made into it the same way. pf_layer_ahead_result reads the last run's figures.
  * A host node that waits for the scheduler makes no CUDA call itself: the scheduler's worker
  * threads copy on their own streams and the run blocks on a condition variable.
  *
@@ -115,6 +126,16 @@ int pf_layer_result(pf_layer *L, int *status, int *experts, uint64_t *ns, uint64
  * here instead), nanoseconds it blocked waiting for its tasks after its own kernel call, and
  * whether fetching is off for good (a task timed out). Zeros without fetching. */
 int pf_layer_fetch_result(pf_layer *L, int *fetched, int *fallback, uint64_t *wait_ns, int *disabled);
+
+/* Route-ahead: each run of L also prefetches the experts `predicted` for next at band 1 (see
+ * above); most in 0 .. next's stages. next must fetch, have L's experts, top_k and at least its
+ * rows, and differ from L. next NULL: L prefetches nothing. Call only while neither context
+ * runs; predicted is borrowed like the other buffers. */
+int pf_layer_set_ahead(pf_layer *L, pf_layer *next, const int64_t *predicted, int most);
+
+/* The last run's route-ahead: prefetches it submitted for its next context (sent), and of those
+ * a previous run made into its own stages, how many it claimed (used) and cancelled (unused). */
+int pf_layer_ahead_result(pf_layer *L, int *sent, int *used, int *unused);
 
 /* The last run's clock: when it started (CLOCK_MONOTONIC nanoseconds, the clock of
  * Python's time.monotonic_ns on Linux) and the nanoseconds of its kernel calls (the CPU's

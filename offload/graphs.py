@@ -414,7 +414,9 @@ class GraphedDecoder:
             xs = []
             for i, lay in enumerate(layers):
                 x, flat, scores, indices = self._pre_experts(i, x, pe, masks)
-                x = x + lay(flat, scores, indices).view_as(x)
+                # route-ahead ("split"): the next layer's router on this residual stream, for its host node
+                ahead = self.family.router_topk(self.model, i + 1, x.reshape(-1, x.shape[-1])) if lay.ahead else None
+                x = x + lay(flat, scores, indices, ahead).view_as(x)
                 xs.append(x)
             return self._head(x, last=head_last), xs
 

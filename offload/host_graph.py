@@ -70,6 +70,7 @@ from collections import Counter
 import torch
 
 from pdflash import PdflashError
+from pdflash.native import Band
 from pdflash.offload.host_store import host_register, host_unregister
 
 
@@ -115,7 +116,12 @@ def host_steps_enabled() -> bool:
     return os.environ.get("PDFLASH_HOST_STEPS", "1") != "0"
 
 
-STAGES = 8  # most experts one layer of a "split" step fetches (stages: min(STAGES, 2 * top_k))
+def route_ahead_enabled() -> bool:
+    """Split host steps prefetch the next layer's predicted experts unless ``PDFLASH_ROUTE_AHEAD=0``."""
+    return os.environ.get("PDFLASH_ROUTE_AHEAD", "1") != "0"
+
+
+STAGES = 8  # most experts one layer of a "split" step fetches (stages: min(STAGES, 2 * top_k) a set)
 STAGE_KEY = 1 << 31  # task keys of staged fetches: make_key(layer, STAGE_KEY + expert)
 PLAN_EVERY = 16  # steps between two plans of the cost model's split (the rates move slowly)
 
@@ -150,20 +156,26 @@ class HostLayer:
         self.x_dtype = bufs.x_dtype
         self.down = down = bufs.down[layer]  # this layer's page-locked int16 words
         self.idx = down[: bufs.a].view(torch.int64)
+        # "split" with route-ahead: the next layer's experts predicted from this layer's residual
+        # stream (its router on it), copied down with the routing; this layer's host node prefetches them
+        self.ahead = mode == "split" and layer + 1 < steps.num_layers and steps.route_ahead
+        self.predicted = down[bufs.a: bufs.a2].view(torch.int64)
         runner = steps.runner
         structs = [runner.struct(layer, e) for e in range(steps.num_experts)]
         resident = steps.resident[layer] if mode in ("host", "split") else None
         self.stage_of = bufs.stage_of[layer]  # "split": where the last run's fetched experts landed
         fetch = steps.fetch_for(layer, bufs) if mode == "split" else None
-        self.cpu = runner.kernel.layer(structs, K, R, self.idx, down[bufs.a: bufs.b].view(torch.float32),
+        self.cpu = runner.kernel.layer(structs, K, R, self.idx, down[bufs.a2: bufs.b].view(torch.float32),
                                        down[bufs.b: bufs.n].view(self.x_dtype).view(R, H), bufs.up_host, resident,
                                        fetch)
         self.tokens = R
         self.launched = 0  # runs queued or done since the last check
 
-    def __call__(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Inside the captured step: x [R, H], the router's weights and indices -> the layer's
-        expert output [R, H] in x's dtype."""
+    def __call__(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor,
+                 predicted: torch.Tensor | None = None) -> torch.Tensor:
+        """Inside the captured step: x [R, H], the router's weights and indices (and, where
+        :attr:`ahead`, the next layer's predicted experts [R, K]) -> the layer's expert output
+        [R, H] in x's dtype."""
         s = self.steps
         R, K, H = self.rows, s.top_k, s.hidden
         idx = indices.reshape(R, -1)
@@ -180,7 +192,8 @@ class HostLayer:
                 side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 contrib = self._fused(s.rt.cache.slots, s.slot_of[self.layer], x, idx, w, out_dtype)
-        parts = (idx.to(torch.int64).contiguous().view(-1).view(torch.int16),
+        ahead = predicted.reshape(-1).to(torch.int64) if predicted is not None else bufs.no_prediction
+        parts = (idx.to(torch.int64).contiguous().view(-1).view(torch.int16), ahead.contiguous().view(torch.int16),
                  w.to(torch.float32).contiguous().view(-1).view(torch.int16),
                  x.to(self.x_dtype).contiguous().view(-1).view(torch.int16))
         torch.cat(parts, out=bufs.pack)
@@ -196,7 +209,7 @@ class HostLayer:
             torch.cuda.current_stream(x.device).wait_stream(side)
         if self.mode == "split":  # the fetched experts, from the stages the host node filled
             bufs.stage_dev.copy_(self.stage_of, non_blocking=True)
-            contrib.add_(self._fused(s.stages, bufs.stage_dev, x, idx, w, out_dtype))
+            contrib.add_(self._fused(s.stages[self.layer % len(s.stages)], bufs.stage_dev, x, idx, w, out_dtype))
         if on_device:  # the CPU's rows are zero where the device computed, and the reverse
             return contrib.add_(bufs.up_dev).view(R, K, H).sum(dim=1).to(x.dtype)
         return bufs.up_dev.to(out_dtype).view(R, K, H).sum(dim=1).to(x.dtype)
@@ -236,7 +249,8 @@ class _RowBuffers:
         K, H = steps.top_k, steps.hidden
         self.x_dtype = x_dtype
         self.a = rows * K * 4  # int16 words of the indices (int64)
-        self.b = self.a + rows * K * 2  # ... then of the weights (float32)
+        self.a2 = 2 * self.a  # ... then of the next layer's predicted experts (int64, -1: none)
+        self.b = self.a2 + rows * K * 2  # ... then of the weights (float32)
         self.n = self.b + rows * H * (x_dtype.itemsize // 2)  # ... then of the rows
         words = -(-self.n // 8) * 8  # every layer's row 16-byte aligned
         self.pack = torch.empty(self.n, dtype=torch.int16, device=steps.device)
@@ -244,6 +258,7 @@ class _RowBuffers:
         self.up_host = steps._buffer(rows * K * H, torch.float32).view(rows * K, H)
         self.up_dev = torch.empty((rows * K, H), dtype=torch.float32, device=steps.device)
         self.pairs = torch.arange(rows * K, dtype=torch.int32, device=steps.device)
+        self.no_prediction = torch.full((rows * K,), -1, dtype=torch.int64, device=steps.device)
         E = steps.num_experts  # mode "split": the plan, where each layer's fetches landed, its device copy
         self.plan = steps._buffer(rows * K + 1, torch.uint8)
         self.plan_key: tuple | None = None  # (tokens, plan period) the plan was made for (refresh_plan)
@@ -277,7 +292,10 @@ class HostSteps:
         self._version = None
         experts = rt.family.decoder_layers(rt.model)[0].mlp.experts
         self.fused = experts.kernel.fused(self.device) if hasattr(experts, "kernel") else None
-        self.stages: torch.Tensor | None = None  # mode "split": one expert's bytes a stage (made on first use)
+        # mode "split": [sets, stages, expert bytes] (made on first use); layer i uses set i % sets: two
+        # with route-ahead (layer i's host node fills layer i+1's set while the device still reads its own)
+        self.stages: torch.Tensor | None = None
+        self.route_ahead = route_ahead_enabled()  # "split": each host node prefetches the next layer's predicted experts
         # modes "host" and "split" on CUDA: the hits' fused call runs on this stream, beside the
         # host node (PDFLASH_HOST_SIDE_STREAM=0: before it, on the step's stream)
         side = self.device.type == "cuda" and os.environ.get("PDFLASH_HOST_SIDE_STREAM", "1") != "0"
@@ -317,20 +335,26 @@ class HostSteps:
         return (mode == "split" and fused and getattr(self.rt, "scheduler", None) is not None
                 and getattr(self.rt, "placer", None) is not None)
 
+    @property
+    def stages_per_set(self) -> int:
+        return min(STAGES, 2 * self.top_k)
+
     def fetch_for(self, layer: int, bufs: "_RowBuffers"):
         """The LayerFetch of one layer's host node in mode "split": the layer's experts' host rows,
-        the stages (allocated on first use: ``STAGES`` experts' bytes on the device, beside the
-        cache), keys apart from the cache's own (``make_key(layer, STAGE_KEY + expert)``)."""
+        its set of stages (allocated on first use: ``stages_per_set`` experts' bytes a set on the
+        device, beside the cache; two sets with route-ahead), keys apart from the cache's own
+        (``make_key(layer, STAGE_KEY + expert)``)."""
         from pdflash.native import make_key
         from pdflash.native.cpu_experts import LayerFetch
 
         rt = self.rt
         if self.stages is None:
-            self.stages = torch.empty((min(STAGES, 2 * self.top_k), rt.cache.slots.shape[1]), dtype=torch.uint8,
+            sets = 2 if self.route_ahead and self.num_layers > 1 else 1
+            self.stages = torch.empty((sets, self.stages_per_set, rt.cache.slots.shape[1]), dtype=torch.uint8,
                                       device=self.device)
         host = rt.host
         return LayerFetch(rt.scheduler, [host.row(layer, e).data_ptr() for e in range(self.num_experts)],
-                          int(rt.cache.slots.shape[1]), [t.data_ptr() for t in self.stages],
+                          int(rt.cache.slots.shape[1]), [t.data_ptr() for t in self.stages[layer % len(self.stages)]],
                           make_key(layer, STAGE_KEY), bufs.plan, bufs.stage_of[layer])
 
     def before_step(self, mode: str, rows: int, tokens: int) -> None:
@@ -354,7 +378,7 @@ class HostSteps:
         key = (tokens, self.steps_run // PLAN_EVERY)
         if bufs.plan_key == key:
             return
-        plan = self.rt.placer.fetch_plan(tokens, self.top_k, len(self.stages))
+        plan = self.rt.placer.fetch_plan(tokens, self.top_k, self.stages_per_set)
         bufs.plan.zero_()
         bufs.plan[: len(plan)].copy_(torch.tensor(plan, dtype=torch.uint8))
         bufs.plan_key = key
@@ -383,8 +407,10 @@ class HostSteps:
             if bufs is None:
                 bufs = self._bufs[rows] = _RowBuffers(self, rows, x_dtype)
             got = self._layers[(rows, mode)] = [HostLayer(self, i, rows, bufs, mode) for i in range(self.num_layers)]
-            for lay in got[:-1]:
+            for lay, nxt in zip(got[:-1], got[1:]):
                 lay.cpu.set_prewake(self.runner.prewake_us)  # the next layer's call comes a segment later
+                if lay.ahead:  # half the next layer's set: the other half stays for its own plan
+                    lay.cpu.set_ahead(nxt.cpu, lay.predicted, min(self.stages_per_set // 2, rows * self.top_k))
         return got
 
     def finish(self, layers: list[HostLayer], tokens: int, launched_ns: int | None = None,
@@ -407,6 +433,14 @@ class HostSteps:
             _, seconds = lay.cpu.check(runs=n)
             begin, kernel = lay.cpu.clock()
             waited = lay.cpu.fetch_result()[2] if mode == "split" else 0.0
+            if mode == "split":  # route-ahead: prefetches sent for the next layer, this layer's claimed / cancelled
+                sent, used, unused = lay.cpu.ahead_result()
+                if sent:
+                    stats.prefetch_issued[Band.ROUTE_AHEAD] = stats.prefetch_issued.get(Band.ROUTE_AHEAD, 0) + sent
+                stats.route_ahead_sent += sent
+                stats.route_ahead_used += used
+                stats.route_ahead_cancelled += unused
+                stats.layers[lay.layer].promoted += used
             runs.append((begin, seconds, kernel, waited))
             counts = Counter(idx)
             experts = sorted(counts)

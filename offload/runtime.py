@@ -605,6 +605,10 @@ class OffloadedModel:
                 "seconds": fs.cpu_seconds if ran else None,
                 "host_steps": fs.host_steps,
                 "host_timeline_ms": fs.host_timeline_ms(),
+                # split host steps: the next layer's predicted experts prefetched at band 1 into its stages
+                "route_ahead": {"sent": fs.route_ahead_sent, "used": fs.route_ahead_used,
+                                "cancelled": fs.route_ahead_cancelled,
+                                "precision": fs.route_ahead_used / fs.route_ahead_sent if fs.route_ahead_sent else None},
                 "guard": self.placer.guard.stats() if self.placer is not None and self.placer.guard is not None else None,
                 "cache_experts_native": self.slot_cpu is not None,
                 **(self.cpu.stats() if self.cpu is not None else {}),

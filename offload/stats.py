@@ -48,6 +48,11 @@ class FetchStats:
     forwards: int = 0
     tokens: int = 0  # tokens processed by forwards (prefill tokens included)
     cpu_seconds: float = 0.0  # wall time of the CPU expert computations (overlapping device work on CUDA)
+    # split host steps' route-ahead: the next layer's predicted experts prefetched into its stages
+    # (band 1; also in prefetch_issued), then claimed by that layer (promoted to band 0) or cancelled
+    route_ahead_sent: int = 0
+    route_ahead_used: int = 0
+    route_ahead_cancelled: int = 0
     host_steps: int = 0  # forwards run as host steps (every expert on the CPU, one CUDA graph: host_graph.py)
     # host steps' timeline, per mode: {"steps": n, "<part>_s": seconds summed over steps} (HostSteps.finish)
     host_timeline: dict[str, dict[str, float]] = field(default_factory=dict)

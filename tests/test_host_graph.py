@@ -156,6 +156,80 @@ def test_a_fetching_layer_stages_the_planned_experts_and_computes_the_rest():
                         LayerFetch(sched, fetch.src[:-1], NB, fetch.stages, 0, plan, stage_of))
 
 
+def test_route_ahead_prefetches_the_next_layers_predicted_experts_into_its_stages():
+    """pf_layer_set_ahead: a run of layer A submits, at band 1 into layer B's stages, B's predicted
+    experts that B does not hold resident (the most positions first, at most ``most``); B's next
+    run claims those it is routed to (promoted to band 0: their bytes land in the stage stage_of
+    names, byte for byte, their rows zero) and cancels the others; the plan's fetches take the
+    stages left free; B's CPU rows equal a plain layer's. A failing copy is computed instead."""
+    from pdflash.native import Band, Scheduler
+    from pdflash.native.cpu_experts import LayerFetch
+
+    H, E, K, R, NB, S = 64, 8, 2, 3, 5000, 4
+    experts = [_expert(H, 32, seed=e) for e in range(E)]
+    g = torch.Generator().manual_seed(7)
+    src = [torch.randint(0, 256, (NB,), dtype=torch.uint8, generator=g) for _ in range(E)]
+    for fault in (0, 1):
+        # a slow simulated link (0.1 s an expert): the prefetches are still live when B claims them
+        with CpuExperts(threads=2) as k, Scheduler("memcpy", workers=2, fault_every=fault, link_gbps=NB / 0.1 / 1e9,
+                                                   paced=True) as sched:
+            structs = [w.struct(k.ffi) for w in experts]
+            x = torch.randn(R, H, generator=g)
+            scale = torch.rand(R * K, generator=g)
+
+            def layer(idx, key, resident=None, plan=None):
+                stages = [torch.zeros(NB, dtype=torch.uint8) for _ in range(S)]
+                plan = torch.zeros(R * K + 1, dtype=torch.uint8) if plan is None else plan
+                stage_of = torch.full((E,), 7, dtype=torch.int32)
+                out = torch.full((R * K, H), 5.0)
+                fetch = LayerFetch(sched, [t.data_ptr() for t in src], NB, [t.data_ptr() for t in stages], key,
+                                   plan, stage_of)
+                return k.layer(structs, K, R, idx, scale, x, out, resident, fetch), stages, stage_of, out, plan
+
+            a, *_ = layer(torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.int64), 1 << 40)
+            b_idx = torch.tensor([2, 6, 4, 6, 2, 7], dtype=torch.int64)  # positions: 2:2, 6:2, 4:1, 7:1
+            resident = torch.zeros(E, dtype=torch.uint8)
+            resident[3] = 1
+            b, stages, stage_of, out, plan = layer(b_idx, 2 << 40, resident)
+            want = torch.zeros(R * K, H)
+            k.layer(structs, K, R, b_idx, scale, x, want).run()
+            predicted = torch.tensor([5, 2, 3, 5, 2, 4], dtype=torch.int64)  # 5:2, 2:2, 4:1; 3 is resident in B
+            with pytest.raises(CpuExpertError, match="route-ahead"):
+                a.set_ahead(b, predicted, S + 1)
+            with pytest.raises(CpuExpertError, match="route-ahead"):  # the next layer must fetch
+                a.set_ahead(k.layer(structs, K, R, b_idx, scale, x, torch.zeros(R * K, H)), predicted, 1)
+            with pytest.raises(CpuExpertError, match="int64"):
+                a.set_ahead(b, predicted[:-1], 1)
+            a.set_ahead(b, predicted, 3)
+            a.run()
+            assert a.ahead_result()[0] == 3  # 2, 5 (two positions each, lower index first), then 4
+            assert sched.stats()["levels"][Band.ROUTE_AHEAD]["submitted"] == 3
+            plan[2] = 1  # of B's M = 2 experts left after the claims (6 and 7; 2 and 4 claimed), fetch one
+            b.run()
+            sent, used, unused = b.ahead_result()
+            fetched, fallback, _, off = b.fetch_result()
+            assert (used, unused) == (2, 1) and fetched + fallback == 3 and not off
+            if not fault:
+                assert fallback == 0
+                assert [int(stage_of[e]) for e in (2, 4)] == [0, 2]  # the prefetches' stages
+                assert int(stage_of[6]) == 3 and int(stage_of[7]) == -1  # the plan: 6 (2 positions), a free stage
+                assert sched.stats()["levels"][Band.ON_DEMAND]["promoted"] == 2  # the claimed ones, still live
+            for e in range(E):
+                st = int(stage_of[e])
+                if st >= 0:
+                    assert torch.equal(stages[st], src[e])
+            skip = {e for e in range(E) if int(stage_of[e]) >= 0}
+            rows = torch.tensor([e not in skip for e in b_idx.tolist()])
+            assert torch.equal(out[rows], want[rows]) and torch.count_nonzero(out[~rows]) == 0
+            a.run()  # prefetches left in B's stages when B is closed: cancelled, waited for
+            b.close()
+            levels = sched.stats()["levels"]
+            assert all(lv["queue_depth"] == 0 and lv["in_flight"] == 0 for lv in levels)
+            a.set_ahead(None)
+            a.run()
+            assert a.ahead_result()[0] == 0
+
+
 def _replaying_capture_host(self, bucket: int, R: int, mode: str = "all") -> list:
     """``GraphedDecoder._capture_host`` for a CPU: the step function is warmed up once, as the
     capture does, and each "replay" runs it again and publishes its outputs in the first run's
@@ -289,13 +363,17 @@ def _fused_on_cpu(monkeypatch):
         pytest.skip("the fused kernels need Triton (its interpreter on the CPU)")
 
 
-def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["plan", "route-ahead"])
+def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeypatch, ahead):
     """The guard's model arm as host steps of mode "split": a plan that fetches every miss gives
     the host arm's logits with every expert resident, bit for bit (a staged expert is the fused
-    kernel's, like a hit); a plan that fetches nothing gives the host arm's with the same cache;
-    the cost model's own plan keeps fetch-only's greedy tokens (float32) and counts hits, fetched
-    misses (with the time the host nodes waited for them) and CPU experts, one per routed expert."""
+    kernel's, like a hit); without route-ahead a plan that fetches nothing gives the host arm's
+    with the same cache, with it the next layer's predicted experts are fetched all the same
+    (claimed ones counted as promoted misses, the others cancelled); the cost model's own plan
+    keeps fetch-only's greedy tokens (float32) and counts hits, fetched misses (with the time the
+    host nodes waited for them) and CPU experts, one per routed expert."""
     _fused_on_cpu(monkeypatch)
+    monkeypatch.setenv("PDFLASH_ROUTE_AHEAD", "1" if ahead else "0")
     monkeypatch.setattr(GraphedDecoder, "_capture_host", _replaying_capture_host)
     monkeypatch.setattr(GraphedDecoder, "_capture", _replaying_capture)
     ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=24)
@@ -319,6 +397,8 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
             fs = rt.cache.stats
             before = (fs.host_steps, fs.hits, fs.misses, fs.cpu, fs.demand_fetches,
                       sum(lc.waits for lc in fs.layers))
+            sent0, used0, unused0 = fs.route_ahead_sent, fs.route_ahead_used, fs.route_ahead_cancelled
+            promoted0 = sum(lc.promoted for lc in fs.layers)
             cpu_s, runner_s = fs.cpu_seconds, rt.cpu.seconds
             rows = []
             for _ in range(steps):
@@ -326,6 +406,13 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
                 toks.append(int(rows[-1].argmax()))
             after = (fs.host_steps, fs.hits, fs.misses, fs.cpu, fs.demand_fetches, sum(lc.waits for lc in fs.layers))
             host_steps, hits, misses, cpu, demand, waits = (b - a for a, b in zip(before, after))
+            sent, used, unused = (fs.route_ahead_sent - sent0, fs.route_ahead_used - used0,
+                                  fs.route_ahead_cancelled - unused0)
+            assert sum(lc.promoted for lc in fs.layers) - promoted0 == used and used + unused == sent
+            if not ahead or arm != "model":
+                assert sent == 0
+            elif placer.fetch_plan is nothing:  # every fetched miss is a claimed prefetch
+                assert misses == used and sent > 0
             assert host_steps == (steps if arm != "off" else 0)
             timeline = fs.host_timeline_ms()
             if arm != "off":  # every step on the timeline: its parts add up to it
@@ -352,7 +439,10 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
         assert torch.equal(got, want) and misses > 0 and cpu == 0 and waits > 0
         want = run("host", 12)[0]
         got, _, (hits, misses, cpu, _) = run("model", 12, nothing)
-        assert torch.equal(got, want) and misses == 0 and cpu > 0
+        if ahead:  # the predicted experts that were routed: fetched, the fused kernel's
+            assert misses > 0 and cpu > 0
+        else:
+            assert torch.equal(got, want) and misses == 0 and cpu > 0
         _, toks_off, _ = run("off", 12, steps=5)
         _, toks, counts = run("model", 12, lambda tokens, top_k, stages: [0, 1, 1][: tokens * top_k + 1], steps=5)
         assert toks == toks_off and counts[1] > 0 and counts[2] > 0, counts
@@ -444,7 +534,9 @@ def test_cuda_split_host_steps_fetch_beside_the_cpu(tmp_path):
     a layer's misses to the scheduler (real copies on its streams, waited for on a condition
     variable inside the graph) and compute the rest. A plan that fetches every miss gives, bit
     for bit, the logits of a cache holding every expert but one (staged experts are the fused
-    kernel's, like hits); the cost model's plan keeps fetch-only's greedy tokens in float32."""
+    kernel's, like hits); the cost model's plan keeps fetch-only's greedy tokens in float32, and so
+    does a plan that fetches nothing, whose fetches are then the route-ahead prefetches each host
+    node made for the next layer (from the next router on the device) and the next one claimed."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=7)
@@ -464,12 +556,14 @@ def test_cuda_split_host_steps_fetch_beside_the_cpu(tmp_path):
             rt.cache.fill(keys[:cached])
             guard.pin(arm)
             fs = rt.cache.stats
-            before = (fs.host_steps, fs.misses, sum(lc.waits for lc in fs.layers), fs.cpu)  # the prompt's
+            before = (fs.host_steps, fs.misses, sum(lc.waits for lc in fs.layers), fs.cpu,  # the prompt's
+                      fs.route_ahead_sent, fs.route_ahead_used)
             rows = []
             for _ in range(steps):
                 rows.append(dec.decode(toks[-1]))
                 toks.append(int(rows[-1].argmax()))
-            after = (fs.host_steps, fs.misses, sum(lc.waits for lc in fs.layers), fs.cpu)
+            after = (fs.host_steps, fs.misses, sum(lc.waits for lc in fs.layers), fs.cpu,
+                     fs.route_ahead_sent, fs.route_ahead_used)
             if arm == "model":  # the graph's host nodes on the step's timeline, in order
                 t = rt.stats()["cpu_experts"]["host_timeline_ms"]["split"]
                 assert t["steps"] >= steps and min(t["head"], t["node"], t["gaps"], t["tail"]) >= 0
@@ -484,4 +578,6 @@ def test_cuda_split_host_steps_fetch_beside_the_cpu(tmp_path):
     mixed = run("model", 12, lambda tokens, top_k, stages: [0, 1, 1][: tokens * top_k + 1])
     assert mixed[1] == off[1] and mixed[2] == 16 and mixed[3] > 0 and mixed[5] > 0
     assert run("model", 12)[1] == off[1]  # the cost model's own plan
+    ahead = run("model", 12, lambda tokens, top_k, stages: [0] * (tokens * top_k + 1))
+    assert ahead[1] == off[1] and ahead[6] > 0 and 0 < ahead[7] <= ahead[6] and ahead[3] == ahead[7]
 

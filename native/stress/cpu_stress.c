@@ -30,6 +30,10 @@
  *             by the threads, small chunks, every 7th chunk copy failing): the plan's count of
  *             non-resident experts, most positions first, lands in the stages byte for byte with
  *             zero rows, a failed fetch is computed instead, stage_of and the fetch figures agree.
+ *             Route-ahead chains (pf_layer_set_ahead): each run prefetches for the next context;
+ *             claims and cancels add up to what was sent, staged experts hold their bytes,
+ *             the other rows are the reference's; destroying a chain with prefetches still
+ *             made leaves nothing live in the scheduler.
  *
  * Exit 0 only if every check held; the last line is "cpu_stress: N passed, M failed".
  */
@@ -672,6 +676,120 @@ static void *layer_worker(void *p) {
     return NULL;
 }
 
+/* Route-ahead: a chain of fetching contexts, each run prefetching for the next (pf_layer_set_ahead)
+ * from a prediction that is the next layer's real routing half the time. Each run's claims and
+ * cancels add up to what the previous run sent; every staged expert is routed, not resident, and
+ * its stage holds its bytes; every other row is the reference's or zero; a chain destroyed with
+ * prefetches still in its last context's stages leaves the scheduler with nothing live. */
+enum { AL = 3, AS = 4, AK = 2 };
+static _Atomic int ahead_sent_total, ahead_used_total;
+
+static void *ahead_worker(void *p) {
+    struct worker_arg *a = p;
+    uint64_t rng = a->seed;
+    enum { E = LE, R = LR, H = LH, N = LR * AK };
+    expert ex[E];
+    const pf_cpu_weights *w[E];
+    uint8_t *src[E], *stage[AL][AS], plan[AL][N + 1], res[AL][E];
+    int32_t stage_of[AL][E];
+    int64_t idx[AL][N], pred[AL][N];
+    float scale[N], x[R * H], *out[AL], ref[H];
+    for (int e = 0; e < E; e++) {
+        expert_make(&ex[e], &rng, PF_CPU_MXFP4, H, 32, PF_CPU_BF16, 1);
+        w[e] = &ex[e].w;
+        src[e] = malloc(NBYTES);
+        for (int j = 0; j < NBYTES; j++) src[e][j] = (uint8_t)rng_next(&rng);
+    }
+    for (int j = 0; j < R * H; j++) x[j] = rng_unit(&rng);
+    for (int j = 0; j < N; j++) scale[j] = rng_unit(&rng);
+    pf_cpu *own;
+    if (pf_cpu_create(1, PF_CPU_LEVEL_AUTO, &own) != PF_CPU_OK) own = NULL;
+    pf_layer *L[AL] = {0};
+    pf_layer_fetch f[AL];
+    int made = 1;
+    for (int l = 0; l < AL; l++) {
+        out[l] = malloc(sizeof(float) * N * H);
+        for (int s2 = 0; s2 < AS; s2++) stage[l][s2] = malloc(NBYTES);
+        f[l] = (pf_layer_fetch){.sched = a->sched, .src = (const void *const *)src, .nbytes = NBYTES,
+                                .stage = (void *const *)stage[l], .stages = AS,
+                                .key_base = ((uint64_t)(a->id + 101) << 32) | ((uint64_t)l << 8), .plan = plan[l],
+                                .stage_of = stage_of[l], .timeout_s = 30.0};
+        pf_layer_desc d = {.cpu = a->shared, .experts = w, .num_experts = E, .top_k = AK, .rows = R, .hidden = H,
+                           .idx_bytes = 8, .idx = idx[l], .scale = scale, .x = x, .x_format = PF_CPU_F32,
+                           .out = out[l], .resident = res[l], .fetch = &f[l]};
+        made &= pf_layer_create(&d, &L[l]) == PF_CPU_OK;
+    }
+    for (int l = 0; l + 1 < AL && made; l++) made &= pf_layer_set_ahead(L[l], L[l + 1], pred[l], 1 + l) == PF_CPU_OK;
+    if (made) /* refused: itself, too many, no prediction */
+        made &= pf_layer_set_ahead(L[0], L[0], pred[0], 1) == PF_CPU_EINVAL
+                && pf_layer_set_ahead(L[0], L[1], pred[0], AS + 1) == PF_CPU_EINVAL
+                && pf_layer_set_ahead(L[0], L[1], NULL, 1) == PF_CPU_EINVAL;
+    a->t.good += made;
+    a->t.total++;
+    for (int r = 0; r < a->calls && made && own; r++) {
+        int T = 1 + (int)(rng_next(&rng) % R), sent_before = 0;
+        for (int l = 0; l < AL; l++) {
+            for (int q = 0; q < N; q++) idx[l][q] = (int64_t)(rng_next(&rng) % E);
+            for (int e = 0; e < E; e++) res[l][e] = rng_next(&rng) % 4 == 0;
+            for (int m = 0; m <= N; m++) plan[l][m] = (uint8_t)(rng_next(&rng) % (m + 2));
+            pf_layer_set_tokens(L[l], T);
+        }
+        for (int l = 0; l + 1 < AL; l++)
+            for (int q = 0; q < N; q++) pred[l][q] = rng_next(&rng) % 2 ? idx[l + 1][q] : (int64_t)(rng_next(&rng) % (E + 1));
+        for (int l = 0; l < AL; l++) {
+            for (int j = 0; j < N * H; j++) out[l][j] = 3.0f;
+            int ok = pf_layer_run(L[l]) == PF_CPU_OK, sent = 0, used = 0, unused = 0, fetched = 0, fallback = 0, off = 0;
+            uint64_t wait_ns;
+            pf_layer_ahead_result(L[l], &sent, &used, &unused);
+            pf_layer_fetch_result(L[l], &fetched, &fallback, &wait_ns, &off);
+            ok &= used + unused == sent_before && fetched + fallback >= used && off == 0;
+            if (l + 1 < AL) { /* what it sent: the distinct non-resident predictions, at most 1 + l */
+                uint8_t seen[E] = {0};
+                int distinct = 0;
+                for (int q = 0; q < T * AK; q++)
+                    if (pred[l][q] < E && !res[l + 1][pred[l][q]] && !seen[pred[l][q]]) seen[pred[l][q]] = 1, distinct++;
+                ok &= sent == (distinct < 1 + l ? distinct : 1 + l);
+            }
+            ahead_sent_total += sent;
+            ahead_used_total += used;
+            sent_before = sent;
+            int routed[E] = {0};
+            for (int q = 0; q < T * AK; q++) routed[idx[l][q]]++;
+            for (int e = 0; e < E; e++) {
+                int st = stage_of[l][e];
+                if (st >= 0) ok &= st < AS && routed[e] && !res[l][e] && !memcmp(stage[l][st], src[e], NBYTES);
+            }
+            for (int q = 0; q < N && ok; q++) {
+                int e = (int)idx[l][q];
+                if (q >= T * AK || res[l][e] || stage_of[l][e] >= 0) {
+                    for (int j = 0; j < H; j++) ok &= out[l][(size_t)q * H + j] == 0.0f;
+                    continue;
+                }
+                ok &= pf_cpu_expert(own, w[e], x + (size_t)(q / AK) * H, PF_CPU_F32, 1, H, ref) == PF_CPU_OK;
+                for (int j = 0; j < H; j++) {
+                    double want = (double)ref[j] * scale[q], got = out[l][(size_t)q * H + j];
+                    ok &= fabs(got - want) <= 1e-5 * (1.0 + fabs(want));
+                }
+            }
+            a->t.good += ok;
+            a->t.total++;
+        }
+    }
+    if (made) { /* the last context holds prefetches when the chain is destroyed */
+        for (int q = 0; q < N; q++) pred[AL - 2][q] = q % E;
+        memset(res[AL - 1], 0, E);
+        for (int l = 0; l + 1 < AL; l++) pf_layer_run(L[l]);
+    }
+    for (int l = 0; l < AL; l++) pf_layer_destroy(L[l]);
+    for (int l = 0; l < AL; l++) {
+        free(out[l]);
+        for (int s2 = 0; s2 < AS; s2++) free(stage[l][s2]);
+    }
+    if (own) pf_cpu_destroy(own);
+    for (int e = 0; e < E; e++) expert_free(&ex[e]), free(src[e]);
+    return NULL;
+}
+
 static void phase_layer(int quick, uint64_t seed) {
     pf_cpu *c;
     if (pf_cpu_create(3, PF_CPU_LEVEL_AUTO, &c) != PF_CPU_OK) {
@@ -745,7 +863,17 @@ static void phase_layer(int quick, uint64_t seed) {
     run_threads(layer_worker, args, sizeof args[0], NT, "layer: runs on a shared pool, some fetching");
     printf("layer: %d experts fetched, %d failed fetches computed instead\n", fetched_total, fallback_total);
     count(fetched_total > 0 && fallback_total > 0, "layer: fetches landed and failed fetches were computed");
+    for (int i = 0; i < NT; i++)
+        args[i] = (struct worker_arg){.shared = c, .seed = seed * 173 + i + 1, .calls = quick ? 6 : 16,
+                                      .sched = sched, .id = i};
+    run_threads(ahead_worker, args, sizeof args[0], NT, "layer: route-ahead chains on a shared pool");
+    printf("layer: route-ahead %d prefetches sent, %d claimed\n", ahead_sent_total, ahead_used_total);
+    count(ahead_sent_total > 0 && ahead_used_total > 0, "layer: route-ahead prefetches were sent and claimed");
     if (sched) {
+        pf_stats st;
+        int quiet = pf_get_stats(sched, &st) == PF_OK;
+        for (int p = 0; p < PF_NUM_PRIORITY; p++) quiet &= st.level[p].queue_depth == 0 && st.level[p].in_flight == 0;
+        count(quiet, "layer: nothing live in the scheduler after every context was destroyed");
         pf_shutdown(sched);
         pf_destroy(sched);
     }
