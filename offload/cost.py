@@ -318,6 +318,29 @@ class CostModel:
                 best = cand
         return best
 
+    def ahead_layer(self, missing: float, precision: float, tokens: int, gap_s: float, most: int) -> tuple[int, float | None]:
+        """Route-ahead in a split host step (host_graph.py): each layer's host node prefetches m
+        of the next layer's predicted experts, ``precision`` of which that layer then needs.
+        With ``missing`` non-resident experts a layer (each over ``tokens`` tokens), the host
+        computes the ``missing - precision * m`` not prefetched, one after another; the link
+        moves the m prefetches while the previous layer's host work and the ``gap_s`` between
+        two layers run, so a layer waits for them only by what m fetches take beyond that:
+        a layer takes max(host seconds, m * fetch - gap_s). Returns (m in 0 .. most, the layer's
+        seconds) with the fewest seconds, the smaller m on a tie; (0, None) without a host rate."""
+        host = self.host_expert_seconds(max(1, tokens))
+        if host is None:
+            return 0, None
+        fetch = self.seconds_per_expert_fetch()
+        overhead = self.host_layer_overhead.value or 0.0
+        best: tuple[int, float] | None = None
+        for m in range(max(0, most) + 1):
+            left = max(0.0, missing - precision * m)
+            host_s = left * host + (overhead if left > 0 else 0.0)
+            seconds = max(host_s, m * fetch - gap_s)
+            if best is None or seconds < best[1]:
+                best = (m, seconds)
+        return best
+
     def serve_seconds(self, experts: Iterable[tuple[int, int]], cache, tokens: int = 1) -> float:
         return self.serve(experts, cache, tokens).seconds
 

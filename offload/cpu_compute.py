@@ -27,6 +27,12 @@ from pdflash.offload.host_store import ExpertLayout, HostStore
 CPU_EXPERT_MODES = ("auto", "off", "all")
 _DENSE_DTYPES = (torch.bfloat16, torch.float32)
 _EWMA = 0.2  # weight of the newest measurement in the kept rate
+# split host steps' route-ahead (CpuPlacement.split_plan): the priors until measured. The next
+# router on a layer's residual stream named 70-79 % of the experts the next layer routed to on the
+# synthetic gpt-oss-20b shape (the prefetcher's lookahead accuracy, CPU, docs/benchmarks.md)
+AHEAD_PRECISION = 0.7
+AHEAD_SAMPLES = 16  # prefetches sent before their own precision replaces the prior
+AHEAD_GAP_S = 0.25e-3  # time between two host nodes (the device's work), until measured
 
 
 def unsupported_reason(layout: ExpertLayout, dtype: torch.dtype) -> str | None:
@@ -696,6 +702,41 @@ class CpuPlacement:
             plan.append(min(stages, len(self.cost.place_layer({e: per for e in range(m)}).fetch)))
         self.decisions += 1
         return plan
+
+    def split_plan(self, tokens: int, top_k: int, stages: int, num_experts: int, gap_s: float | None,
+                   route_ahead: bool) -> tuple[list[int], int]:
+        """For a host step's layers in mode "split": (``plan``, m). Without ``route_ahead``, or
+        where it does not pay, the cost model's in-layer plan (:meth:`fetch_plan`) and m = 0.
+        With it, when the cost model's route-ahead (:meth:`CostModel.ahead_layer`: m of the next
+        layer's predicted experts prefetched by each host node, at most ``stages // 2``) finishes
+        a layer sooner than the in-layer plan: a plan that fetches nothing (the link carries the
+        prefetches) and that m. Its inputs: the share of routed experts not resident (the
+        statistics so far; before any, the cache's share of all experts), the expected distinct
+        experts a layer of ``tokens`` tokens routes to (uniform routing), the prefetches'
+        precision (claimed / sent once ``AHEAD_SAMPLES`` were sent; ``AHEAD_PRECISION`` before)
+        and ``gap_s``, the measured time between two host nodes (``AHEAD_GAP_S`` before)."""
+        plan = self.fetch_plan(tokens, top_k, stages)
+        if not route_ahead:
+            return plan, 0
+        fs = self.cache.stats
+        served = fs.hits + fs.misses + fs.cpu
+        if served:
+            share = (fs.misses + fs.cpu) / served
+        else:
+            share = 1.0 - self.cache.capacity / max(1, fs.num_layers * num_experts)
+        distinct = num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+        missing = distinct * max(0.0, share)
+        per = max(1, round(tokens * top_k / max(distinct, 1.0)))
+        precision = (fs.route_ahead_used / fs.route_ahead_sent if fs.route_ahead_sent >= AHEAD_SAMPLES
+                     else AHEAD_PRECISION)
+        most = min(stages // 2, max(0, round(distinct)))
+        m, ahead_s = self.cost.ahead_layer(missing, precision, per, AHEAD_GAP_S if gap_s is None else gap_s, most)
+        if m == 0 or ahead_s is None:
+            return plan, 0
+        in_layer = self.cost.place_layer({e: per for e in range(max(1, round(missing)))}).seconds
+        if ahead_s >= in_layer:
+            return plan, 0
+        return [0] * len(plan), m
 
     def note_host(self, layer: int, experts: list[int]) -> None:
         """Experts of ``layer`` a forward computed on the CPU: those used ``hot_uses`` times within

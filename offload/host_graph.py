@@ -262,6 +262,7 @@ class _RowBuffers:
         E = steps.num_experts  # mode "split": the plan, where each layer's fetches landed, its device copy
         self.plan = steps._buffer(rows * K + 1, torch.uint8)
         self.plan_key: tuple | None = None  # (tokens, plan period) the plan was made for (refresh_plan)
+        self.ahead_most = 0  # route-ahead: prefetches each host node makes for the next layer (refresh_plan)
         self.stage_of = steps._buffer(steps.num_layers * E, torch.int32).view(steps.num_layers, E)
         self.stage_of.fill_(-1)
         self.stage_dev = torch.full((E,), -1, dtype=torch.int32, device=steps.device)
@@ -378,10 +379,23 @@ class HostSteps:
         key = (tokens, self.steps_run // PLAN_EVERY)
         if bufs.plan_key == key:
             return
-        plan = self.rt.placer.fetch_plan(tokens, self.top_k, self.stages_per_set)
+        plan, most = self.rt.placer.split_plan(tokens, self.top_k, self.stages_per_set, self.num_experts,
+                                               self.gap_seconds(), self.route_ahead)
         bufs.plan.zero_()
         bufs.plan[: len(plan)].copy_(torch.tensor(plan, dtype=torch.uint8))
-        bufs.plan_key = key
+        layers = self._layers.get((rows, "split"), [])
+        for lay, nxt in zip(layers[:-1], layers[1:]):  # between steps: no host node runs
+            if lay.ahead:
+                lay.cpu.set_ahead(nxt.cpu, lay.predicted, most)
+        bufs.plan_key, bufs.ahead_most = key, most
+
+    def gap_seconds(self) -> float | None:
+        """Mean time between two host nodes over the host steps so far (None before any)."""
+        steps = gaps = 0.0
+        for sums in self.rt.cache.stats.host_timeline.values():
+            steps += sums["steps"]
+            gaps += sums.get("gaps_s", 0.0)
+        return gaps / steps / (self.num_layers - 1) if steps and self.num_layers > 1 else None
 
     def sync_cache(self) -> None:
         """Before a host step of mode "host": the resident map and slot table from the cache
@@ -407,10 +421,12 @@ class HostSteps:
             if bufs is None:
                 bufs = self._bufs[rows] = _RowBuffers(self, rows, x_dtype)
             got = self._layers[(rows, mode)] = [HostLayer(self, i, rows, bufs, mode) for i in range(self.num_layers)]
+            if mode == "split":
+                bufs.plan_key = None  # its route-ahead is set with the next plan
             for lay, nxt in zip(got[:-1], got[1:]):
                 lay.cpu.set_prewake(self.runner.prewake_us)  # the next layer's call comes a segment later
-                if lay.ahead:  # half the next layer's set: the other half stays for its own plan
-                    lay.cpu.set_ahead(nxt.cpu, lay.predicted, min(self.stages_per_set // 2, rows * self.top_k))
+                if lay.ahead:  # how many: refresh_plan's (the cost model's), none until then
+                    lay.cpu.set_ahead(nxt.cpu, lay.predicted, 0)
         return got
 
     def finish(self, layers: list[HostLayer], tokens: int, launched_ns: int | None = None,

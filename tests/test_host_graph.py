@@ -389,6 +389,8 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
             keys = [(layer, e) for layer in range(L) for e in range(E)]
             rt.cache.fill(keys[:-1] if cached == L * E - 1 else [k for k in keys if sum(k) % 3 == 0][:cached])
             placer.fetch_plan = plan or plan_of
+            if ahead:  # the plan as given, and half the stages for the next layer's predicted experts
+                placer.split_plan = lambda t, k, stages, e, gap, on: (placer.fetch_plan(t, k, stages), stages // 2)
             dec = GraphedDecoder(rt, max_len=len(PROMPT) + 10, graphs=False)
             guard.pin("all", longer=True)  # the prompt's keys and values whatever the cache holds
             toks = [int(dec.prefill(PROMPT).argmax())]
@@ -542,13 +544,14 @@ def test_cuda_split_host_steps_fetch_beside_the_cpu(tmp_path):
     ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=7)
     L, E = 4, 8
 
-    def run(arm, cached, plan=None, steps=16):
+    def run(arm, cached, plan=None, steps=16, ahead=0):
         with OffloadedModel.load(ckpt, device="cuda", dtype="float32", cpu_experts="auto", cpu_threads=4,
                                  expert_cache_experts=L * E - 1) as rt:
             guard, placer = rt.placer.guard, rt.placer
             placer.hot_uses = 10**6
-            if plan is not None:
+            if plan is not None:  # that plan, and ``ahead`` of the next layer's predicted experts
                 placer.fetch_plan = plan
+                placer.split_plan = lambda t, k, stages, e, gap, on: (plan(t, k, stages), ahead)
             keys = [(layer, e) for layer in range(L) for e in range(E)]
             dec = GraphedDecoder(rt, max_len=len(PROMPT) + 40, graphs=True)
             guard.pin("all", longer=True)
@@ -578,6 +581,6 @@ def test_cuda_split_host_steps_fetch_beside_the_cpu(tmp_path):
     mixed = run("model", 12, lambda tokens, top_k, stages: [0, 1, 1][: tokens * top_k + 1])
     assert mixed[1] == off[1] and mixed[2] == 16 and mixed[3] > 0 and mixed[5] > 0
     assert run("model", 12)[1] == off[1]  # the cost model's own plan
-    ahead = run("model", 12, lambda tokens, top_k, stages: [0] * (tokens * top_k + 1))
+    ahead = run("model", 12, lambda tokens, top_k, stages: [0] * (tokens * top_k + 1), ahead=2)
     assert ahead[1] == off[1] and ahead[6] > 0 and 0 < ahead[7] <= ahead[6] and ahead[3] == ahead[7]
 

@@ -510,3 +510,41 @@ def test_fetch_plan_is_the_cost_models_split_for_each_miss_count():
     assert placer.fetch_plan(1, 4, 1) == [0, 0, 1, 1, 1]  # one stage
     host_s[0] = 1e-3  # a slow host: the link takes more
     assert placer.fetch_plan(1, 4, 8) == [0, 1, 2, 3, 3]  # the host takes one of 4 (1 ms against 1.04)
+
+
+def test_route_ahead_takes_the_link_while_it_keeps_up_with_the_host():
+    """CostModel.ahead_layer: a layer takes max(host seconds for the misses not prefetched, m
+    fetches beyond the gap); the best m. CpuPlacement.split_plan: route-ahead (a plan fetching
+    nothing, m prefetches) where it finishes a layer sooner than the in-layer plan; the plan alone
+    without route-ahead, without a host rate, or where the link is slow and precision poor."""
+    from types import SimpleNamespace
+
+    from pdflash.offload.cost import CostModel
+    from pdflash.offload.cpu_compute import CpuPlacement
+    from pdflash.offload.stats import FetchStats
+
+    cost = CostModel(13_000_000, link_gbps=52.0)  # 0.25 ms an expert over the link
+    cost.observe_scheduler = lambda stats: None
+    host_s = [2.5e-4]
+    cost.set_cpu_expert_rate(lambda tokens: host_s[0])
+    # 3 misses a layer, 0.7 of the prefetches needed, 0.25 ms between nodes: m = 2 leaves 1.6
+    # on the host (0.4 ms) and the link's 0.5 ms - 0.25 fits; m = 3 leaves 0.9 (0.225 ms), but 0.75 - 0.25 ms
+    m, s = cost.ahead_layer(3.0, 0.7, 1, 2.5e-4, 4)
+    assert m == 2 and s == pytest.approx(1.6 * 2.5e-4)
+    assert cost.ahead_layer(3.0, 0.7, 1, 2.5e-4, 1) == (1, pytest.approx(2.3 * 2.5e-4))
+    assert cost.ahead_layer(3.0, 0.0, 1, 2.5e-4, 4)[0] == 0  # predictions never needed: none
+    cost.set_cpu_expert_rate(None)
+    assert cost.ahead_layer(3.0, 0.7, 1, 2.5e-4, 4) == (0, None)
+    cost.set_cpu_expert_rate(lambda tokens: host_s[0])
+
+    stats = FetchStats(num_layers=24)
+    cache = SimpleNamespace(stats=stats, capacity=24 * 32 // 4)  # a quarter of the experts
+    placer = CpuPlacement(cache, SimpleNamespace(stats=lambda: {}), SimpleNamespace(seconds_for=lambda t: host_s[0]), cost)
+    plan, m = placer.split_plan(1, 4, 8, 32, None, True)
+    assert m == 2 and plan == [0] * 5  # 3 misses (3/4 of 4 experts): the link on route-ahead only
+    assert placer.split_plan(1, 4, 8, 32, None, False) == (placer.fetch_plan(1, 4, 8), 0)
+    stats.route_ahead_sent, stats.route_ahead_used = 100, 5  # measured: 5 % of them needed
+    cost.observe_link(0, 0.0)
+    cost.observe_link(13e6, 1.0)  # and a link measured at 1 s an expert
+    plan, m = placer.split_plan(1, 4, 8, 32, None, True)
+    assert m == 0 and plan == placer.fetch_plan(1, 4, 8)
