@@ -48,6 +48,15 @@ between steps (hot experts computed on the CPU are queued into it in the backgro
 the step, :meth:`HostSteps.finish`). The wait after the CPU's share is the step's exposed fetch
 time, counted where the host node waits.
 
+Route-ahead in mode "split" (``PDFLASH_ROUTE_AHEAD=0``: off): the device also applies the next
+layer's router to each layer's residual stream after attention and copies its top-k down with the
+routing; the host node first submits up to m of those predicted experts (not resident in the next
+layer) at band 1 into the next layer's set of stages (two sets, by layer parity), then does its own
+work. The next layer's host node claims the prefetches it is routed to (promoted to band 0,
+waited for after its kernel call, computed by the device from the stage) and cancels the others.
+m comes from the cost model (:meth:`CpuPlacement.split_plan`); where route-ahead is on (m > 0) the
+in-layer plan fetches nothing and no background fills are queued: the link is the prefetches'.
+
 Bookkeeping the experts module does per layer (routing observers, per-layer CPU counts, the
 runner's kept-current rate) happens after the step, from the routing left in the host buffers:
 observers see every layer's experts once the step has finished instead of while it runs, and
@@ -478,7 +487,9 @@ class HostSteps:
                 if fetched:
                     layer_stats.exposed_s += waited
                     layer_stats.waits += 1
-                hot.append((lay.layer, cpu_experts))
+                if not lay.bufs.ahead_most:  # with route-ahead the link carries the prefetches the cost
+                    # model planned for it; background fills beside them would take the link from them
+                    hot.append((lay.layer, cpu_experts))
             kernel_s = runs[-1][2] / 1e9  # the CPU's share: a split node's fetch wait is the link's
             stats.cpu_seconds += kernel_s
             runner.account(on_cpu, kernel_s)
