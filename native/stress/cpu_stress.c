@@ -790,6 +790,15 @@ static void *ahead_worker(void *p) {
     return NULL;
 }
 
+/* three threads running fn on the shared pool and scheduler, each with its seed and id */
+static void layer_threads(void *(*fn)(void *), pf_cpu *c, pf_sched *sched, uint64_t seed, int calls, const char *what) {
+    enum { NT = 3 };
+    struct worker_arg args[NT];
+    for (int i = 0; i < NT; i++)
+        args[i] = (struct worker_arg){.shared = c, .seed = seed + i + 1, .calls = calls, .sched = sched, .id = i};
+    run_threads(fn, args, sizeof args[0], NT, what);
+}
+
 static void phase_layer(int quick, uint64_t seed) {
     pf_cpu *c;
     if (pf_cpu_create(3, PF_CPU_LEVEL_AUTO, &c) != PF_CPU_OK) {
@@ -855,18 +864,10 @@ static void phase_layer(int quick, uint64_t seed) {
     pf_sched *sched = NULL;
     char err[128];
     CHECK(pf_create(&cfg, &sched, err, sizeof err) == PF_OK);
-    enum { NT = 3 };
-    struct worker_arg args[NT];
-    for (int i = 0; i < NT; i++)
-        args[i] = (struct worker_arg){.shared = c, .seed = seed * 131 + i + 1, .calls = quick ? 8 : 20,
-                                      .sched = sched, .id = i};
-    run_threads(layer_worker, args, sizeof args[0], NT, "layer: runs on a shared pool, some fetching");
+    layer_threads(layer_worker, c, sched, seed * 131, quick ? 8 : 20, "layer: runs on a shared pool, some fetching");
     printf("layer: %d experts fetched, %d failed fetches computed instead\n", fetched_total, fallback_total);
     count(fetched_total > 0 && fallback_total > 0, "layer: fetches landed and failed fetches were computed");
-    for (int i = 0; i < NT; i++)
-        args[i] = (struct worker_arg){.shared = c, .seed = seed * 173 + i + 1, .calls = quick ? 6 : 16,
-                                      .sched = sched, .id = i};
-    run_threads(ahead_worker, args, sizeof args[0], NT, "layer: route-ahead chains on a shared pool");
+    layer_threads(ahead_worker, c, sched, seed * 173, quick ? 6 : 16, "layer: route-ahead chains on a shared pool");
     printf("layer: route-ahead %d prefetches sent, %d claimed\n", ahead_sent_total, ahead_used_total);
     count(ahead_sent_total > 0 && ahead_used_total > 0, "layer: route-ahead prefetches were sent and claimed");
     if (sched) {
