@@ -11,7 +11,7 @@
 #   desktop  the same with the link paced to 25 GB/s and 8 CPU threads, MODES_DESKTOP
 #            (default off,all,auto-host,auto-model,auto)
 #   120b     gpt-oss-120b shape in memory, 8 GiB of cache (0.1408 of its experts), MODES_120B
-#            (default all,auto-host)
+#            (default auto-host,auto-model)
 #
 # TOKENS_HYBRID (default 48) tokens per run; LIMIT_<STAGE> (seconds) overrides a stage's limit.
 # A CPU check of the script: DEVICE=cpu PRESET_20B=tiny MODES_20B=off,all TOKENS_HYBRID=4 ... 20b
@@ -57,7 +57,7 @@ for stage in "$@"; do
         --modes "${MODES_DESKTOP:-off,all,auto-host,auto-model,auto}"
       ;;
     120b)
-      hybrid 120b "${LIMIT_120B:-360}" --in-memory gpt-oss-120b --cache-fraction 0.1408 --modes "${MODES_120B:-all,auto-host}"
+      hybrid 120b "${LIMIT_120B:-360}" --in-memory gpt-oss-120b --cache-fraction 0.1408 --modes "${MODES_120B:-auto-host,auto-model}"
       ;;
   esac
   rc=$?
