@@ -12,6 +12,10 @@
 #            (default off,all,auto-host,auto-model,auto)
 #   120b     gpt-oss-120b shape in memory, 8 GiB of cache (0.1408 of its experts), MODES_120B
 #            (default auto-host,auto-model)
+#   threads  the 20b stage once per kernel thread count in THREADS (default 12,14,16; LIMIT_THREADS
+#            seconds each), MODES_THREADS
+#            (default auto-host,auto-model): how many cores the split's prefetches need beside the
+#            kernel's pool (each count under $OUT/threads/t<N>/)
 #
 # TOKENS_HYBRID (default 48) tokens per run; LIMIT_<STAGE> (seconds) overrides a stage's limit.
 # A CPU check of the script: DEVICE=cpu PRESET_20B=tiny MODES_20B=off,all TOKENS_HYBRID=4 ... 20b
@@ -26,9 +30,9 @@ PY="${PYTHON:-python3}"
 TOKENS_HYBRID="${TOKENS_HYBRID:-48}"
 DEVICE="${DEVICE:-cuda}"
 GRAPHS=$([ "$DEVICE" = cuda ] && echo --cuda-graphs)
-[ "$#" -ge 1 ] || { echo "Error: name one or more stages: check, 20b, desktop, 120b" >&2; exit 2; }
+[ "$#" -ge 1 ] || { echo "Error: name one or more stages: check, 20b, desktop, 120b, threads" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in check|20b|desktop|120b) ;; *) echo "Error: unknown stage '$stage': use check, 20b, desktop or 120b" >&2; exit 2 ;; esac
+  case "$stage" in check|20b|desktop|120b|threads) ;; *) echo "Error: unknown stage '$stage': use check, 20b, desktop, 120b or threads" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT"
 cd "$ROOT"
@@ -56,6 +60,16 @@ for stage in "$@"; do
       hybrid desktop "${LIMIT_DESKTOP:-240}" --in-memory gpt-oss-20b --link-gbps 25 --cpu-threads 8 \
         --modes "${MODES_DESKTOP:-off,all,auto-host,auto-model,auto}"
       ;;
+    threads)
+      rc_all=0
+      threads="${THREADS:-12,14,16}"
+      for n in ${threads//,/ }; do
+        mkdir -p "$OUT/threads/t$n"
+        hybrid "threads/t$n" "${LIMIT_THREADS:-200}" --in-memory "${PRESET_20B:-gpt-oss-20b}" --cpu-threads "$n" \
+          --modes "${MODES_THREADS:-auto-host,auto-model}" || rc_all=1
+      done
+      [ "$rc_all" -eq 0 ]
+      ;;
     120b)
       hybrid 120b "${LIMIT_120B:-360}" --in-memory gpt-oss-120b --cache-fraction 0.1408 --modes "${MODES_120B:-auto-host,auto-model}"
       ;;
@@ -63,6 +77,6 @@ for stage in "$@"; do
   rc=$?
   [ "$rc" -eq 0 ] || fail=1
   echo "$stage: status $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/status.txt"
-  grep -hE "tok/s|host steps \(|gpu check:|smoke run|passed|failed" "$OUT/$stage"/*.log 2>/dev/null | tail -24
+  grep -hE "tok/s|host steps \(|route-ahead|gpu check:|smoke run|passed|failed" "$OUT/$stage"/*.log "$OUT/$stage"/*/*.log 2>/dev/null | tail -24
 done
 exit "$fail"

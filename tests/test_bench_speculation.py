@@ -219,7 +219,8 @@ def test_the_gpu_stage_script_runs_its_hybrid_stage_on_the_cpu(tmp_path):
 
 def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
     """benchmarks/hybrid_gpu.sh 20b (CPU check: tiny preset in memory): the stage's JSON and log
-    land under $OUT/20b, its status in $OUT/status.txt; no stage or an unknown one exits 2."""
+    land under $OUT/20b, its status in $OUT/status.txt; the threads stage runs once per count
+    (under $OUT/threads/t<N>); no stage or an unknown one exits 2."""
     import os
     import subprocess
     import sys
@@ -232,6 +233,13 @@ def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
     res = json.loads((tmp_path / "out" / "20b" / "hybrid.json").read_text())
     assert [r["asked"] for r in res["runs"]] == ["off", "all"] and all(r["tokens_per_second"] for r in res["runs"])
     assert (tmp_path / "out" / "status.txt").read_text().startswith("20b: status 0")
+    env_t = {**env, "THREADS": "1,2", "MODES_THREADS": "all"}  # the thread-count stage: one run per count
+    done = subprocess.run(["bash", str(script), "threads"], env=env_t, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    for n in (1, 2):
+        run = json.loads((tmp_path / "out" / "threads" / f"t{n}" / "hybrid.json").read_text())["runs"][0]
+        assert run["asked"] == "all" and run["cpu_threads"] == n
+    assert "threads: status 0" in (tmp_path / "out" / "status.txt").read_text()
     for args in ([], ["bogus"]):
         bad = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and bad.stderr.startswith("Error:") and len(bad.stderr.splitlines()) == 1
