@@ -283,12 +283,10 @@ def _print_summary(report: dict) -> None:
 def _live_timeline(fs) -> str:
     """The live table's view of the host steps so far: mean ms per step inside the host nodes
     and between them (every mode together)."""
-    modes = fs.host_timeline_ms().values()
-    n = sum(t["steps"] for t in modes)
-    if not n:
+    node, gaps = fs.host_step_mean_s("node"), fs.host_step_mean_s("gaps")
+    if node is None:
         return ""
-    node, gaps = (sum(t[k] * t["steps"] for t in modes) / n for k in ("node", "gaps"))
-    return f" ({node:.1f} ms in nodes, {gaps:.1f} between, per step)"
+    return f" ({1e3 * node:.1f} ms in nodes, {1e3 * gaps:.1f} between, per step)"
 
 
 def _timeline_text(tl: dict) -> str:
@@ -380,7 +378,7 @@ def generate(
     batch_invariant: Annotated[bool | None, typer.Option("--batch-invariant/--no-batch-invariant", help="With a draft: run every verify pass with the draft's trained block length of rows, so a token's logits do not depend on the block it was verified in (output identical to plain decoding through the same rows, also in bf16). Default: on in --draft-acceptance mode in a 16-bit dtype, off otherwise.", show_default=False)] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
     cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: decode steps and verify blocks try fetch-only, every routed expert on the CPU, the cost model's per-layer split and every missing expert on the CPU, and keep the fastest; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all (every expert on the CPU: the fastest on a host whose DRAM outruns its link). Default: auto.", show_default=False)] = None,
-    cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use).")] = None,
+    cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use; beside a GPU, a few fewer, for the copy workers).")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length, and the draft's passes (default: on CUDA, off elsewhere).", show_default=False)] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.

@@ -403,9 +403,7 @@ int pf_layer_run(pf_layer *L) {
     atomic_store(&L->ahead_unused, 0);
     /* the next layer's predicted experts first: the link starts on them while this layer computes */
     atomic_store(&L->ahead_sent, L->next ? prefetch_into(L->next, L->predicted, n, L->ahead_most) : 0);
-    if (L->has_fetch)
-        for (int e = 0; e < E; e++) L->f.stage_of[e] = -1;
-    if (rc == PF_CPU_OK) {
+    if (rc == PF_CPU_OK) { /* stage_of: written by finish_fetches, or reset below on failure */
         for (int e = 0; e < E; e++) L->skip[e] = L->d.resident && L->d.resident[e];
         if (L->has_fetch) submitted = claim_ahead(L);
         if (fetching) submitted = submit_fetches(L, n, submitted);

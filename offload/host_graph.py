@@ -399,12 +399,16 @@ class HostSteps:
         bufs.plan_key, bufs.ahead_most = key, most
 
     def gap_seconds(self) -> float | None:
-        """Mean time between two host nodes over the host steps so far (None before any)."""
-        steps = gaps = 0.0
-        for sums in self.rt.cache.stats.host_timeline.values():
-            steps += sums["steps"]
-            gaps += sums.get("gaps_s", 0.0)
-        return gaps / steps / (self.num_layers - 1) if steps and self.num_layers > 1 else None
+        """Mean time between two host nodes: over the split steps so far (the window route-ahead's
+        prefetches get: their gaps include the stages' fused call), else over every host step;
+        None before any."""
+        if self.num_layers < 2:
+            return None
+        fs = self.rt.cache.stats
+        gaps = fs.host_step_mean_s("gaps", ("split",))
+        if gaps is None:
+            gaps = fs.host_step_mean_s("gaps")
+        return gaps / (self.num_layers - 1) if gaps is not None else None
 
     def sync_cache(self) -> None:
         """Before a host step of mode "host": the resident map and slot table from the cache

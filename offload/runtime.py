@@ -305,9 +305,7 @@ class OffloadedModel:
         if cpu_threads is None and self.device.type == "cuda":
             from pdflash.native.cpu_experts import default_threads
 
-            # the decoding thread runs the kernel as the pool's thread 0; the scheduler's copy
-            # workers mostly wait on DMA
-            cpu_threads = default_threads()
+            cpu_threads = gpu_cpu_threads(default_threads(), self.scheduler.workers)
         try:
             self.cpu = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
         except (CpuExpertError, NativeLibraryMissing) as exc:
@@ -763,6 +761,16 @@ def _eos_ids(path: Path, config: dict) -> list[int]:
     if ids is None:
         return []
     return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def gpu_cpu_threads(cores: int, workers: int) -> int:
+    """The CPU kernel's default thread count beside a GPU: every core but one per scheduler copy
+    worker and two more (the decoding thread, which waits on the device, and CUDA's callback
+    thread, which runs host nodes), and never fewer than three quarters of the cores. With every
+    core in the pool the copy workers wake late after each chunk and the link's rate halves
+    (gpt-oss-20b shape, 16 cores, 2 workers: 16-18 GB/s with 16 threads, 30-32 GB/s with 12 or
+    14; docs/benchmarks.md)."""
+    return max(1, cores - workers - 2, cores * 3 // 4)
 
 
 def load_tokenizer(path: str | Path):

@@ -91,6 +91,13 @@ class FetchStats:
         for name, sec in parts.items():
             sums[name + "_s"] = sums.get(name + "_s", 0.0) + sec
 
+    def host_step_mean_s(self, part: str, modes: tuple[str, ...] | None = None) -> float | None:
+        """Seconds per host step spent in ``part`` ("node", "gaps", ...), the mean over every step
+        of ``modes`` (None: every mode); None before any such step."""
+        sums = [v for m, v in self.host_timeline.items() if modes is None or m in modes]
+        steps = sum(v["steps"] for v in sums)
+        return sum(v.get(part + "_s", 0.0) for v in sums) / steps if steps else None
+
     def host_timeline_ms(self) -> dict[str, dict[str, float]]:
         """Per mode: steps, and each part's mean milliseconds per step."""
         out = {}

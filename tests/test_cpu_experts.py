@@ -597,3 +597,14 @@ def test_the_cli_bound_on_cpu_threads_is_the_kernels():
     from pdflash.native import _load
 
     assert CPU_THREADS_MAX == _load()[1].PF_CPU_MAX_THREADS
+
+
+@pytest.mark.parametrize("cores, workers, want", [(16, 2, 12), (8, 2, 6), (32, 2, 28), (64, 4, 58), (4, 2, 3),
+                                                  (2, 2, 1), (1, 2, 1)])
+def test_beside_a_gpu_the_kernel_leaves_cores_to_the_copy_workers(cores, workers, want):
+    """The default thread count on CUDA: a core for each copy worker and two more, at most a
+    quarter of the cores, at least one thread."""
+    from pdflash.offload.runtime import gpu_cpu_threads
+
+    got = gpu_cpu_threads(cores, workers)
+    assert got == want and 1 <= got <= cores

@@ -240,3 +240,8 @@ def test_live_table_places_the_host_steps_so_far():
     fs.add_host_step("all", {**parts, "node": 0.016, "gaps": 0.004})
     assert _live_timeline(fs) == " (14.0 ms in nodes, 5.0 between, per step)"
     assert fs.host_timeline_ms()["host"]["node"] == pytest.approx(12.0)
+    fs.add_host_step("split", {**parts, "node": 0.010, "gaps": 0.009})
+    assert fs.host_step_mean_s("gaps", ("split",)) == pytest.approx(0.009)  # one mode's steps alone
+    assert fs.host_step_mean_s("gaps", ("host", "split")) == pytest.approx(0.0075)
+    assert fs.host_step_mean_s("gaps") == pytest.approx(0.019 / 3)
+    assert fs.host_step_mean_s("gaps", ("other",)) is None

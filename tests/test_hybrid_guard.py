@@ -548,3 +548,21 @@ def test_route_ahead_takes_the_link_while_it_keeps_up_with_the_host():
     cost.observe_link(13e6, 1.0)  # and a link measured at 1 s an expert
     plan, m = placer.split_plan(1, 4, 8, 32, None, True)
     assert m == 0 and plan == placer.fetch_plan(1, 4, 8)
+
+
+def test_route_ahead_window_is_the_gap_between_split_steps_host_nodes():
+    """HostSteps.gap_seconds: the mean time between two host nodes of the split steps so far
+    (their gaps hold the stages' call), before any the mean over every host step, None at first."""
+    from types import SimpleNamespace
+
+    from pdflash.offload.host_graph import HostSteps
+    from pdflash.offload.stats import FetchStats
+
+    fs = FetchStats(num_layers=5)
+    steps = SimpleNamespace(num_layers=5, rt=SimpleNamespace(cache=SimpleNamespace(stats=fs)))
+    assert HostSteps.gap_seconds(steps) is None
+    fs.add_host_step("host", {"gaps": 0.004})
+    assert HostSteps.gap_seconds(steps) == pytest.approx(0.001)  # 4 gaps a step
+    fs.add_host_step("split", {"gaps": 0.008})
+    fs.add_host_step("split", {"gaps": 0.012})
+    assert HostSteps.gap_seconds(steps) == pytest.approx(0.0025)  # the split steps' alone
