@@ -147,3 +147,27 @@ def test_probe_graph_wait_refuses_bad_input_and_a_machine_without_cuda(capsys):
         assert mod.main([]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "needs a CUDA device" in err[0]
+
+
+def test_hybrid_variants_runs_each_variant_then_restores_the_code(tmp_path, capsys):
+    """benchmarks/hybrid_variants.py: one check_hybrid_gpu.py run per variant with its knobs
+    (threads, workers, chunks, a plan fetching nothing, no background fills), each JSON written,
+    the patched methods restored after; a malformed variant is refused with status 2."""
+    from pdflash.offload.cpu_compute import CpuPlacement
+    from pdflash.offload.runtime import OffloadedModel
+
+    before = (CpuPlacement.split_plan, CpuPlacement.note_host, OffloadedModel.__dict__["load"])
+    mod = _load("hybrid_variants")
+    rc = mod.main(["auto-model:t1:w3:c2:zero:nofill,off:w1", str(tmp_path), "--in-memory", "tiny", "--device", "cpu",
+                   "--dtypes", "float32", "--tokens", "3"])
+    assert rc == 0
+    assert (CpuPlacement.split_plan, CpuPlacement.note_host, OffloadedModel.__dict__["load"]) == before
+    model = json.loads((tmp_path / "auto-model_t1_w3_c2_zero_nofill.json").read_text())["runs"][0]
+    off = json.loads((tmp_path / "off_w1.json").read_text())["runs"][0]
+    assert model["cpu_threads"] == 1 and model["asked"] == "auto-model" and off["asked"] == "off"
+    assert model["scheduler_workers"] == 3 and off["scheduler_workers"] == 1
+    assert model["token_ids"] == off["token_ids"]  # float32: the model arm keeps fetch-only's tokens
+    err = capsys.readouterr().err
+    assert "== off:w1" in err and "GB/s" in err
+    assert mod.main(["auto-model:x3", str(tmp_path)]) == 2
+    assert "unknown option 'x3'" in capsys.readouterr().err
