@@ -171,3 +171,18 @@ def test_hybrid_variants_runs_each_variant_then_restores_the_code(tmp_path, caps
     assert "== off:w1" in err and "GB/s" in err
     assert mod.main(["auto-model:x3", str(tmp_path)]) == 2
     assert "unknown option 'x3'" in capsys.readouterr().err
+
+
+def test_handoff_benchmark_refuses_bad_sizes_and_a_machine_without_cuda(capsys):
+    """benchmarks/handoff_gpu.py: one line on stderr and status 2 for bad sizes, and for a
+    machine without a CUDA device (it measures graphs with host nodes)."""
+    import torch
+
+    mod = _load("handoff_gpu")
+    assert mod.main(["--layers", "0"]) == 2
+    assert capsys.readouterr().err.strip().startswith("Error: --layers")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the benchmark would run")
+    assert mod.main(["--layers", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("Error: ") and "CUDA device" in err and "\n" not in err
