@@ -29,6 +29,7 @@ import json
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
@@ -61,15 +62,19 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
     dev = torch.device("cuda")
     x = torch.zeros(1024, device=dev)
     down_dev = torch.zeros(down_bytes // 4, device=dev)
-    down_host = torch.zeros(down_bytes // 4).pin_memory()
-    up_host = torch.zeros(up_bytes // 4).pin_memory()
+    # page-locked in place as host steps' buffers are (PyTorch's pinned allocator would record
+    # events on its own blocks inside the capture)
+    from pdflash.offload.host_graph import _host_buffer
+
+    down_host = _host_buffer(down_bytes // 4, torch.float32, True)[0]
+    up_host = _host_buffer(up_bytes // 4, torch.float32, True)[0]
     up_dev = torch.zeros(up_bytes // 4, device=dev)
     launch = _cudart()
     free = ctypes.cast(ctypes.CDLL(ctypes.util.find_library("c")).free, ctypes.c_void_p).value
     libcuda = ctypes.CDLL("libcuda.so.1")
     wait32 = _driver_fn(libcuda, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
     write32 = _driver_fn(libcuda, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
-    flags = torch.zeros(2 * layers, dtype=torch.int32).pin_memory()  # [down flags | up flags]
+    flags = _host_buffer(2 * layers, torch.int32, True)[0]  # [down flags | up flags]
     base = flags.data_ptr()
 
     def layer_body(i: int, handoff: str, seq_holder: list) -> None:
@@ -127,28 +132,41 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
             continue
         if poller is not None:
             poller.start()
-        times = []
-        for r in range(replays + 3):
-            if handoff == "mem_ops":
-                flags.zero_()
-            # timed on the device: the poller holds the interpreter lock while the host waits in
-            # synchronize (which releases it), so host clocks would time the lock's hand-back too
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            if r >= 3:
-                times.append(start.elapsed_time(end) / 1e3)
-        stop.set()
-        if poller is not None:
-            poller.join(timeout=5)
+        times, error = [], None
+        try:
+            for r in range(replays + 3):
+                if handoff == "mem_ops":
+                    flags.zero_()
+                # timed on the device: the poller holds the interpreter lock while this thread
+                # waits, so host clocks would also time the lock's hand-back
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                g.replay()
+                end.record()
+                deadline = time.monotonic() + 10.0
+                while not end.query():  # never a wait without end: a lost answer would hang the device
+                    if time.monotonic() > deadline:
+                        flags.numpy()[layers:] = 2**31 - 1  # release every wait, then report
+                        torch.cuda.synchronize()
+                        raise RuntimeError("a replay did not finish within 10 s (the graph's waits were not answered)")
+                    time.sleep(0.01)
+                if r >= 3:
+                    times.append(start.elapsed_time(end) / 1e3)
+        except RuntimeError as exc:
+            error = str(exc)
+        finally:
+            stop.set()
+            if poller is not None:
+                poller.join(timeout=5)
+        if error is not None:
+            out[handoff] = {"error": error}
+            continue
         med = statistics.median(times)
         out[handoff] = {"us_per_layer": 1e6 * med / layers, "us_per_replay": 1e6 * med,
                         "us_per_layer_min": 1e6 * min(times) / layers}
-    base_us = out["copies"]["us_per_layer"]
+    base_us = out["copies"].get("us_per_layer")
     for handoff in ("host_node", "mem_ops"):
-        if "us_per_layer" in out[handoff]:
+        if base_us is not None and "us_per_layer" in out[handoff]:
             out[handoff]["handoff_us"] = out[handoff]["us_per_layer"] - base_us
     return out
 
