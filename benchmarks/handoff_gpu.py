@@ -74,7 +74,9 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
     libcuda = ctypes.CDLL("libcuda.so.1")
     wait32 = _driver_fn(libcuda, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
     write32 = _driver_fn(libcuda, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
-    flags = _host_buffer(2 * layers, torch.int32, True)[0]  # [down flags | up flags]
+    # [down flags | up flags], never copied by PyTorch: its pinned allocator's blocks are mapped for
+    # the device at the same address (unified addressing)
+    flags = torch.zeros(2 * layers, dtype=torch.int32).pin_memory()
     base = flags.data_ptr()
 
     def layer_body(i: int, handoff: str, seq_holder: list) -> None:
