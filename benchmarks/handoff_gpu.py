@@ -46,30 +46,18 @@ def _driver_fn(lib, *names):
     return None
 
 
-def _cudart():
-    from pdflash.native import _find_cudart
-
-    path = _find_cudart()
-    if path is None:
-        raise RuntimeError("PyTorch's CUDA runtime (libcudart) is not loaded in this process")
-    fn = ctypes.CDLL(path).cudaLaunchHostFunc
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) -> dict:
     dev = torch.device("cuda")
     x = torch.zeros(1024, device=dev)
     down_dev = torch.zeros(down_bytes // 4, device=dev)
     # page-locked in place as host steps' buffers are (PyTorch's pinned allocator would record
     # events on its own blocks inside the capture)
-    from pdflash.offload.host_graph import _host_buffer
+    from pdflash.offload.host_graph import _host_buffer, _launcher
 
     down_host = _host_buffer(down_bytes // 4, torch.float32, True)[0]
     up_host = _host_buffer(up_bytes // 4, torch.float32, True)[0]
     up_dev = torch.zeros(up_bytes // 4, device=dev)
-    launch = _cudart()
+    launch = _launcher(dev)  # host steps' own: cudaLaunchHostFunc on the current stream
     free = ctypes.cast(ctypes.CDLL(ctypes.util.find_library("c")).free, ctypes.c_void_p).value
     libcuda = ctypes.CDLL("libcuda.so.1")
     wait32 = _driver_fn(libcuda, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
@@ -84,9 +72,7 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
         down_host.copy_(down_dev, non_blocking=True)
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         if handoff == "host_node":
-            rc = launch(stream, ctypes.c_void_p(free), None)
-            if rc:
-                raise RuntimeError(f"cudaLaunchHostFunc failed ({rc})")
+            launch(free, 0)
         elif handoff == "mem_ops":  # the graph writes seq to down flag i, waits for up flag i >= seq
             seq = seq_holder[0]
             rc = write32(stream, base + 4 * i, seq, WRITE_DEFAULT)
