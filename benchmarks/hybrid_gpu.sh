@@ -16,6 +16,8 @@
 #            seconds each), MODES_THREADS
 #            (default auto-host,auto-model): how many cores the split's prefetches need beside the
 #            kernel's pool (each count under $OUT/threads/t<N>/)
+#   handoff  handoff_gpu.py: one device -> CPU -> device hand-off in a captured graph, host node
+#            against stream memory operations (LIMIT_HANDOFF, default 120 s)
 #
 # TOKENS_HYBRID (default 48) tokens per run; LIMIT_<STAGE> (seconds) overrides a stage's limit.
 # A CPU check of the script: DEVICE=cpu PRESET_20B=tiny MODES_20B=off,all TOKENS_HYBRID=4 ... 20b
@@ -30,9 +32,9 @@ PY="${PYTHON:-python3}"
 TOKENS_HYBRID="${TOKENS_HYBRID:-48}"
 DEVICE="${DEVICE:-cuda}"
 GRAPHS=$([ "$DEVICE" = cuda ] && echo --cuda-graphs)
-[ "$#" -ge 1 ] || { echo "Error: name one or more stages: check, 20b, desktop, 120b, threads" >&2; exit 2; }
+[ "$#" -ge 1 ] || { echo "Error: name one or more stages: check, 20b, desktop, 120b, threads, handoff" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in check|20b|desktop|120b|threads) ;; *) echo "Error: unknown stage '$stage': use check, 20b, desktop, 120b or threads" >&2; exit 2 ;; esac
+  case "$stage" in check|20b|desktop|120b|threads|handoff) ;; *) echo "Error: unknown stage '$stage': use check, 20b, desktop, 120b, threads or handoff" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT"
 cd "$ROOT"
@@ -70,6 +72,9 @@ for stage in "$@"; do
       done
       [ "$rc_all" -eq 0 ]
       ;;
+    handoff)
+      timeout "${LIMIT_HANDOFF:-120}" "$PY" benchmarks/handoff_gpu.py --out "$OUT/handoff/handoff.json" > "$OUT/handoff/handoff.log" 2>&1
+      ;;
     120b)
       hybrid 120b "${LIMIT_120B:-360}" --in-memory gpt-oss-120b --cache-fraction 0.1408 --modes "${MODES_120B:-auto-host,auto-model}"
       ;;
@@ -77,6 +82,6 @@ for stage in "$@"; do
   rc=$?
   [ "$rc" -eq 0 ] || fail=1
   echo "$stage: status $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/status.txt"
-  grep -hE "tok/s|host steps \(|route-ahead|gpu check:|smoke run|passed|failed" "$OUT/$stage"/*.log "$OUT/$stage"/*/*.log 2>/dev/null | tail -24
+  grep -hE "tok/s|host steps \(|route-ahead|gpu check:|smoke run|passed|failed|us_per_layer|handoff_us|\"error\"" "$OUT/$stage"/*.log "$OUT/$stage"/*/*.log 2>/dev/null | tail -24
 done
 exit "$fail"

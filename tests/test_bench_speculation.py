@@ -220,7 +220,8 @@ def test_the_gpu_stage_script_runs_its_hybrid_stage_on_the_cpu(tmp_path):
 def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
     """benchmarks/hybrid_gpu.sh 20b (CPU check: tiny preset in memory): the stage's JSON and log
     land under $OUT/20b, its status in $OUT/status.txt; the threads stage runs once per count
-    (under $OUT/threads/t<N>); no stage or an unknown one exits 2."""
+    (under $OUT/threads/t<N>); the hand-off stage says why it cannot run without CUDA; no stage
+    or an unknown one exits 2."""
     import os
     import subprocess
     import sys
@@ -240,6 +241,12 @@ def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
         run = json.loads((tmp_path / "out" / "threads" / f"t{n}" / "hybrid.json").read_text())["runs"][0]
         assert run["asked"] == "all" and run["cpu_threads"] == n
     assert "threads: status 0" in (tmp_path / "out" / "status.txt").read_text()
+    import torch
+
+    if not torch.cuda.is_available():  # the hand-off stage needs CUDA: its status and one-line reason
+        done = subprocess.run(["bash", str(script), "handoff"], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "handoff: status 2" in (tmp_path / "out" / "status.txt").read_text()
+        assert "needs a CUDA device" in (tmp_path / "out" / "handoff" / "handoff.log").read_text()
     for args in ([], ["bogus"]):
         bad = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and bad.stderr.startswith("Error:") and len(bad.stderr.splitlines()) == 1
