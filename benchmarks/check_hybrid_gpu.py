@@ -63,6 +63,7 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
     with _env("PDFLASH_HOST_STEPS", not segmented), _env("PDFLASH_ROUTE_AHEAD", not plan_only), OffloadedModel.load(ckpt, device=device, dtype=dtype,
                                                          cpu_experts="auto" if mode.startswith("auto") else mode,
                              cpu_threads=args.cpu_threads, link_gbps=args.link_gbps, hybrid_guard=mode != "auto-model",
+                             workers=args.workers, chunk_mib=args.chunk_mib,
                              expert_cache_experts=None if mode == "all" else args._slots) as rt:
         if prewake_us is not None and rt.cpu is not None:
             rt.cpu.prewake_us = prewake_us  # this runner only
@@ -136,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--cache-fraction", type=float, default=0.25)
     ap.add_argument("--cpu-threads", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=2, help="the fetch scheduler's copy workers (the runtime's default: 2)")
+    ap.add_argument("--chunk-mib", type=float, default=4.0, help="the scheduler's chunk size in MiB (the runtime's default: 4)")
     ap.add_argument("--link-gbps", type=float, default=None,
                     help="a link of this many GB/s: simulated on the CPU device, real copies paced to it on CUDA")
     ap.add_argument("--cuda-graphs", action="store_true", help="decode through the graphed decoder (the CUDA default of generate)")

@@ -7,7 +7,7 @@ threads do to it.
         out/ --in-memory gpt-oss-20b --device cuda --cuda-graphs --dtypes bfloat16 --tokens 48
 
 A variant is ``MODE[:OPTION...]``: MODE one of check_hybrid_gpu.py's modes, OPTIONs among
-``tN`` (``--cpu-threads N``), ``wN`` (N scheduler copy workers), ``cX`` (X MiB chunks),
+``tN`` (``--cpu-threads N``), ``wN`` (``--workers N``), ``cX`` (``--chunk-mib X``),
 ``zero`` (split steps whose plan fetches nothing and no route-ahead: the split's own structure
 with an idle link; use with mode auto-model-noahead or auto-model), ``nofill`` (no background
 fills of the CPU's hot experts). Each variant's JSON is OUTDIR/<variant, ':' as '_'>.json; one
@@ -25,13 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_hybrid_gpu as chk  # noqa: E402 (imports pdflash from this checkout)
 
 from pdflash.offload.cpu_compute import CpuPlacement  # noqa: E402
-from pdflash.offload.runtime import OffloadedModel  # noqa: E402
 
 
-def parse(variant: str) -> tuple[str, list[str], dict, bool, bool]:
-    """``MODE:OPTION...`` -> (mode, extra check_hybrid_gpu.py args, load kwargs, zero, nofill)."""
+def parse(variant: str) -> tuple[str, list[str], bool, bool]:
+    """``MODE:OPTION...`` -> (mode, extra check_hybrid_gpu.py args, zero, nofill)."""
     mode, *opts = variant.split(":")
-    extra, kw, zero, nofill = [], {}, False, False
+    extra, zero, nofill = [], False, False
     for o in opts:
         try:
             if o == "zero":
@@ -41,14 +40,14 @@ def parse(variant: str) -> tuple[str, list[str], dict, bool, bool]:
             elif o[:1] == "t" and int(o[1:]) >= 1:
                 extra += ["--cpu-threads", o[1:]]
             elif o[:1] == "w" and int(o[1:]) >= 1:
-                kw["workers"] = int(o[1:])
+                extra += ["--workers", o[1:]]
             elif o[:1] == "c" and float(o[1:]) > 0:
-                kw["chunk_mib"] = float(o[1:])
+                extra += ["--chunk-mib", o[1:]]
             else:
                 raise ValueError
         except ValueError:
             raise SystemExit(f"Error: variant {variant!r}: unknown option {o!r} (use tN, wN, cX, zero, nofill)") from None
-    return mode, extra, kw, zero, nofill
+    return mode, extra, zero, nofill
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,17 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    plan0, note0, load0 = CpuPlacement.split_plan, CpuPlacement.note_host, OffloadedModel.__dict__["load"]
+    plan0, note0 = CpuPlacement.split_plan, CpuPlacement.note_host
 
     def zero_plan(self, *a, **k):
         plan, _ = plan0(self, *a, **k)
         return [0] * len(plan), 0
 
     try:
-        for mode, extra, kw, zero, nofill, name in variants:
+        for mode, extra, zero, nofill, name in variants:
             CpuPlacement.split_plan = zero_plan if zero else plan0
             CpuPlacement.note_host = (lambda self, *a, **k: None) if nofill else note0
-            OffloadedModel.load = classmethod(lambda cls, *a, _kw=kw, **k: load0.__func__(cls, *a, **{**k, **_kw}))
             path = out / f"{name.replace(':', '_')}.json"
             print(f"== {name}", file=sys.stderr, flush=True)
             rc = chk.main(argv[2:] + extra + ["--modes", mode, "--out", str(path)])
@@ -87,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'-' if cpu is None else f'{cpu:.3f} ms'} an expert (cost model)", file=sys.stderr)
     finally:
         CpuPlacement.split_plan, CpuPlacement.note_host = plan0, note0
-        OffloadedModel.load = load0
     return 0
 
 

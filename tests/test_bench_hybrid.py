@@ -156,7 +156,7 @@ def test_hybrid_variants_runs_each_variant_then_restores_the_code(tmp_path, caps
     from pdflash.offload.cpu_compute import CpuPlacement
     from pdflash.offload.runtime import OffloadedModel
 
-    before = (CpuPlacement.split_plan, CpuPlacement.note_host, OffloadedModel.__dict__["load"])
+    before = (CpuPlacement.split_plan, CpuPlacement.note_host, OffloadedModel.__dict__["load"])  # load: never patched
     mod = _load("hybrid_variants")
     rc = mod.main(["auto-model:t1:w3:c2:zero:nofill,off:w1", str(tmp_path), "--in-memory", "tiny", "--device", "cpu",
                    "--dtypes", "float32", "--tokens", "3"])
