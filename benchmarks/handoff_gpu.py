@@ -34,6 +34,7 @@ from pathlib import Path
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT
+SEQ = 1  # the value each layer's flags take in a replay (fixed at capture; the flags are zeroed between replays)
 
 
 def _driver_fn(lib, *names):
@@ -67,25 +68,24 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
     flags = torch.zeros(2 * layers, dtype=torch.int32).pin_memory()
     base = flags.data_ptr()
 
-    def layer_body(i: int, handoff: str, seq_holder: list) -> None:
+    def layer_body(i: int, handoff: str) -> None:
         x.add_(1.0)
         down_host.copy_(down_dev, non_blocking=True)
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         if handoff == "host_node":
             launch(free, 0)
-        elif handoff == "mem_ops":  # the graph writes seq to down flag i, waits for up flag i >= seq
-            seq = seq_holder[0]
-            rc = write32(stream, base + 4 * i, seq, WRITE_DEFAULT)
-            rc = rc or wait32(stream, base + 4 * (layers + i), seq, WAIT_GEQ)
+        elif handoff == "mem_ops":  # the graph writes SEQ to down flag i, waits for up flag i >= SEQ
+            rc = write32(stream, base + 4 * i, SEQ, WRITE_DEFAULT)
+            rc = rc or wait32(stream, base + 4 * (layers + i), SEQ, WAIT_GEQ)
             if rc:
                 raise RuntimeError(f"stream memory operation failed (CUDA driver error {rc})")
         up_dev.copy_(up_host, non_blocking=True)
 
-    def capture(handoff: str, seq_holder: list):
+    def capture(handoff: str):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for i in range(layers):
-                layer_body(i, handoff, seq_holder)
+                layer_body(i, handoff)
         return g
 
     out: dict = {"layers": layers, "replays": replays, "down_bytes": down_bytes, "up_bytes": up_bytes,
@@ -94,7 +94,6 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
         if handoff == "mem_ops" and (wait32 is None or write32 is None):
             out[handoff] = {"error": "the driver exports no cuStreamWaitValue32 / cuStreamWriteValue32"}
             continue
-        seq = [1]
         stop = threading.Event()
         poller = None
         if handoff == "mem_ops":
@@ -103,15 +102,12 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
             def poll():  # answers each layer's flag as soon as the graph wrote it
                 nxt = 0
                 while not stop.is_set():
-                    want = seq[0]
-                    if view[nxt] >= want:
-                        view[layers + nxt] = want
+                    if view[nxt] >= SEQ:
+                        view[layers + nxt] = SEQ
                         nxt = (nxt + 1) % layers
-            # a captured wait value is fixed at capture: each replay uses the same seq, so the flags
-            # are reset between replays (down to 0 before, up answered during)
             poller = threading.Thread(target=poll, daemon=True)
         try:
-            g = capture(handoff, seq)
+            g = capture(handoff)
         except RuntimeError as exc:
             out[handoff] = {"error": str(exc)}
             continue
