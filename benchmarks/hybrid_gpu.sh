@@ -32,9 +32,12 @@ PY="${PYTHON:-python3}"
 TOKENS_HYBRID="${TOKENS_HYBRID:-48}"
 DEVICE="${DEVICE:-cuda}"
 GRAPHS=$([ "$DEVICE" = cuda ] && echo --cuda-graphs)
-[ "$#" -ge 1 ] || { echo "Error: name one or more stages: check, 20b, desktop, 120b, threads, handoff" >&2; exit 2; }
+STAGES="check 20b desktop 120b threads handoff"
+[ "$#" -ge 1 ] || { echo "Error: name one or more stages: ${STAGES// /, }" >&2; exit 2; }
 for stage in "$@"; do
-  case "$stage" in check|20b|desktop|120b|threads|handoff) ;; *) echo "Error: unknown stage '$stage': use check, 20b, desktop, 120b, threads or handoff" >&2; exit 2 ;; esac
+  known=0
+  for s in $STAGES; do [ "$stage" = "$s" ] && known=1; done
+  [ "$known" -eq 1 ] || { echo "Error: unknown stage '$stage': use ${STAGES// /, }" >&2; exit 2; }
 done
 mkdir -p "$OUT"
 cd "$ROOT"
