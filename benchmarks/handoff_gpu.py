@@ -14,6 +14,11 @@ Three graphs of ``--layers`` layers each, replayed ``--replays`` times after a w
   captured as memory-operation nodes), a CPU thread polling the first flag and answering on the
   second: a hand-off without the driver's callback thread.
 
+Two more graphs isolate the memory operations when ``mem_ops`` fails: ``writes_only`` (the
+writes, no waits; after each replay every down flag must read ``SEQ`` on the host) and
+``waits_preset`` (the waits, their flags set before the replay: no CPU thread involved). A replay
+that does not finish reports the flags it left and how many the polling thread answered.
+
 Reports each graph's microseconds per layer (median over replays) and the hand-offs' cost above
 ``copies``. Needs a CUDA device; without one it says so on stderr and exits 2. ``mem_ops`` is
 reported as unavailable (with the driver's error) where the driver refuses stream memory
@@ -34,6 +39,7 @@ from pathlib import Path
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT
+MEM_OPS = ("mem_ops", "writes_only", "waits_preset")
 SEQ = 1  # the value each layer's flags take in a replay (fixed at capture; the flags are zeroed between replays)
 
 
@@ -74,9 +80,10 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         if handoff == "host_node":
             launch(free, 0)
-        elif handoff == "mem_ops":  # the graph writes SEQ to down flag i, waits for up flag i >= SEQ
-            rc = write32(stream, base + 4 * i, SEQ, WRITE_DEFAULT)
-            rc = rc or wait32(stream, base + 4 * (layers + i), SEQ, WAIT_GEQ)
+        elif handoff in MEM_OPS:  # the graph writes SEQ to down flag i, waits for up flag i >= SEQ
+            rc = write32(stream, base + 4 * i, SEQ, WRITE_DEFAULT) if handoff != "waits_preset" else 0
+            if handoff != "writes_only":
+                rc = rc or wait32(stream, base + 4 * (layers + i), SEQ, WAIT_GEQ)
             if rc:
                 raise RuntimeError(f"stream memory operation failed (CUDA driver error {rc})")
         up_dev.copy_(up_host, non_blocking=True)
@@ -90,20 +97,22 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
 
     out: dict = {"layers": layers, "replays": replays, "down_bytes": down_bytes, "up_bytes": up_bytes,
                  "device": torch.cuda.get_device_name(0)}
-    for handoff in ("copies", "host_node", "mem_ops"):
-        if handoff == "mem_ops" and (wait32 is None or write32 is None):
+    for handoff in ("copies", "host_node") + MEM_OPS:
+        if handoff in MEM_OPS and (wait32 is None or write32 is None):
             out[handoff] = {"error": "the driver exports no cuStreamWaitValue32 / cuStreamWriteValue32"}
             continue
         stop = threading.Event()
         poller = None
+        view = flags.numpy()
+        answered = [0]
         if handoff == "mem_ops":
-            view = flags.numpy()
 
             def poll():  # answers each layer's flag as soon as the graph wrote it
                 nxt = 0
                 while not stop.is_set():
                     if view[nxt] >= SEQ:
                         view[layers + nxt] = SEQ
+                        answered[0] += 1
                         nxt = (nxt + 1) % layers
             poller = threading.Thread(target=poll, daemon=True)
         try:
@@ -119,8 +128,10 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
         times, error = [], None
         try:
             for r in range(replays + 3):
-                if handoff == "mem_ops":
+                if handoff in MEM_OPS:
                     flags.zero_()
+                if handoff == "waits_preset":
+                    view[layers:] = SEQ
                 # timed on the device: the poller holds the interpreter lock while this thread
                 # waits, so host clocks would also time the lock's hand-back
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -130,10 +141,18 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
                 deadline = time.monotonic() + 10.0
                 while not end.query():  # never a wait without end: a lost answer would hang the device
                     if time.monotonic() > deadline:
-                        flags.numpy()[layers:] = 2**31 - 1  # release every wait, then report
+                        down_seen = int((view[:layers] >= SEQ).sum())
+                        up_set = int((view[layers:] >= SEQ).sum())
+                        view[layers:] = 2**31 - 1  # release every wait, then report
                         torch.cuda.synchronize()
-                        raise RuntimeError("a replay did not finish within 10 s (the graph's waits were not answered)")
+                        raise RuntimeError(
+                            f"replay {r} did not finish within 10 s (the graph's waits were not answered): "
+                            f"{down_seen} of {layers} down flags written, {up_set} up flags set, "
+                            f"{answered[0]} answers from the polling thread")
                     time.sleep(0.01)
+                if handoff == "writes_only" and int((view[:layers] >= SEQ).sum()) != layers:
+                    raise RuntimeError(f"replay {r}: only {int((view[:layers] >= SEQ).sum())} of {layers} "
+                                       "down flags read SEQ on the host after the replay")
                 if r >= 3:
                     times.append(start.elapsed_time(end) / 1e3)
         except RuntimeError as exc:
@@ -149,7 +168,7 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
         out[handoff] = {"us_per_layer": 1e6 * med / layers, "us_per_replay": 1e6 * med,
                         "us_per_layer_min": 1e6 * min(times) / layers}
     base_us = out["copies"].get("us_per_layer")
-    for handoff in ("host_node", "mem_ops"):
+    for handoff in ("host_node",) + MEM_OPS:
         if base_us is not None and "us_per_layer" in out[handoff]:
             out[handoff]["handoff_us"] = out[handoff]["us_per_layer"] - base_us
     return out
