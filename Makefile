@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 CC ?= cc
 SAN_FLAGS = -std=c11 -O1 -g -fno-omit-frame-pointer -pthread -Wall -Wextra -Wno-unused-parameter
 STRESS_SRC = native/stress/stress.c native/pf_sched.c
-CPU_STRESS_SRC = native/stress/cpu_stress.c native/pf_cpu.c native/pf_layer.c native/pf_sched.c
+CPU_STRESS_SRC = native/stress/cpu_stress.c native/pf_cpu.c native/pf_layer.c native/pf_relay.c native/pf_sched.c
 DRAFT_STRESS_SRC = native/stress/draft_stress.c native/pf_draft.c native/pf_cpu.c
 
 .PHONY: install native test test-fast stress stress-asan stress-tsan cpu-stress-asan cpu-stress-tsan draft-stress-asan draft-stress-tsan amx-check-asan amx-check-hw bench demo gpu-check clean
@@ -53,10 +53,10 @@ stress-asan: native/stress/stress_asan native/stress/stress_asan_cudart.so
 stress-tsan: native/stress/stress_tsan native/stress/stress_tsan_cudart.so
 	TSAN_OPTIONS=halt_on_error=1 setarch $$(uname -m) -R ./native/stress/stress_tsan --fake-cudart ./native/stress/stress_tsan_cudart.so
 
-native/stress/cpu_stress_asan: $(CPU_STRESS_SRC) native/pf_cpu.h native/pf_layer.h native/pf_sched.h native/pf_simd.h native/stress/check.h
+native/stress/cpu_stress_asan: $(CPU_STRESS_SRC) native/pf_cpu.h native/pf_layer.h native/pf_relay.h native/pf_sched.h native/pf_simd.h native/stress/check.h
 	$(CC) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=undefined -Inative -o $@ $(CPU_STRESS_SRC) -lm -ldl
 
-native/stress/cpu_stress_tsan: $(CPU_STRESS_SRC) native/pf_cpu.h native/pf_layer.h native/pf_sched.h native/pf_simd.h native/stress/check.h
+native/stress/cpu_stress_tsan: $(CPU_STRESS_SRC) native/pf_cpu.h native/pf_layer.h native/pf_relay.h native/pf_sched.h native/pf_simd.h native/stress/check.h
 	$(CC) $(SAN_FLAGS) -fsanitize=thread -Inative -o $@ $(CPU_STRESS_SRC) -lm -ldl
 
 cpu-stress-asan: native/stress/cpu_stress_asan

@@ -1,5 +1,6 @@
 """cffi API-mode build of the native library: the scheduler (pf_sched), the CPU expert kernel (pf_cpu),
-a MoE layer's experts run from its routing (pf_layer) and the CPU draft pass (pf_draft).
+a MoE layer's experts run from its routing (pf_layer), a graph's layers handed to the CPU through
+flags (pf_relay) and the CPU draft pass (pf_draft).
 
 Used by setuptools (``cffi_modules`` in setup.py) and by ``pdflash build-native``;
 runnable alone: ``python native/build_ffi.py [--debug] [--sanitize KIND]``
@@ -19,8 +20,8 @@ import sys
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HEADERS = [os.path.join(HERE, name) for name in ("pf_sched.h", "pf_cpu.h", "pf_layer.h", "pf_draft.h")]
-SOURCES = [os.path.join(HERE, name) for name in ("pf_sched.c", "pf_cpu.c", "pf_layer.c", "pf_draft.c")]
+HEADERS = [os.path.join(HERE, name) for name in ("pf_sched.h", "pf_cpu.h", "pf_layer.h", "pf_relay.h", "pf_draft.h")]
+SOURCES = [os.path.join(HERE, name) for name in ("pf_sched.c", "pf_cpu.c", "pf_layer.c", "pf_relay.c", "pf_draft.c")]
 
 
 def _cdef_from_header() -> str:
@@ -52,7 +53,7 @@ def make_builder(debug: bool = False, sanitize: str | None = None) -> FFI:
     ffi.cdef(_cdef_from_header())
     ffi.set_source(
         "pdflash.native._pf_sched",
-        '#include "pf_sched.h"\n#include "pf_cpu.h"\n#include "pf_layer.h"\n#include "pf_draft.h"',
+        '#include "pf_sched.h"\n#include "pf_cpu.h"\n#include "pf_layer.h"\n#include "pf_relay.h"\n#include "pf_draft.h"',
         sources=SOURCES,
         include_dirs=[HERE],
         libraries=["dl", "m"],

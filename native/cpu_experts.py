@@ -225,6 +225,7 @@ class CpuExperts:
         self._active = 0
         self._closed = False
         self._layers: list[CpuLayer] = []  # contexts borrowing the pool: destroyed before it
+        self._relays: list[Relay] = []  # relays running those contexts: destroyed before them
 
     def _strerror(self, rc: int) -> str:
         return self._ffi.string(self._lib.pf_cpu_strerror(rc)).decode()
@@ -338,6 +339,16 @@ class CpuExperts:
             self._layers.append(lay)
         return lay
 
+    def relay(self, flags: torch.Tensor, spin_us: int = 2000) -> "Relay":
+        """A :class:`Relay` over ``flags`` on this pool's layers (closed with it, before them)."""
+        relay = Relay(self, flags, spin_us)
+        with self._lock:
+            if self._closed:
+                relay.close()
+                raise CpuExpertError("the CPU expert kernel is closed; create a new CpuExperts")
+            self._relays.append(relay)
+        return relay
+
     @property
     def ffi(self):
         """The cffi module's FFI (for ``ExpertWeights.struct``)."""
@@ -418,6 +429,9 @@ class CpuExperts:
             self._closed = True
             while self._active:
                 self._idle.wait()
+            for relay in self._relays:  # an armed step names layers: ended before they close
+                relay.close()
+            self._relays.clear()
             for lay in self._layers:
                 lay.close()
             self._layers.clear()
@@ -650,5 +664,86 @@ class CpuLayer:
             self._keep = None
 
 
+class RelayError(CpuExpertError):
+    """A relayed step did not end as it should (a flag that never came, a cancelled step)."""
+
+
+class Relay:
+    """A graph's layers handed to the CPU through flags (``pf_relay.h``): instead of a host node,
+    a layer's graph writes its down flag (``flags[i]``, a stream memory operation) and waits for
+    its up flag (``flags[layers + i]``); the relay's thread, armed with the step's layers, runs
+    each one when its down flag comes and sets its up flag.
+
+    ``flags``: an int32 host tensor of 2 * layers elements, page-locked and mapped for the
+    device (kept referenced). One step at a time: :meth:`arm` before launching the work,
+    :meth:`wait` after it has finished. :meth:`close` cancels an armed step first."""
+
+    def __init__(self, kernel: "CpuExperts", flags: torch.Tensor, spin_us: int = 2000):
+        ffi, lib = kernel._ffi, kernel._lib
+        self._ffi, self._lib = ffi, lib
+        if (not isinstance(flags, torch.Tensor) or flags.device.type != "cpu" or flags.dtype != torch.int32
+                or not flags.is_contiguous() or flags.numel() < 2 or flags.numel() % 2):
+            raise CpuExpertError("relay flags must be a contiguous int32 host tensor of 2 * layers elements")
+        self.layers = flags.numel() // 2
+        p = ffi.new("pf_relay **")
+        rc = lib.pf_relay_create(ffi.cast("uint32_t *", flags.data_ptr()), self.layers, int(spin_us), p)
+        if rc != 0:
+            raise CpuExpertError(f"relay: {kernel._strerror(rc)} (spin_us must be in 0 .. 1000000)")
+        self._r = p[0]
+        self._keep = (kernel, flags)
+        self._armed: list | None = None  # the armed step's layers, referenced until it is collected
+        self._out = (ffi.new("int *"), ffi.new("int *"))
+
+    def arm(self, layers: list, timeout_s: float = 10.0) -> None:
+        """Hand the thread one step of ``layers`` (:class:`CpuLayer`, layer i's flags are i's),
+        zeroing every flag; then launch the work that writes the down flags."""
+        self._live()
+        if not 1 <= len(layers) <= self.layers:
+            raise CpuExpertError(f"a relayed step names 1 .. {self.layers} layers, got {len(layers)}")
+        ctx = self._ffi.new("pf_layer *[]", [lay._L for lay in layers])
+        rc = self._lib.pf_relay_arm(self._r, ctx, len(layers), float(timeout_s))
+        if rc == self._lib.PF_RELAY_EBUSY:
+            raise CpuExpertError("a relayed step is already armed: wait for it first")
+        if rc != 0:
+            raise CpuExpertError("relay arm: every layer must be open and timeout_s > 0")
+        self._armed = list(layers)
+
+    def cancel(self) -> None:
+        """End the armed step early (its remaining up flags are set); a no-op without one."""
+        if self._r is not None:
+            self._lib.pf_relay_cancel(self._r)
+
+    def wait(self, timeout_s: float = 10.0) -> int:
+        """Collect the armed step once it has ended; returns the layers it ran. Raises
+        :class:`RelayError` if a down flag never came or the step was cancelled, and if it is
+        still running after ``timeout_s`` (then still armed)."""
+        self._live()
+        st, answered = self._out
+        rc = self._lib.pf_relay_wait(self._r, float(timeout_s), st, answered)
+        if rc == self._lib.PF_RELAY_ETIMEDOUT:
+            raise RelayError(f"the relayed step was still running after {timeout_s} s")
+        if rc != 0:
+            raise CpuExpertError("no relayed step is armed")
+        n, self._armed = len(self._armed or ()), None
+        if st[0] == self._lib.PF_RELAY_ETIMEDOUT:
+            raise RelayError(f"layer {answered[0]} of a relayed step never signalled (ran {answered[0]} of {n})")
+        if st[0] == self._lib.PF_RELAY_ECANCELED:
+            raise RelayError(f"the relayed step was cancelled after {answered[0]} of {n} layers")
+        return int(answered[0])
+
+    def _live(self) -> None:
+        if self._r is None:
+            raise CpuExpertError("the relay is closed")
+
+    def close(self) -> None:
+        """Cancel an armed step, stop the thread. Idempotent."""
+        if getattr(self, "_r", None) is not None:
+            self._lib.pf_relay_destroy(self._r)
+            self._r = None
+            self._armed = None
+            self._keep = None
+
+
 __all__ = ["CpuExperts", "CpuExpertError", "CpuLayer", "LayerFetch", "CpuLevelUnsupported", "ExpertWeights", "LEVELS", "MAX_TOKENS",
+           "Relay", "RelayError",
            "default_threads", "detect_level", "supported_levels"]

@@ -439,11 +439,7 @@ class GraphedDecoder:
             lay.set_tokens(T)
         steps.runner.prewake()  # layer 0's call comes after the embedding and its attention
         launched = time.monotonic_ns()
-        g.replay()
-        if self.device.type == "cuda":
-            for lay in layers:
-                lay.replayed()
-            torch.cuda.current_stream(self.device).synchronize()
+        steps.replay(g, layers)
         steps.finish(layers, T, launched, time.monotonic_ns())
         self.length += T
         taps = {i: (xs[i] if R == T else xs[i][:, :T]) for i in self.tap_layers}

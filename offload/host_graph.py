@@ -18,6 +18,15 @@ the whole step as one graph instead; each layer's experts are, inside it,
 
 so a step costs one graph launch and one synchronisation, and no Python between layers.
 
+The hand-off (``PDFLASH_HOST_HANDOFF``): by default a layer's host node is not a host node but a
+pair of stream memory operations, captured like the rest: the device writes the layer's down flag
+once the routing has landed and waits for its up flag; a relay thread (``native/pf_relay.c``),
+armed with the step's layers before the replay, runs each layer when its flag comes and sets the
+up flag. A host node's round trip through the driver's callback thread cost 40-55 us a layer on
+an H100 machine, the flags about 1 (``benchmarks/handoff_gpu.py``). ``node``: host nodes
+(``cudaLaunchHostFunc``), also where the driver has no stream memory operations. A capture's
+eager warm-up always runs its layers as host functions.
+
 Mode "host" (the hybrid guard's host arm: the cache's hits on the device, every other expert on the
 CPU, nothing fetched) adds the hits: each position's slot from a device table
 of the cache's resident experts (-1: not resident), the fused MXFP4 kernel over every position
@@ -106,6 +115,93 @@ def _launcher(device: torch.device):
             raise PdflashError(f"cudaLaunchHostFunc failed (CUDA error {rc})")
 
     return launch
+
+
+WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: the write follows the work before it
+RELAY_SPIN_US = 2000  # a relay's wait for a down flag spins this long, then sleeps between reads
+RELAY_TIMEOUT_S = 30.0  # the longest a relay waits for one layer's down flag
+
+
+def handoff_mode() -> str:
+    """How a host step hands a layer to the CPU: ``flags`` (stream memory operations and a relay
+    thread, the default) or ``node`` (host nodes), from ``PDFLASH_HOST_HANDOFF``."""
+    mode = os.environ.get("PDFLASH_HOST_HANDOFF", "flags")
+    return mode if mode in ("flags", "node") else "flags"
+
+
+class _Flags:
+    """Relay flags on CUDA: an int32 host buffer page-locked and mapped for the device, its
+    device address, and the driver's stream write / wait (cuStreamWriteValue32 /
+    cuStreamWaitValue32) to queue on the current stream. :meth:`make` returns None where any of
+    that is missing or a probe (one write and one wait, run now) fails."""
+
+    def __init__(self, host: torch.Tensor, dev_ptr: int, write, wait, device: torch.device):
+        self.host, self.dev_ptr, self._write, self._wait, self.device = host, dev_ptr, write, wait, device
+        self.layers = host.numel() // 2
+
+    @classmethod
+    def make(cls, layers: int, device: torch.device) -> "_Flags | None":
+        from pdflash.native import _find_cudart
+
+        try:
+            libcuda = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return None
+        fns = []
+        for names in (("cuStreamWriteValue32_v2", "cuStreamWriteValue32"),
+                      ("cuStreamWaitValue32_v2", "cuStreamWaitValue32")):
+            fn = next((getattr(libcuda, n) for n in names if hasattr(libcuda, n)), None)
+            if fn is None:
+                return None
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+            fn.restype = ctypes.c_int
+            fns.append(fn)
+        torch.empty(1, device=device)  # the runtime and its context loaded
+        path = _find_cudart()
+        if path is None:
+            return None
+        cudart = ctypes.CDLL(path)
+        host = torch.zeros(2 * layers, dtype=torch.int32)
+        size = host.numel() * host.element_size()
+        if cudart.cudaHostRegister(ctypes.c_void_p(host.data_ptr()), ctypes.c_size_t(size), ctypes.c_uint(3)) != 0:
+            return None  # 3: portable and mapped
+        dev = ctypes.c_void_p()
+        flags = None
+        if cudart.cudaHostGetDevicePointer(ctypes.byref(dev), ctypes.c_void_p(host.data_ptr()), ctypes.c_uint(0)) == 0:
+            flags = cls(host, int(dev.value or 0), fns[0], fns[1], device)
+            if not flags.dev_ptr or not flags._probe():
+                flags = None
+        if flags is None:
+            cudart.cudaHostUnregister(ctypes.c_void_p(host.data_ptr()))
+        return flags
+
+    def _probe(self) -> bool:
+        """One write and one (already satisfied) wait on the current stream: both must land."""
+        self.host.zero_()
+        self.host[self.layers] = 1
+        try:
+            self.signal(0, check_capture=False)
+            torch.cuda.current_stream(self.device).synchronize()
+        except (PdflashError, RuntimeError):
+            return False
+        ok = int(self.host[0]) == 1
+        self.host.zero_()
+        return ok
+
+    def signal(self, layer: int, check_capture: bool = True) -> None:
+        """Queue layer ``layer``'s hand-off on the current stream: write its down flag, wait for
+        its up flag."""
+        if check_capture and not torch.cuda.is_current_stream_capturing():
+            raise PdflashError("relay flags are queued only inside a capture (its replays are armed)")
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        rc = self._write(stream, self.dev_ptr + 4 * layer, 1, WRITE_DEFAULT)
+        rc = rc or self._wait(stream, self.dev_ptr + 4 * (self.layers + layer), 1, WAIT_GEQ)
+        if rc:
+            raise PdflashError(f"a stream memory operation failed (CUDA driver error {rc})")
+
+    def close(self) -> None:
+        torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
 
 
 def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, bool]:
@@ -209,6 +305,8 @@ class HostLayer:
         self.down[: bufs.n].copy_(bufs.pack, non_blocking=True)
         if s.launch is None:  # the CPU device: the host node's call, made (and checked) now
             self.cpu.run()
+        elif s.flags is not None and torch.cuda.is_current_stream_capturing():  # the relay runs it
+            s.flags.signal(self.layer)
         else:
             s.launch(self.cpu.host_fn, self.cpu.handle)
             if not torch.cuda.is_current_stream_capturing():  # a capture records it: see replayed()
@@ -310,6 +408,9 @@ class HostSteps:
         # host node (PDFLASH_HOST_SIDE_STREAM=0: before it, on the step's stream)
         side = self.device.type == "cuda" and os.environ.get("PDFLASH_HOST_SIDE_STREAM", "1") != "0"
         self.side = torch.cuda.Stream(self.device) if side else None
+        # the hand-off (module docstring): relay flags and the relay thread, or host nodes
+        self.flags = _Flags.make(self.num_layers, self.device) if self._pin and handoff_mode() == "flags" else None
+        self.relay = self.runner.kernel.relay(self.flags.host, RELAY_SPIN_US) if self.flags is not None else None
         self.steps_run = 0
         self._closed = False
 
@@ -442,6 +543,29 @@ class HostSteps:
                     lay.cpu.set_ahead(nxt.cpu, lay.predicted, 0)
         return got
 
+    def replay(self, graph, layers: list[HostLayer]) -> None:
+        """Launch a captured step of ``layers`` and wait for it: with the relay, armed with the
+        layers first and collected after (on any failure cancelled, so the device never waits
+        for ever); each layer's run is then checked by :meth:`finish`."""
+        relay = self.relay
+        if relay is not None:
+            relay.arm([lay.cpu for lay in layers], RELAY_TIMEOUT_S)
+        try:
+            graph.replay()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        except BaseException:
+            if relay is not None:
+                relay.cancel()
+                with contextlib.suppress(PdflashError):
+                    relay.wait(RELAY_TIMEOUT_S)
+            raise
+        if relay is not None:
+            relay.wait(RELAY_TIMEOUT_S)
+        if self.device.type == "cuda":  # the CPU device's host calls ran (and were checked) in the step
+            for lay in layers:
+                lay.replayed()
+
     def finish(self, layers: list[HostLayer], tokens: int, launched_ns: int | None = None,
                done_ns: int | None = None) -> None:
         """After a step (its work finished): check every layer's run, then do the experts
@@ -513,6 +637,10 @@ class HostSteps:
         self._closed = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.relay is not None:  # an armed step names the layers
+            self.relay.close()
+        if self.flags is not None:
+            self.flags.close()
         for made in self._layers.values():
             for lay in made:
                 lay.cpu.close()

@@ -315,7 +315,7 @@ def test_level_from_environment(monkeypatch):
 @pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
 def test_c_stress_quick(tmp_path):
     """native/stress/cpu_stress.c (the Makefile runs it under the sanitizers), built plainly."""
-    stress_programs.run_quick(tmp_path, "cpu_stress", ["pf_cpu.c", "pf_layer.c", "pf_sched.c"])
+    stress_programs.run_quick(tmp_path, "cpu_stress", ["pf_cpu.c", "pf_layer.c", "pf_relay.c", "pf_sched.c"])
 
 
 @pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")

@@ -3,6 +3,8 @@ the CPU, as one graph with the experts as host nodes. On the CPU the same step f
 eagerly (a host node's call made directly) and must give the experts module's "all" path bit for
 bit; on CUDA the captured graph must give the segmented graphs' tokens."""
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +19,7 @@ from pdflash.offload.synthetic import write_checkpoint
 from test_batch_invariant import _replaying_capture
 
 try:
-    from pdflash.native.cpu_experts import CpuExpertError, CpuExperts, ExpertWeights
+    from pdflash.native.cpu_experts import CpuExpertError, CpuExperts, ExpertWeights, RelayError
     CpuExperts(threads=1).close()
 except NativeLibraryMissing:  # pragma: no cover - the build is part of the install
     pytest.skip("native library not built", allow_module_level=True)
@@ -35,6 +37,70 @@ def _expert(H, I, seed):
     b1 = torch.randn(2 * I, generator=g).to(torch.bfloat16)
     b2 = torch.randn(H, generator=g).to(torch.bfloat16)
     return ExpertWeights.mxfp4(gb, gs, b1, db, ds, b2)
+
+
+def test_a_relay_runs_each_layer_when_its_down_flag_comes_and_answers_on_its_up_flag():
+    """The relay (pf_relay) with a thread standing in for the device: it writes each layer's down
+    flag, waits for the up flag, and by then that layer has run once more with the direct run's
+    output. A second arm while one is armed is refused; a step whose flags never come ends by its
+    timeout with every up flag set; a cancelled one ends at once; closing the pool closes it."""
+    H, E, K, R, L = 64, 4, 2, 3, 3
+    experts = [_expert(H, 32, seed=40 + e) for e in range(E)]
+    g = torch.Generator().manual_seed(8)
+    with CpuExperts(threads=2) as k:
+        structs = [w.struct(k.ffi) for w in experts]
+        layers, outs, wants = [], [], []
+        for _ in range(L):
+            idx = torch.randint(0, E, (R * K,), generator=g)
+            out = torch.zeros(R * K, H)
+            lay = k.layer(structs, K, R, idx, torch.rand(R * K, generator=g), torch.randn(R, H, generator=g), out)
+            lay.run()
+            layers.append(lay), outs.append(out), wants.append(out.clone())
+        flags = torch.zeros(2 * L, dtype=torch.int32)
+        relay = k.relay(flags, spin_us=50)
+        for n in (L, 1, L):
+            for out in outs:
+                out.fill_(3.0)
+            relay.arm(layers[:n], timeout_s=10.0)
+            with pytest.raises(CpuExpertError, match="already armed"):
+                relay.arm(layers[:n])
+            seen = []
+
+            def device():
+                for i in range(n):
+                    before = layers[i].result()[3]
+                    time.sleep(0.002)
+                    flags[i] = 1
+                    deadline = time.monotonic() + 10
+                    while int(flags[L + i]) == 0 and time.monotonic() < deadline:
+                        time.sleep(0.0005)
+                    seen.append(layers[i].result()[3] == before + 1 and torch.equal(outs[i], wants[i]))
+
+            t = threading.Thread(target=device)
+            t.start()
+            t.join()
+            assert relay.wait(10.0) == n and seen == [True] * n
+            for lay in layers[:n]:
+                lay.check()
+            assert all(torch.equal(out, torch.full_like(out, 3.0)) for out in outs[n:])  # not named: not run
+        relay.arm(layers, timeout_s=0.05)  # no flag ever comes
+        with pytest.raises(RelayError, match="layer 0 of a relayed step never signalled"):
+            relay.wait(10.0)
+        assert flags[L:].tolist() == [1] * L
+        relay.arm(layers, timeout_s=30.0)
+        with pytest.raises(RelayError, match="still running"):
+            relay.wait(0.01)
+        relay.cancel()
+        with pytest.raises(RelayError, match="cancelled after 0 of 3"):
+            relay.wait(10.0)
+        assert flags[L:].tolist() == [1] * L
+        with pytest.raises(CpuExpertError, match="no relayed step"):
+            relay.wait(0.0)
+        with pytest.raises(CpuExpertError, match="2 \\* layers"):
+            k.relay(torch.zeros(3, dtype=torch.int32))
+        relay.arm(layers, timeout_s=30.0)  # closed with the pool while armed
+    with pytest.raises(CpuExpertError, match="closed"):
+        relay.arm(layers)
 
 
 @pytest.mark.parametrize("idx_dtype,x_dtype", [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)])
@@ -589,3 +655,36 @@ def test_cuda_split_host_steps_fetch_beside_the_cpu(tmp_path):
     ahead = run("model", 12, lambda tokens, top_k, stages: [0] * (tokens * top_k + 1), ahead=2)
     assert ahead[1] == off[1] and ahead[6] > 0 and 0 < ahead[7] <= ahead[6] and ahead[3] == ahead[7]
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arm", ["all", "model"])
+def test_cuda_host_steps_relayed_by_flags_match_host_nodes(tmp_path, monkeypatch, arm):
+    """On CUDA a host step hands its layers to the CPU through flags and the relay thread by default
+    (stream memory operations in the graph); its logits equal, bit for bit, those of the same
+    steps with host nodes (PDFLASH_HOST_HANDOFF=node), in modes "all" and "split"."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=9)
+
+    def run(handoff):
+        monkeypatch.setenv("PDFLASH_HOST_HANDOFF", handoff)
+        with OffloadedModel.load(ckpt, device="cuda", dtype="float32", cpu_experts="auto", cpu_threads=4,
+                                 expert_cache_experts=12) as rt:
+            dec = GraphedDecoder(rt, max_len=len(PROMPT) + 40, graphs=True)
+            rt.placer.guard.pin("all", longer=True)
+            toks = [int(dec.prefill(PROMPT).argmax())]
+            rt.placer.guard.pin(arm)
+            rows = []
+            for _ in range(12):
+                rows.append(dec.decode(toks[-1]))
+                toks.append(int(rows[-1].argmax()))
+            steps = HostSteps.for_runtime(rt)
+            return torch.cat(rows).cpu(), rt.cache.stats.host_steps, steps.relay is not None
+
+    flags, node = run("flags"), run("node")
+    assert flags[2] and not node[2]
+    assert flags[1] == node[1] >= 12
+    if arm == "all":
+        assert torch.equal(flags[0], node[0])
+    else:  # the split's fetches land by the link's timing: the same tokens
+        assert torch.equal(flags[0].argmax(-1), node[0].argmax(-1))

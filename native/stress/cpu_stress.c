@@ -1,9 +1,9 @@
 /*
  * cpu_stress.c: correctness and concurrency test of pf_cpu (C11 + pthreads).
  *
- * Built with pf_cpu.c, pf_layer.c and pf_sched.c by `make cpu-stress-asan` / `make cpu-stress-tsan`
- * (or plainly: cc -std=c11 -O2 -pthread -Inative native/stress/cpu_stress.c native/pf_cpu.c
- * native/pf_layer.c native/pf_sched.c -lm -ldl).
+ * Built with pf_cpu.c, pf_layer.c, pf_relay.c and pf_sched.c by `make cpu-stress-asan` /
+ * `make cpu-stress-tsan` (or plainly: cc -std=c11 -O2 -pthread -Inative native/stress/cpu_stress.c
+ * native/pf_cpu.c native/pf_layer.c native/pf_relay.c native/pf_sched.c -lm -ldl).
  *
  *   cpu_stress [--quick] [--seed N]
  *
@@ -34,12 +34,19 @@
  *             claims and cancels add up to what was sent, staged experts hold their bytes,
  *             the other rows are the reference's; destroying a chain with prefetches still
  *             made leaves nothing live in the scheduler.
+ *   relay     pf_relay (pf_relay.h): a thread standing in for the device writes each layer's down
+ *             flag after a random delay and waits for its up flag; when it comes, the layer has
+ *             run once more and its output is what a direct run gave. Spinning and sleeping waits
+ *             both; bad arguments refused, a second arm refused while one is armed; a step whose
+ *             down flags never come ends by its timeout, a cancelled one at once, each with every
+ *             up flag set; a relay destroyed while armed returns.
  *
  * Exit 0 only if every check held; the last line is "cpu_stress: N passed, M failed".
  */
 #define _GNU_SOURCE
 #include "pf_cpu.h"
 #include "pf_layer.h"
+#include "pf_relay.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -881,6 +888,148 @@ static void phase_layer(int quick, uint64_t seed) {
     pf_cpu_destroy(c);
 }
 
+/* ---- relay --------------------------------------------------------------------------- */
+enum { RL = 4, RE = 3, RH = 64, RR = 2, RK = 2 };
+
+struct fake_device { /* stands in for a graph: down flag, then wait for the up flag, per layer */
+    _Atomic uint32_t *flags;
+    pf_layer **ctx;
+    float **out, **want;
+    uint64_t seed;
+    int n, good;
+};
+
+static void sleep_us(unsigned us) {
+    struct timespec ts = {0, (long)us * 1000};
+    nanosleep(&ts, NULL);
+}
+
+static void *fake_device_main(void *p) {
+    struct fake_device *d = p;
+    uint64_t rng = d->seed;
+    d->good = 1;
+    for (int i = 0; i < d->n; i++) {
+        uint64_t before = 0;
+        pf_layer_result(d->ctx[i], NULL, NULL, NULL, &before);
+        sleep_us((unsigned)(rng_next(&rng) % 300));
+        atomic_store_explicit(&d->flags[i], 1u, memory_order_release);
+        int waited = 0;
+        while (!atomic_load_explicit(&d->flags[RL + i], memory_order_acquire)) {
+            if (++waited > 2000000) { /* 10 s */
+                d->good = 0;
+                return NULL;
+            }
+            sleep_us(5);
+        }
+        uint64_t after = 0;
+        pf_layer_result(d->ctx[i], NULL, NULL, NULL, &after);
+        d->good &= after == before + 1;
+        for (int j = 0; j < RR * RK * RH; j++) d->good &= d->out[i][j] == d->want[i][j];
+    }
+    return NULL;
+}
+
+static void phase_relay(int quick, uint64_t seed) {
+    uint64_t rng = seed * 977 + 5;
+    pf_cpu *c;
+    if (pf_cpu_create(2, PF_CPU_LEVEL_AUTO, &c) != PF_CPU_OK) {
+        count(0, "relay: create the kernel context");
+        return;
+    }
+    expert ex[RE];
+    const pf_cpu_weights *w[RE];
+    for (int e = 0; e < RE; e++) {
+        expert_make(&ex[e], &rng, PF_CPU_MXFP4, RH, 32, PF_CPU_BF16, 1);
+        w[e] = &ex[e].w;
+    }
+    int64_t idx[RL][RR * RK];
+    float scale[RL][RR * RK], x[RL][RR * RH], *out[RL], *want[RL];
+    pf_layer *ctx[RL];
+    int made = 1;
+    for (int l = 0; l < RL; l++) {
+        out[l] = malloc(sizeof(float) * RR * RK * RH);
+        want[l] = malloc(sizeof(float) * RR * RK * RH);
+        for (int p = 0; p < RR * RK; p++) idx[l][p] = (int64_t)(rng_next(&rng) % RE), scale[l][p] = rng_unit(&rng);
+        for (int j = 0; j < RR * RH; j++) x[l][j] = rng_unit(&rng);
+        pf_layer_desc d = {.cpu = c, .experts = w, .num_experts = RE, .top_k = RK, .rows = RR, .hidden = RH,
+                           .idx_bytes = 8, .idx = idx[l], .scale = scale[l], .x = x[l], .x_format = PF_CPU_F32,
+                           .out = out[l]};
+        made &= pf_layer_create(&d, &ctx[l]) == PF_CPU_OK;
+        made &= made && pf_layer_run(ctx[l]) == PF_CPU_OK; /* the direct run: the reference */
+        if (made) memcpy(want[l], out[l], sizeof(float) * RR * RK * RH);
+    }
+    CHECK(made);
+    static uint32_t flags[2 * RL];
+    _Atomic uint32_t *af = (_Atomic uint32_t *)flags;
+    pf_relay *r = NULL;
+    int st = 0, answered = -1;
+    CHECK(pf_relay_create(NULL, RL, 0, &r) == PF_CPU_EINVAL && r == NULL);
+    CHECK(pf_relay_create(flags, 0, 0, &r) == PF_CPU_EINVAL);
+    CHECK(pf_relay_create(flags, RL, 1000001, &r) == PF_CPU_EINVAL);
+    CHECK(pf_relay_create(flags, RL, 0, NULL) == PF_CPU_EINVAL);
+    pf_relay_destroy(NULL);
+    int good = 0, steps = quick ? 12 : 60;
+    for (int k = 0; k < steps && made; k++) { /* spin_us 0 (sleeping waits), 30, 2000 (spinning) */
+        unsigned spin = k % 3 == 0 ? 0 : k % 3 == 1 ? 30 : 2000;
+        if (k % 6 < 3 && pf_relay_create(flags, RL, spin, &r) != PF_CPU_OK) break;
+        int n = 1 + (int)(rng_next(&rng) % RL);
+        for (int l = 0; l < RL; l++)
+            for (int j = 0; j < RR * RK * RH; j++) out[l][j] = 3.0f;
+        flags[RL] = 7u; /* stale: the arm zeroes every flag */
+        int ok = pf_relay_arm(r, ctx, n, 10.0) == PF_CPU_OK;
+        ok &= pf_relay_arm(r, ctx, n, 10.0) == PF_RELAY_EBUSY;
+        struct fake_device dev = {.flags = af, .ctx = ctx, .out = out, .want = want, .seed = rng_next(&rng), .n = n};
+        pthread_t t;
+        pthread_create(&t, NULL, fake_device_main, &dev);
+        pthread_join(t, NULL);
+        ok &= pf_relay_wait(r, 10.0, &st, &answered) == PF_CPU_OK && st == PF_CPU_OK && answered == n && dev.good;
+        for (int l = n; l < RL; l++) /* layers the step did not name: not run, flags untouched */
+            for (int j = 0; j < RR * RK * RH; j++) ok &= out[l][j] == 3.0f;
+        ok &= pf_relay_wait(r, 0.0, &st, &answered) == PF_CPU_EINVAL; /* collected already */
+        good += ok;
+        if (k % 6 == 5) pf_relay_destroy(r), r = NULL;
+    }
+    char msg[96];
+    snprintf(msg, sizeof msg, "relay: %d/%d steps answered layer by layer, outputs the direct runs'", good, steps);
+    count(good == steps, msg);
+    if (r == NULL) CHECK(pf_relay_create(flags, RL, 100, &r) == PF_CPU_OK);
+    if (r) {
+        pf_layer *none[RL] = {ctx[0], NULL, ctx[2], ctx[3]};
+        CHECK(pf_relay_arm(r, ctx, 0, 1.0) == PF_CPU_EINVAL && pf_relay_arm(r, ctx, RL + 1, 1.0) == PF_CPU_EINVAL);
+        CHECK(pf_relay_arm(r, none, RL, 1.0) == PF_CPU_EINVAL && pf_relay_arm(r, ctx, RL, 0.0) == PF_CPU_EINVAL);
+        CHECK(pf_relay_wait(r, 0.0, &st, &answered) == PF_CPU_EINVAL); /* nothing armed */
+        /* no down flag ever comes: the step ends by its timeout, every up flag set */
+        CHECK(pf_relay_arm(r, ctx, RL, 0.02) == PF_CPU_OK);
+        CHECK(pf_relay_wait(r, 10.0, &st, &answered) == PF_CPU_OK && st == PF_RELAY_ETIMEDOUT && answered == 0);
+        int up = 1;
+        for (int l = 0; l < RL; l++) up &= atomic_load(&af[RL + l]) == 1u;
+        CHECK(up);
+        /* the first layer's flag only: one layer answered, then the timeout */
+        CHECK(pf_relay_arm(r, ctx, RL, 0.05) == PF_CPU_OK);
+        atomic_store(&af[0], 1u);
+        CHECK(pf_relay_wait(r, 10.0, &st, &answered) == PF_CPU_OK && st == PF_RELAY_ETIMEDOUT && answered == 1);
+        /* still armed past pf_relay_wait's own timeout; then cancelled: it ends at once */
+        CHECK(pf_relay_arm(r, ctx, RL, 30.0) == PF_CPU_OK);
+        CHECK(pf_relay_wait(r, 0.01, &st, &answered) == PF_RELAY_ETIMEDOUT);
+        CHECK(pf_relay_cancel(r) == PF_CPU_OK && pf_relay_cancel(NULL) == PF_CPU_EINVAL);
+        CHECK(pf_relay_wait(r, 10.0, &st, &answered) == PF_CPU_OK && st == PF_RELAY_ECANCELED && answered == 0);
+        up = 1;
+        for (int l = 0; l < RL; l++) up &= atomic_load(&af[RL + l]) == 1u;
+        CHECK(up);
+        CHECK(pf_relay_cancel(r) == PF_CPU_OK); /* nothing armed: a no-op */
+        /* destroyed while armed: returns */
+        CHECK(pf_relay_arm(r, ctx, RL, 30.0) == PF_CPU_OK);
+        pf_relay_destroy(r);
+        count(1, "relay: destroyed while armed");
+    }
+    for (int l = 0; l < RL; l++) {
+        if (ctx[l]) pf_layer_destroy(ctx[l]);
+        free(out[l]), free(want[l]);
+    }
+    for (int e = 0; e < RE; e++) expert_free(&ex[e]);
+    pf_cpu_destroy(c);
+}
+
 int main(int argc, char **argv) {
     int quick = 0;
     uint64_t seed = 1;
@@ -907,5 +1056,7 @@ int main(int argc, char **argv) {
     phase_shared(quick, seed);
     printf("shared: %d passed, %d failed\n", passed, failed);
     phase_layer(quick, seed);
+    printf("layer: %d passed, %d failed\n", passed, failed);
+    phase_relay(quick, seed);
     return report("cpu_stress");
 }
