@@ -36,6 +36,7 @@ def test_check_hybrid_breakdown_and_profile_then_restores_the_code(tmp_path):
     res = json.loads(out.read_text())
     off, all_ = res["runs"]
     assert all_["identical_to_first_mode"]  # float32: every expert on the CPU gives fetch-only's tokens
+    assert off["host_handoff"] is None and all_["host_handoff"] is None  # no host steps without CUDA graphs
     n_layers = ModelPreset.from_name("tiny").num_hidden_layers
     bd = all_["layer_breakdown_us"]
     assert bd["layers"] == off["layer_breakdown_us"]["layers"] == 4 * n_layers  # 4 one-token forwards after the prefill
