@@ -20,6 +20,8 @@
 #            against stream memory operations (LIMIT_HANDOFF, default 120 s)
 #
 # TOKENS_HYBRID (default 48) tokens per run; LIMIT_<STAGE> (seconds) overrides a stage's limit.
+# PACK=1: at the end, every stage's folder goes into one archive, $OUT/stages.tgz (the device tool
+# brings back at most 8 files from $OUT; the check stage alone writes more).
 # A CPU check of the script: DEVICE=cpu PRESET_20B=tiny MODES_20B=off,all TOKENS_HYBRID=4 ... 20b
 # (no CUDA graphs on the CPU).
 # Exit status: 0 when every stage finished with status 0, else 1 (each stage's status is in
@@ -87,4 +89,9 @@ for stage in "$@"; do
   echo "$stage: status $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/status.txt"
   grep -hE "tok/s|host steps \(|route-ahead|gpu check:|smoke run|passed|failed|us_per_layer|handoff_us|\"error\"" "$OUT/$stage"/*.log "$OUT/$stage"/*/*.log 2>/dev/null | tail -24
 done
+if [ "${PACK:-0}" = 1 ]; then
+  dirs=()
+  for stage in "$@"; do [ -d "$OUT/$stage" ] && dirs+=("$stage"); done
+  [ "${#dirs[@]}" -eq 0 ] || { tar -czf "$OUT/stages.tgz" -C "$OUT" "${dirs[@]}" && rm -rf "${dirs[@]/#/$OUT/}"; }
+fi
 exit "$fail"

@@ -241,6 +241,15 @@ def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
         run = json.loads((tmp_path / "out" / "threads" / f"t{n}" / "hybrid.json").read_text())["runs"][0]
         assert run["asked"] == "all" and run["cpu_threads"] == n
     assert "threads: status 0" in (tmp_path / "out" / "status.txt").read_text()
+    import tarfile
+
+    env_p = {**env_t, "THREADS": "1", "OUT": str(tmp_path / "packed")}  # PACK=1: one archive of the stage folders
+    done = subprocess.run(["bash", str(script), "threads"], env={**env_p, "PACK": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert sorted(q.name for q in (tmp_path / "packed").iterdir()) == ["stages.tgz", "status.txt"]
+    with tarfile.open(tmp_path / "packed" / "stages.tgz") as tar:
+        assert {"threads/t1/hybrid.json", "threads/t1/hybrid.log"} <= set(tar.getnames())
     import torch
 
     if not torch.cuda.is_available():  # the hand-off stage needs CUDA: its status and one-line reason
