@@ -23,7 +23,7 @@ pair of stream memory operations, captured like the rest: the device writes the 
 once the routing has landed and waits for its up flag; a relay thread (``native/pf_relay.c``),
 armed with the step's layers before the replay, runs each layer when its flag comes and sets the
 up flag. A host node's round trip through the driver's callback thread cost 40-55 us a layer on
-an H100 machine, the flags about 1 (``benchmarks/handoff_gpu.py``). ``node``: host nodes
+an H100 machine, the flags and the relay about 6 (``benchmarks/handoff_gpu.py``). ``node``: host nodes
 (``cudaLaunchHostFunc``), also where the driver has no stream memory operations. A capture's
 eager warm-up always runs its layers as host functions.
 
