@@ -103,6 +103,54 @@ def test_a_relay_runs_each_layer_when_its_down_flag_comes_and_answers_on_its_up_
         relay.arm(layers)
 
 
+def test_host_steps_replay_arms_the_relay_and_never_leaves_it_armed(monkeypatch):
+    """HostSteps.replay with a relay (a thread standing in for the device's graph): the relay is
+    armed before the launch and collected after, each layer run once; a launch that fails cancels
+    and collects the step (the next one arms again) and re-raises; a step whose flags stop coming
+    fails with RelayError once the relay's timeout passes, every up flag set."""
+    import pdflash.offload.host_graph as hg
+
+    H, E, K, R, L = 64, 2, 1, 1, 3
+    experts = [_expert(H, 32, seed=60 + e) for e in range(E)]
+    with CpuExperts(threads=1) as k:
+        structs = [w.struct(k.ffi) for w in experts]
+        cpu = [k.layer(structs, K, R, torch.tensor([i % E]), torch.ones(1), torch.randn(R, H), torch.zeros(R, H))
+               for i in range(L)]
+        flags = torch.zeros(2 * L, dtype=torch.int32)
+        steps = SimpleNamespace(relay=k.relay(flags, spin_us=0), device=torch.device("cpu"))
+        layers = [SimpleNamespace(cpu=c) for c in cpu]
+
+        class Graph:  # its replay runs the device's side: each down flag, then wait for the up flag
+            def __init__(self, upto=L, fail=False):
+                self.upto, self.fail = upto, fail
+
+            def replay(self):
+                if self.fail:
+                    raise RuntimeError("launch failed")
+
+                def device():
+                    for i in range(self.upto):
+                        flags[i] = 1
+                        while int(flags[L + i]) == 0:
+                            time.sleep(0.0005)
+
+                t = threading.Thread(target=device)
+                t.start()
+                t.join(10)
+
+        HostSteps.replay(steps, Graph(), layers)
+        assert [c.result()[3] for c in cpu] == [1, 1, 1]
+        with pytest.raises(RuntimeError, match="launch failed"):
+            HostSteps.replay(steps, Graph(fail=True), layers)
+        assert flags[L:].tolist() == [1] * L  # cancelled: every up flag answered
+        monkeypatch.setattr(hg, "RELAY_TIMEOUT_S", 0.1)
+        with pytest.raises(RelayError, match="layer 1 of a relayed step never signalled"):
+            HostSteps.replay(steps, Graph(upto=1), layers)
+        assert [c.result()[3] for c in cpu] == [2, 1, 1] and flags[L:].tolist() == [1] * L
+        HostSteps.replay(steps, Graph(), layers)  # armed again after each failure
+        assert [c.result()[3] for c in cpu] == [3, 2, 2]
+
+
 @pytest.mark.parametrize("idx_dtype,x_dtype", [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)])
 def test_a_layer_run_is_the_runners_grouped_call_bit_for_bit(idx_dtype, x_dtype):
     """pf_layer_run groups positions by expert as the runner does (experts ascending, positions
