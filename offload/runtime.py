@@ -766,8 +766,9 @@ def _eos_ids(path: Path, config: dict) -> list[int]:
 def gpu_cpu_threads(cores: int, workers: int) -> int:
     """The CPU kernel's default thread count beside a GPU: every core but one per scheduler copy
     worker and two more (the decoding thread, which waits on the device, and the thread that
-    runs host steps' layers: the relay's, or CUDA's callback thread), and never fewer than three quarters of the cores. With every
-    core in the pool the copy workers wake late after each chunk and the link's rate halves
+    runs host steps' layers: the relay's, or CUDA's callback thread), and never fewer than three
+    quarters of the cores. With every core in the pool the copy workers wake late after each
+    chunk and the link's rate halves
     (gpt-oss-20b shape, 16 cores, 2 workers: 16-18 GB/s with 16 threads, 30-32 GB/s with 12 or
     14; docs/benchmarks.md)."""
     return max(1, cores - workers - 2, cores * 3 // 4)
