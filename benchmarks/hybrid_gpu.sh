@@ -15,7 +15,8 @@
 #   threads  the 20b stage once per kernel thread count in THREADS (default 12,14,16; LIMIT_THREADS
 #            seconds each), MODES_THREADS
 #            (default auto-host,auto-model): how many cores the split's prefetches need beside the
-#            kernel's pool (each count under $OUT/threads/t<N>/)
+#            kernel's pool (each count under $OUT/threads/t<N>/); PRESET_THREADS and CACHE_THREADS
+#            (a cache fraction) run another shape, e.g. gpt-oss-120b and 0.1408 (8 GiB)
 #   handoff  handoff_gpu.py: one device -> CPU -> device hand-off in a captured graph, host node
 #            against stream memory operations (LIMIT_HANDOFF, default 120 s)
 #
@@ -72,7 +73,8 @@ for stage in "$@"; do
       threads="${THREADS:-12,14,16}"
       for n in ${threads//,/ }; do
         mkdir -p "$OUT/threads/t$n"
-        hybrid "threads/t$n" "${LIMIT_THREADS:-200}" --in-memory "${PRESET_20B:-gpt-oss-20b}" --cpu-threads "$n" \
+        hybrid "threads/t$n" "${LIMIT_THREADS:-200}" --in-memory "${PRESET_THREADS:-${PRESET_20B:-gpt-oss-20b}}" \
+          ${CACHE_THREADS:+--cache-fraction "$CACHE_THREADS"} --cpu-threads "$n" \
           --modes "${MODES_THREADS:-auto-host,auto-model}" || rc_all=1
       done
       [ "$rc_all" -eq 0 ]

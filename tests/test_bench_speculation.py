@@ -243,13 +243,16 @@ def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
     assert "threads: status 0" in (tmp_path / "out" / "status.txt").read_text()
     import tarfile
 
-    env_p = {**env_t, "THREADS": "1", "OUT": str(tmp_path / "packed")}  # PACK=1: one archive of the stage folders
+    env_p = {**env_t, "THREADS": "1", "OUT": str(tmp_path / "packed"), "PRESET_20B": "none",  # PACK=1: one archive of the
+             "PRESET_THREADS": "tiny", "CACHE_THREADS": "0.5"}  # stage folders; another shape for the thread stage
     done = subprocess.run(["bash", str(script), "threads"], env={**env_p, "PACK": "1"}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr
     assert sorted(q.name for q in (tmp_path / "packed").iterdir()) == ["stages.tgz", "status.txt"]
     with tarfile.open(tmp_path / "packed" / "stages.tgz") as tar:
         assert {"threads/t1/hybrid.json", "threads/t1/hybrid.log"} <= set(tar.getnames())
+        res = json.load(tar.extractfile("threads/t1/hybrid.json"))
+    assert res["cache_slots"] == 16  # CACHE_THREADS 0.5 of tiny's 4 layers x 8 experts
     import torch
 
     if not torch.cuda.is_available():  # the hand-off stage needs CUDA: its status and one-line reason
