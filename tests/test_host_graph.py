@@ -404,7 +404,9 @@ def test_a_host_step_is_the_experts_modules_all_path_bit_for_bit(tiny, monkeypat
                     after[2] - before[2], after[3] - before[3])
 
         want = run(False)
+        assert rt.stats()["cpu_experts"]["host_handoff"] is None  # no host step yet
         got = run(True)
+        assert rt.stats()["cpu_experts"]["host_handoff"] == "direct"  # the CPU device calls each layer
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert got[2:6] == want[2:6] and sum(want[3]) > 0
         assert want[6] == 0 and got[6] == 4
@@ -769,6 +771,7 @@ def test_cuda_host_steps_relayed_by_flags_match_host_nodes(tmp_path, monkeypatch
                 rows.append(dec.decode(toks[-1]))
                 toks.append(int(rows[-1].argmax()))
             steps = HostSteps.for_runtime(rt)
+            assert rt.stats()["cpu_experts"]["host_handoff"] == ("flags" if steps.relay is not None else "node")
             return torch.cat(rows).cpu(), rt.cache.stats.host_steps, steps.relay is not None
 
     flags, node = run("flags"), run("node")
