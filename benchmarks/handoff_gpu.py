@@ -51,8 +51,10 @@ def _tiny_layers(kernel, layers: int):
 
 
 def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) -> dict:
+    import ctypes
+
     from pdflash.native.cpu_experts import CpuExperts
-    from pdflash.offload.host_graph import RELAY_SPIN_US, _Flags, _host_buffer, _launcher
+    from pdflash.offload.host_graph import RELAY_SPIN_US, WAIT_GEQ, WRITE_DEFAULT, _Flags, _host_buffer, _launcher
 
     dev = torch.device("cuda")
     x = torch.zeros(1024, device=dev)
@@ -76,10 +78,6 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
         elif mode == "relay":
             flags.signal(i)
         elif mode in ("writes_only", "waits_preset"):
-            import ctypes
-
-            from pdflash.offload.host_graph import WAIT_GEQ, WRITE_DEFAULT
-
             stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
             rc = (flags._write(stream, flags.dev_ptr + 4 * i, 1, WRITE_DEFAULT) if mode == "writes_only"
                   else flags._wait(stream, flags.dev_ptr + 4 * (layers + i), 1, WAIT_GEQ))
