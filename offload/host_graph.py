@@ -368,7 +368,7 @@ class _RowBuffers:
         self.no_prediction = torch.full((rows * K,), -1, dtype=torch.int64, device=steps.device)
         E = steps.num_experts  # mode "split": the plan, where each layer's fetches landed, its device copy
         self.plan = steps._buffer(rows * K + 1, torch.uint8)
-        self.plan_key: tuple | None = None  # (tokens, plan period) the plan was made for (refresh_plan)
+        self.plan_key: tuple | None = None  # (tokens, plan period, inputs measured) the plan was made for (refresh_plan)
         self.ahead_most = 0  # route-ahead: prefetches each host node makes for the next layer (refresh_plan)
         self.stage_of = steps._buffer(steps.num_layers * E, torch.int32).view(steps.num_layers, E)
         self.stage_of.fill_(-1)
@@ -484,9 +484,17 @@ class HostSteps:
     def refresh_plan(self, rows: int, tokens: int) -> None:
         """Before a step of mode "split": the plan its host nodes read (``plan[M]``: experts to fetch
         of M non-resident ones, the cost model's per-layer split, ``CpuPlacement.fetch_plan``),
-        made again when the token count changed or every ``PLAN_EVERY`` steps (the rates move)."""
+        made again when the token count changed, every ``PLAN_EVERY`` steps (the rates move), and
+        as soon as an input the first plan had to assume is measured: the split steps' own gaps
+        (after the first split step) and route-ahead's precision (after ``AHEAD_SAMPLES``
+        prefetches). A guard's first window of split steps is then run on the plan its steps
+        would keep, not on the assumed one."""
+        from pdflash.offload.cpu_compute import AHEAD_SAMPLES
+
         bufs = self._bufs[rows]
-        key = (tokens, self.steps_run // PLAN_EVERY)
+        fs = self.rt.cache.stats
+        measured = (fs.host_step_mean_s("gaps", ("split",)) is not None, fs.route_ahead_sent >= AHEAD_SAMPLES)
+        key = (tokens, self.steps_run // PLAN_EVERY, measured)
         if bufs.plan_key == key:
             return
         plan, most = self.rt.placer.split_plan(tokens, self.top_k, self.stages_per_set, self.num_experts,

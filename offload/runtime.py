@@ -324,6 +324,16 @@ class OffloadedModel:
             if guard is not None:
                 self.add_forward_observer(guard.on_forward)
 
+    def _host_handoff(self) -> str | None:
+        """How host steps hand their layers to the CPU (host_graph.py): "flags" (the relay),
+        "node" (host nodes), "direct" (the CPU device: a direct call); None before any host step."""
+        steps = self.__dict__.get("_host_steps")
+        if steps is None:
+            return None
+        if steps.launch is None:
+            return "direct"
+        return "flags" if steps.relay is not None else "node"
+
     def _host_steps_likely(self) -> bool:
         """Whether a graphed decoder will run the guard's host arm as host steps (mode "host":
         CUDA, the fused MXFP4 kernel, host steps not turned off by PDFLASH_HOST_STEPS=0)."""
@@ -602,6 +612,7 @@ class OffloadedModel:
                 "computed": fs.cpu,
                 "seconds": fs.cpu_seconds if ran else None,
                 "host_steps": fs.host_steps,
+                "host_handoff": self._host_handoff(),
                 "host_timeline_ms": fs.host_timeline_ms(),
                 # split host steps: the next layer's predicted experts prefetched at band 1 into its stages
                 "route_ahead": {"sent": fs.route_ahead_sent, "used": fs.route_ahead_used,

@@ -404,7 +404,9 @@ def test_a_host_step_is_the_experts_modules_all_path_bit_for_bit(tiny, monkeypat
                     after[2] - before[2], after[3] - before[3])
 
         want = run(False)
+        assert rt.stats()["cpu_experts"]["host_handoff"] is None  # no host step yet
         got = run(True)
+        assert rt.stats()["cpu_experts"]["host_handoff"] == "direct"  # the CPU device calls each layer
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert got[2:6] == want[2:6] and sum(want[3]) > 0
         assert want[6] == 0 and got[6] == 4
@@ -574,6 +576,48 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
         assert len(plan) == 3 and plan[0] == 0 and all(0 <= n <= m for m, n in enumerate(plan))
 
 
+def test_the_split_plan_is_made_again_once_its_assumed_inputs_are_measured():
+    """HostSteps.refresh_plan: the plan of a token count is made once per PLAN_EVERY steps, and
+    again as soon as the split steps' own gaps exist (after the first split step) and once
+    route-ahead has sent AHEAD_SAMPLES prefetches (its precision replaces the prior)."""
+    from pdflash.offload import host_graph as hg
+    from pdflash.offload.cpu_compute import AHEAD_SAMPLES
+    from pdflash.offload.stats import FetchStats
+
+    stats = FetchStats(num_layers=2)
+    calls = []
+
+    def split_plan(tokens, top_k, stages, experts, gap, ahead):
+        calls.append(gap)
+        return [0, 1, 1], 0
+
+    steps = object.__new__(HostSteps)
+    steps.rt = SimpleNamespace(cache=SimpleNamespace(stats=stats), placer=SimpleNamespace(split_plan=split_plan))
+    steps.top_k, steps.num_experts, steps.num_layers, steps.route_ahead = 1, 4, 2, True
+    steps._layers, steps.steps_run = {}, 0
+    bufs = SimpleNamespace(plan=torch.zeros(3, dtype=torch.uint8), plan_key=None, ahead_most=0)
+    steps._bufs = {1: bufs}
+    split = {"step": 0.01, "head": 0.0, "node": 0.006, "kernel": 0.005, "fetch_wait": 0.0, "gaps": 0.002, "tail": 0.002}
+    steps.refresh_plan(1, 1)
+    steps.refresh_plan(1, 1)
+    assert len(calls) == 1 and calls[0] is None and bufs.plan.tolist() == [0, 1, 1]
+    stats.add_host_step("host", {**split, "gaps": 0.004})  # another mode's gaps: no new plan
+    steps.refresh_plan(1, 1)
+    assert len(calls) == 1
+    stats.add_host_step("split", split)  # the first split step measured its gaps
+    steps.refresh_plan(1, 1)
+    steps.refresh_plan(1, 1)
+    assert calls[1:] == [pytest.approx(0.002)]
+    stats.route_ahead_sent = AHEAD_SAMPLES  # route-ahead's own precision from now on
+    steps.refresh_plan(1, 1)
+    steps.refresh_plan(1, 1)
+    assert len(calls) == 3
+    steps.steps_run = hg.PLAN_EVERY  # the next period
+    steps.refresh_plan(1, 1)
+    steps.refresh_plan(1, 2)  # another token count
+    assert len(calls) == 5
+
+
 def test_a_step_timeline_places_each_host_node_between_launch_and_end():
     """head (launch to the first node) + time inside the nodes + the gaps between them + tail
     (last node to the end) is the step; the kernel calls and the fetch waits are parts of the nodes."""
@@ -727,6 +771,7 @@ def test_cuda_host_steps_relayed_by_flags_match_host_nodes(tmp_path, monkeypatch
                 rows.append(dec.decode(toks[-1]))
                 toks.append(int(rows[-1].argmax()))
             steps = HostSteps.for_runtime(rt)
+            assert rt.stats()["cpu_experts"]["host_handoff"] == ("flags" if steps.relay is not None else "node")
             return torch.cat(rows).cpu(), rt.cache.stats.host_steps, steps.relay is not None
 
     flags, node = run("flags"), run("node")
