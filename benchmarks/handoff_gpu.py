@@ -51,10 +51,8 @@ def _tiny_layers(kernel, layers: int):
 
 
 def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) -> dict:
-    import ctypes
-
     from pdflash.native.cpu_experts import CpuExperts
-    from pdflash.offload.host_graph import RELAY_SPIN_US, WAIT_GEQ, WRITE_DEFAULT, _Flags, _host_buffer, _launcher
+    from pdflash.offload.host_graph import RELAY_SPIN_US, _Flags, _host_buffer, _launcher
 
     dev = torch.device("cuda")
     x = torch.zeros(1024, device=dev)
@@ -78,11 +76,7 @@ def measure(torch, layers: int, replays: int, down_bytes: int, up_bytes: int) ->
         elif mode == "relay":
             flags.signal(i)
         elif mode in ("writes_only", "waits_preset"):
-            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-            rc = (flags._write(stream, flags.dev_ptr + 4 * i, 1, WRITE_DEFAULT) if mode == "writes_only"
-                  else flags._wait(stream, flags.dev_ptr + 4 * (layers + i), 1, WAIT_GEQ))
-            if rc:
-                raise RuntimeError(f"stream memory operation failed (CUDA driver error {rc})")
+            (flags.write if mode == "writes_only" else flags.wait)(i)
         up_dev.copy_(up_host, non_blocking=True)
 
     def capture(mode: str):

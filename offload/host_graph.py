@@ -163,9 +163,8 @@ class _Flags:
             return None
         cudart = ctypes.CDLL(path)
         host = torch.zeros(2 * layers, dtype=torch.int32)
-        size = host.numel() * host.element_size()
-        if cudart.cudaHostRegister(ctypes.c_void_p(host.data_ptr()), ctypes.c_size_t(size), ctypes.c_uint(3)) != 0:
-            return None  # 3: portable and mapped
+        if not host_register(host, mapped=True):
+            return None
         dev = ctypes.c_void_p()
         flags = None
         if cudart.cudaHostGetDevicePointer(ctypes.byref(dev), ctypes.c_void_p(host.data_ptr()), ctypes.c_uint(0)) == 0:
@@ -173,7 +172,7 @@ class _Flags:
             if not flags.dev_ptr or not flags._probe():
                 flags = None
         if flags is None:
-            cudart.cudaHostUnregister(ctypes.c_void_p(host.data_ptr()))
+            host_unregister(host)
         return flags
 
     def _probe(self) -> bool:
@@ -194,14 +193,27 @@ class _Flags:
         its up flag."""
         if check_capture and not torch.cuda.is_current_stream_capturing():
             raise PdflashError("relay flags are queued only inside a capture (its replays are armed)")
-        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
-        rc = self._write(stream, self.dev_ptr + 4 * layer, 1, WRITE_DEFAULT)
-        rc = rc or self._wait(stream, self.dev_ptr + 4 * (self.layers + layer), 1, WAIT_GEQ)
+        self.write(layer)
+        self.wait(layer)
+
+    def write(self, layer: int) -> None:
+        """Queue the write of layer ``layer``'s down flag (1) on the current stream."""
+        self._check(self._write(self._stream(), self.dev_ptr + 4 * layer, 1, WRITE_DEFAULT))
+
+    def wait(self, layer: int) -> None:
+        """Queue a wait for layer ``layer``'s up flag (>= 1) on the current stream."""
+        self._check(self._wait(self._stream(), self.dev_ptr + 4 * (self.layers + layer), 1, WAIT_GEQ))
+
+    def _stream(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+
+    @staticmethod
+    def _check(rc: int) -> None:
         if rc:
             raise PdflashError(f"a stream memory operation failed (CUDA driver error {rc})")
 
     def close(self) -> None:
-        torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+        host_unregister(self.host)
 
 
 def _host_buffer(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, bool]:

@@ -167,11 +167,12 @@ def host_unregister(buf: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
-def host_register(buf: torch.Tensor) -> bool:
-    """Page-lock ``buf`` in place (cudaHostRegister, portable); False if that is not possible."""
+def host_register(buf: torch.Tensor, mapped: bool = False) -> bool:
+    """Page-lock ``buf`` in place (cudaHostRegister, portable; also mapped into the device's
+    address space where ``mapped``); False if that is not possible."""
     try:
         cudart = torch.cuda.cudart()
-        rc = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 1))
+        rc = int(cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 3 if mapped else 1))
     except (AttributeError, RuntimeError):
         return False
     return rc == 0
