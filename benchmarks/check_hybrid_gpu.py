@@ -102,7 +102,7 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
         handoff = None if steps is None else "flags" if steps.relay is not None else "node"
         return {"dtype": dtype, "prewake_us": getattr(rt.cpu, "prewake_us", None) if mode != "off" else None,
                 "host_steps_enabled": not segmented, "host_steps": st["cpu_experts"].get("host_steps"),
-                "host_handoff": handoff,
+                "host_handoff": handoff, "fused_attention": _fused_attention(rt),
                 "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": asked, "cuda_graphs": graphs,
                 "link_gbps": args.link_gbps, "link_emulated": st.get("link_emulated", False),
                 "cpu_threads": st["cpu_experts"].get("threads"), "scheduler_workers": rt.scheduler.workers,
@@ -127,6 +127,13 @@ def _env(name: str, on: bool):
             del os.environ[name]
         else:
             os.environ[name] = old
+
+
+def _fused_attention(rt) -> bool:
+    """Whether the graphs run the fused gpt-oss layer (offload/attn_triton.py)."""
+    from pdflash.offload import attn_triton
+
+    return rt.family.model_type == "gpt_oss" and attn_triton.available(rt.device)
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,8 @@ A variant is ``MODE[:OPTION...]``: MODE one of check_hybrid_gpu.py's modes, OPTI
 ``tN`` (``--cpu-threads N``), ``wN`` (``--workers N``), ``cX`` (``--chunk-mib X``),
 ``zero`` (split steps whose plan fetches nothing and no route-ahead: the split's own structure
 with an idle link; use with mode auto-model-noahead or auto-model), ``nofill`` (no background
-fills of the CPU's hot experts). Each variant's JSON is OUTDIR/<variant, ':' as '_'>.json; one
+fills of the CPU's hot experts), ``libattn`` (the library's attention modules in the graphs instead
+of the fused layer, offload/attn_triton.py: PDFLASH_FUSED_ATTENTION=0). Each variant's JSON is OUTDIR/<variant, ':' as '_'>.json; one
 line per variant goes to stderr with its link rate and the cost model's CPU rate. Exit status 0,
 2 for a malformed variant.
 """
@@ -18,6 +19,7 @@ line per variant goes to stderr with its link rate and the cost model's CPU rate
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,13 +29,15 @@ import check_hybrid_gpu as chk  # noqa: E402 (imports pdflash from this checkout
 from pdflash.offload.cpu_compute import CpuPlacement  # noqa: E402
 
 
-def parse(variant: str) -> tuple[str, list[str], bool, bool]:
-    """``MODE:OPTION...`` -> (mode, extra check_hybrid_gpu.py args, zero, nofill)."""
+def parse(variant: str) -> tuple[str, list[str], bool, bool, bool]:
+    """``MODE:OPTION...`` -> (mode, extra check_hybrid_gpu.py args, zero, nofill, libattn)."""
     mode, *opts = variant.split(":")
-    extra, zero, nofill = [], False, False
+    extra, zero, nofill, libattn = [], False, False, False
     for o in opts:
         try:
-            if o == "zero":
+            if o == "libattn":
+                libattn = True
+            elif o == "zero":
                 zero = True
             elif o == "nofill":
                 nofill = True
@@ -46,8 +50,15 @@ def parse(variant: str) -> tuple[str, list[str], bool, bool]:
             else:
                 raise ValueError
         except ValueError:
-            raise SystemExit(f"Error: variant {variant!r}: unknown option {o!r} (use tN, wN, cX, zero, nofill)") from None
-    return mode, extra, zero, nofill
+            raise SystemExit(f"Error: variant {variant!r}: unknown option {o!r} (use tN, wN, cX, zero, nofill, libattn)") from None
+    return mode, extra, zero, nofill, libattn
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,13 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
     plan0, note0 = CpuPlacement.split_plan, CpuPlacement.note_host
+    attn0 = os.environ.get("PDFLASH_FUSED_ATTENTION")
 
     def zero_plan(self, *a, **k):
         plan, _ = plan0(self, *a, **k)
         return [0] * len(plan), 0
 
     try:
-        for mode, extra, zero, nofill, name in variants:
+        for mode, extra, zero, nofill, libattn, name in variants:
+            _set_env("PDFLASH_FUSED_ATTENTION", "0" if libattn else attn0)
             CpuPlacement.split_plan = zero_plan if zero else plan0
             CpuPlacement.note_host = (lambda self, *a, **k: None) if nofill else note0
             path = out / f"{name.replace(':', '_')}.json"
@@ -85,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'-' if cpu is None else f'{cpu:.3f} ms'} an expert (cost model)", file=sys.stderr)
     finally:
         CpuPlacement.split_plan, CpuPlacement.note_host = plan0, note0
+        _set_env("PDFLASH_FUSED_ATTENTION", attn0)
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pdflash import PdflashError
+from pdflash.offload import attn_triton
 from pdflash.offload.family import FLOAT_DTYPES, ExpertSource, ModelFamily, TensorSpec
 from pdflash.offload.host_store import ExpertLayout
 from pdflash.offload.mxfp4 import dequantize, dequantize_rows
@@ -292,6 +293,18 @@ class GptOssFamily(ModelFamily):
 
     def router(self, layer: nn.Module) -> nn.Module:
         return layer.mlp.router
+
+    def pre_experts(self, layer: nn.Module, x: torch.Tensor, position_embeddings, mask, cache, cache_kw: str):
+        """The library's modules (ModelFamily.pre_experts), or for a short step over the graphed
+        decoder's static cache the same maths in fused kernels (attn_triton.py)."""
+        if not attn_triton.supports(layer, x, position_embeddings, mask, cache):
+            return super().pre_experts(layer, x, position_embeddings, mask, cache, cache_kw)
+        a = attn_triton.rms_norm(layer.input_layernorm, x)
+        a = attn_triton.attention(layer.self_attn, a, position_embeddings, mask, cache)
+        x, m = attn_triton.rms_norm(layer.post_attention_layernorm, x, add=a)
+        flat = m.reshape(-1, m.shape[-1])
+        scores, indices = self.route(layer, flat)
+        return x, flat, scores, indices
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
         """gpt-oss routes to the top-k router logits (softmax over the k afterwards)."""

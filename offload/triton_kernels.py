@@ -156,3 +156,98 @@ def dense_down(h_ptr, rw_ptr, work_ptr, n_work, w_ptr, w_slot, s_ptr, s_slot, ou
     y = _round(_dense_rows_dot(wb, sb, j, jm, h_ptr + p * NCOL, NCOL, BLK, BN, BC, FP8, BF16), BF16)
     wt = tl.load(rw_ptr + p).to(tl.float32)
     tl.store(out_ptr + p * H + j, _round(y * wt, OUT_BF16).to(out_ptr.dtype.element_ty), mask=jm)
+
+
+# -- decode attention (gpt-oss; see attn_triton.py for what they compute) -----------------------
+
+@triton.jit
+def rms_norm(x_ptr, a_ptr, xo_ptr, w_ptr, y_ptr, H, eps,
+             ADD: tl.constexpr, BH: tl.constexpr, BF16: tl.constexpr):
+    """One row: (ADD: x = x + a, rounded and stored to xo) y = w * (x * rsqrt(mean(x^2) + eps))."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BH)
+    cm = c < H
+    x = tl.load(x_ptr + r * H + c, mask=cm, other=0.0).to(tl.float32)
+    if ADD:
+        x = _round(x + tl.load(a_ptr + r * H + c, mask=cm, other=0.0).to(tl.float32), BF16)
+        tl.store(xo_ptr + r * H + c, x.to(xo_ptr.dtype.element_ty), mask=cm)
+    var = tl.sum(x * x, axis=0) / H
+    h = x * tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + r * H + c, _round(w * h, BF16).to(y_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def rope_kv(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kc_ptr, vc_ptr, NQ, NKV, cache_len,
+            HALF: tl.constexpr, BF16: tl.constexpr):
+    """Program (t, head): rotate row t's query head (heads < NQ, into qo) or key head (into the
+    key cache at position pos[t], with the value head into the value cache)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + t * HALF + d).to(tl.float32)
+    sin = tl.load(sin_ptr + t * HALF + d).to(tl.float32)
+    if h < NQ:
+        src = q_ptr + (t * NQ + h) * 2 * HALF
+        dst = qo_ptr + (t * NQ + h) * 2 * HALF
+    else:
+        j = h - NQ
+        src = k_ptr + (t * NKV + j) * 2 * HALF
+        p = tl.load(pos_ptr + t)
+        dst = kc_ptr + (j * cache_len + p) * 2 * HALF
+        vsrc = v_ptr + (t * NKV + j) * 2 * HALF
+        vdst = vc_ptr + (j * cache_len + p) * 2 * HALF
+        tl.store(vdst + d, tl.load(vsrc + d))
+        tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d))
+    a = tl.load(src + d).to(tl.float32)
+    b = tl.load(src + HALF + d).to(tl.float32)
+    first = _round(_round(a * cos, BF16) - _round(b * sin, BF16), BF16)
+    second = _round(_round(b * cos, BF16) + _round(a * sin, BF16), BF16)
+    tl.store(dst + d, first.to(dst.dtype.element_ty))
+    tl.store(dst + HALF + d, second.to(dst.dtype.element_ty))
+
+
+@triton.jit
+def _attn_scores(q, kc_base, mask_row, n0, n_keys, scaling, D: tl.constexpr, BN: tl.constexpr, BF16: tl.constexpr):
+    """[BN] scores of keys n0 .. n0 + BN - 1 against q [D], as the eager path rounds them
+    (q.k, times scaling, plus the additive mask); -inf past n_keys."""
+    n = n0 + tl.arange(0, BN)
+    nm = n < n_keys
+    d = tl.arange(0, D)
+    k = tl.load(kc_base + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
+    s = _round(tl.sum(k * q[None, :], axis=1), BF16)
+    s = _round(s * scaling, BF16)
+    s = _round(s + tl.load(mask_row + n, mask=nm, other=0.0).to(tl.float32), BF16)
+    return tl.where(nm, s, float("-inf")), n, nm
+
+
+@triton.jit
+def attn_decode(q_ptr, kc_ptr, vc_ptr, mask_ptr, sinks_ptr, out_ptr, n_keys, mask_stride, cache_len, scaling, NQ, GROUP,
+                D: tl.constexpr, BN: tl.constexpr, BF16: tl.constexpr):
+    """Program (t, head): softmax over [scores of the keys, the head's sink] (the sink's share
+    dropped), times the values -> out[t, head]. Three passes over the keys (max, sum, output)
+    so that each probability is rounded where the eager path rounds it."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (t * NQ + h) * D + d).to(tl.float32)
+    kv = (h // GROUP).to(tl.int64)
+    kc = kc_ptr + kv * cache_len * D
+    vc = vc_ptr + kv * cache_len * D
+    mrow = mask_ptr + t * mask_stride
+    sink = tl.load(sinks_ptr + h).to(tl.float32)
+    m = sink
+    for n0 in range(0, n_keys, BN):
+        s, n, nm = _attn_scores(q, kc, mrow, n0, n_keys, scaling, D, BN, BF16)
+        m = tl.maximum(m, tl.max(s, axis=0))
+    total = tl.exp(_round(sink - m, BF16))
+    for n0 in range(0, n_keys, BN):
+        s, n, nm = _attn_scores(q, kc, mrow, n0, n_keys, scaling, D, BN, BF16)
+        total += tl.sum(tl.where(nm, tl.exp(_round(s - m, BF16)), 0.0), axis=0)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for n0 in range(0, n_keys, BN):
+        s, n, nm = _attn_scores(q, kc, mrow, n0, n_keys, scaling, D, BN, BF16)
+        p = _round(tl.where(nm, tl.exp(_round(s - m, BF16)) / total, 0.0), BF16)
+        v = tl.load(vc + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(p[:, None] * v, axis=0)
+    tl.store(out_ptr + (t * NQ + h) * D + d, _round(acc, BF16).to(out_ptr.dtype.element_ty))

@@ -152,21 +152,27 @@ def test_probe_graph_wait_refuses_bad_input_and_a_machine_without_cuda(capsys):
 
 def test_hybrid_variants_runs_each_variant_then_restores_the_code(tmp_path, capsys):
     """benchmarks/hybrid_variants.py: one check_hybrid_gpu.py run per variant with its knobs
-    (threads, workers, chunks, a plan fetching nothing, no background fills), each JSON written,
-    the patched methods restored after; a malformed variant is refused with status 2."""
+    (threads, workers, chunks, a plan fetching nothing, no background fills, the library's
+    attention), each JSON written, the patched methods and the environment restored after; a
+    malformed variant is refused with status 2."""
+    import os
+
     from pdflash.offload.cpu_compute import CpuPlacement
     from pdflash.offload.runtime import OffloadedModel
 
     before = (CpuPlacement.split_plan, CpuPlacement.note_host, OffloadedModel.__dict__["load"])  # load: never patched
     mod = _load("hybrid_variants")
-    rc = mod.main(["auto-model:t1:w3:c2:zero:nofill,off:w1", str(tmp_path), "--in-memory", "tiny", "--device", "cpu",
+    assert "PDFLASH_FUSED_ATTENTION" not in os.environ
+    rc = mod.main(["auto-model:t1:w3:c2:zero:nofill:libattn,off:w1", str(tmp_path), "--in-memory", "tiny", "--device", "cpu",
                    "--dtypes", "float32", "--tokens", "3"])
     assert rc == 0
     assert (CpuPlacement.split_plan, CpuPlacement.note_host, OffloadedModel.__dict__["load"]) == before
-    model = json.loads((tmp_path / "auto-model_t1_w3_c2_zero_nofill.json").read_text())["runs"][0]
+    assert "PDFLASH_FUSED_ATTENTION" not in os.environ
+    model = json.loads((tmp_path / "auto-model_t1_w3_c2_zero_nofill_libattn.json").read_text())["runs"][0]
     off = json.loads((tmp_path / "off_w1.json").read_text())["runs"][0]
     assert model["cpu_threads"] == 1 and model["asked"] == "auto-model" and off["asked"] == "off"
     assert model["scheduler_workers"] == 3 and off["scheduler_workers"] == 1
+    assert model["fused_attention"] is False  # the CPU: the fused layer runs only on CUDA (or the interpreter, asked)
     assert model["token_ids"] == off["token_ids"]  # float32: the model arm keeps fetch-only's tokens
     err = capsys.readouterr().err
     assert "== off:w1" in err and "GB/s" in err
