@@ -16,15 +16,22 @@ from pdflash.offload.runtime import OffloadedModel  # noqa: E402
 from pdflash.offload.synthetic import write_checkpoint  # noqa: E402
 
 TINY = ModelPreset.from_name("tiny")
-PROMPT = [5, 77, 200, 31, 9, 100, 250, 17, 3, 44, 81, 90]  # longer than the sliding window (8)
+PROMPT = [5, 77, 200, 31, 9, 100, 250, 17, 3, 44, 81, 90, 12, 60, 8, 140, 33, 2]  # past the window (8), and a
+# prefill longer than a verify block (attn_triton.MAX_TOKENS): the library's modules run it
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def ckpt(request, tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("fattn") / "m", TINY, seed=21, dtype=request.param)
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fattn")
+    return {dt: write_checkpoint(root / dt, TINY, seed=21, dtype=dt) for dt in ("float32", "bfloat16")}
 
 
-def _run(rt, monkeypatch, fused: bool, rows=None, blocks=(1, 1, 3, 1, 2, 1)):
+@pytest.fixture(params=["float32", "bfloat16"])
+def ckpt(request, ckpts):
+    return ckpts[request.param]
+
+
+def _run(rt, monkeypatch, fused: bool, rows=None, blocks=(1, 3, 2)):
     """Prefill, then steps of the given lengths (greedy continuation fed back as the block's
     tokens): every step's logits, the tokens, the KV cache, and how many fused layers ran."""
     monkeypatch.setenv("PDFLASH_FUSED_ATTENTION", "1" if fused else "0")
@@ -42,12 +49,13 @@ def _run(rt, monkeypatch, fused: bool, rows=None, blocks=(1, 1, 3, 1, 2, 1)):
     return outs, toks, dec.kv, len(calls)
 
 
-@pytest.mark.parametrize("rows", [None, 4], ids=["rows-free", "fixed-rows"])
-def test_fused_layer_matches_the_library_modules(ckpt, monkeypatch, rows):
-    with OffloadedModel.load(ckpt) as rt:
+@pytest.mark.parametrize("dtype,rows", [("float32", None), ("bfloat16", None), ("bfloat16", 4)],
+                         ids=["f32", "bf16", "bf16-fixed-rows"])
+def test_fused_layer_matches_the_library_modules(ckpts, monkeypatch, dtype, rows):
+    with OffloadedModel.load(ckpts[dtype]) as rt:
         want, want_toks, want_kv, n0 = _run(rt, monkeypatch, fused=False, rows=rows)
         got, got_toks, got_kv, n1 = _run(rt, monkeypatch, fused=True, rows=rows)
-    assert n0 == 0 and n1 == 7 * TINY.num_hidden_layers  # every layer of every step ran fused (a 12-token prefill too)
+    assert n0 == 0 and n1 == 3 * TINY.num_hidden_layers  # every layer of every step ran fused; the prefill did not
     assert got_toks == want_toks
     f32 = rt.dtype == torch.float32
     for g, w in zip(got, want):
@@ -55,7 +63,7 @@ def test_fused_layer_matches_the_library_modules(ckpt, monkeypatch, rows):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
         else:  # same rounding points; summation order differs in the dot products and norms
             torch.testing.assert_close(g, w, rtol=0.05, atol=0.05 * w.abs().max().item())
-    n = len(PROMPT) + 9
+    n = len(PROMPT) + 6
     for layer in range(TINY.num_hidden_layers):
         for g, w in ((got_kv.k[layer][:, :, :n], want_kv.k[layer][:, :, :n]), (got_kv.v[layer][:, :, :n], want_kv.v[layer][:, :, :n])):
             if f32:
