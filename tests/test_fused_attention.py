@@ -121,12 +121,12 @@ def test_cuda_graphs_fused_layer_matches_the_library_modules(tmp_path, monkeypat
     in the same graphs, float32 logits equal up to summation order."""
     path = write_checkpoint(tmp_path / "m", TINY, seed=22, dtype=dtype)
     runs = []
+    real = attn_triton.attention
     with OffloadedModel.load(path, device="cuda") as rt:
         for fused in (False, True):
             monkeypatch.setenv("PDFLASH_FUSED_ATTENTION", "1" if fused else "0")
             calls = []
-            real = attn_triton.attention
-            monkeypatch.setattr(attn_triton, "attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+            monkeypatch.setattr(attn_triton, "attention", lambda *a, calls=calls, **k: calls.append(1) or real(*a, **k))
             dec = GraphedDecoder(rt, max_len=64, graphs=True)
             logits = [dec.prefill(PROMPT)]
             toks = [int(logits[-1].argmax())]
