@@ -98,11 +98,9 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
 
             free, total = torch.cuda.mem_get_info(rt.device)
             vram = total - free  # everything this process holds on the GPU (cache, weights, context)
-        steps = rt.__dict__.get("_host_steps")  # made by the first host step, if any ran
-        handoff = None if steps is None else "flags" if steps.relay is not None else "node"
         return {"dtype": dtype, "prewake_us": getattr(rt.cpu, "prewake_us", None) if mode != "off" else None,
                 "host_steps_enabled": not segmented, "host_steps": st["cpu_experts"].get("host_steps"),
-                "host_handoff": handoff, "fused_attention": _fused_attention(rt),
+                "host_handoff": st["cpu_experts"].get("host_handoff"), "fused_attention": _fused_attention(rt),
                 "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": asked, "cuda_graphs": graphs,
                 "link_gbps": args.link_gbps, "link_emulated": st.get("link_emulated", False),
                 "cpu_threads": st["cpu_experts"].get("threads"), "scheduler_workers": rt.scheduler.workers,

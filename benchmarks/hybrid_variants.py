@@ -18,8 +18,8 @@ line per variant goes to stderr with its link rate and the cost model's CPU rate
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -54,13 +54,6 @@ def parse(variant: str) -> tuple[str, list[str], bool, bool, bool]:
     return mode, extra, zero, nofill, libattn
 
 
-def _set_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2:
@@ -75,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
     plan0, note0 = CpuPlacement.split_plan, CpuPlacement.note_host
-    attn0 = os.environ.get("PDFLASH_FUSED_ATTENTION")
 
     def zero_plan(self, *a, **k):
         plan, _ = plan0(self, *a, **k)
@@ -83,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         for mode, extra, zero, nofill, libattn, name in variants:
-            _set_env("PDFLASH_FUSED_ATTENTION", "0" if libattn else attn0)
             CpuPlacement.split_plan = zero_plan if zero else plan0
             CpuPlacement.note_host = (lambda self, *a, **k: None) if nofill else note0
             path = out / f"{name.replace(':', '_')}.json"
             print(f"== {name}", file=sys.stderr, flush=True)
-            rc = chk.main(argv[2:] + extra + ["--modes", mode, "--out", str(path)])
+            with chk._env("PDFLASH_FUSED_ATTENTION", False) if libattn else contextlib.nullcontext():
+                rc = chk.main(argv[2:] + extra + ["--modes", mode, "--out", str(path)])
             if rc:
                 return rc
             for r in json.loads(path.read_text())["runs"]:
@@ -98,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'-' if cpu is None else f'{cpu:.3f} ms'} an expert (cost model)", file=sys.stderr)
     finally:
         CpuPlacement.split_plan, CpuPlacement.note_host = plan0, note0
-        _set_env("PDFLASH_FUSED_ATTENTION", attn0)
     return 0
 
 
