@@ -34,39 +34,17 @@ interpreter with ``TRITON_INTERPRET=1`` and ``PDFLASH_FUSED_ATTENTION=1`` (the t
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from pdflash.offload.mxfp4_triton import interpreting
+from pdflash.offload.mxfp4_triton import _kernels, triton_available
 
 MAX_TOKENS = 16  # rows of a step the fused layer takes (decode, verify blocks, fixed rows)
 BLOCK_KEYS = 64  # keys per loop step of attn_decode
 
-_KERNELS = None
-
 
 def available(device: torch.device) -> bool:
     """Whether the fused layer can run for tensors on ``device`` (see the module docstring)."""
-    flag = os.environ.get("PDFLASH_FUSED_ATTENTION")
-    if flag == "0":
-        return False
-    if device.type != "cuda" and not (device.type == "cpu" and flag == "1" and interpreting()):
-        return False
-    try:
-        _kernels()
-    except Exception:  # triton missing, or its import fails on this machine
-        return False
-    return True
-
-
-def _kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        from pdflash.offload import triton_kernels
-
-        _KERNELS = triton_kernels
-    return _KERNELS
+    return triton_available(device, "PDFLASH_FUSED_ATTENTION")
 
 
 def _pow2(n: int) -> int:

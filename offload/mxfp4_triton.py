@@ -57,7 +57,14 @@ def available(device: torch.device) -> bool:
     """True when the fused kernels can run for tensors on ``device``: on CUDA unless
     PDFLASH_FUSED_EXPERTS=0; on the CPU only through Triton's interpreter, when both
     TRITON_INTERPRET=1 and PDFLASH_FUSED_EXPERTS=1 are set (the tests)."""
-    flag = os.environ.get("PDFLASH_FUSED_EXPERTS")
+    return triton_available(device, "PDFLASH_FUSED_EXPERTS")
+
+
+def triton_available(device: torch.device, switch: str) -> bool:
+    """Whether a fused Triton path switched by the environment variable ``switch`` runs for
+    tensors on ``device``: on CUDA unless ``switch`` is "0"; on the CPU only through Triton's
+    interpreter, with TRITON_INTERPRET=1 and ``switch`` "1"; never where Triton cannot import."""
+    flag = os.environ.get(switch)
     if flag == "0":
         return False
     if device.type != "cuda" and not (device.type == "cpu" and flag == "1" and interpreting()):
