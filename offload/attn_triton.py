@@ -112,6 +112,7 @@ def attend(attn, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positi
     if m.stride(-1) != 1:
         m = m.contiguous()
     out = torch.empty_like(q)
-    k.attn_decode[(T, nq)](qr, kc, vc, m, attn.sinks, out, m.shape[1], m.stride(0), kc.shape[2], float(attn.scaling),
-                           nq, nq // nkv, D=hd, BN=BLOCK_KEYS, BF16=bf16)
+    window = int(getattr(attn, "sliding_window", None) or 0)
+    k.attn_decode[(T, nq)](qr, kc, vc, m, attn.sinks, out, cache.positions, m.shape[1], m.stride(0), kc.shape[2],
+                           float(attn.scaling), nq, nq // nkv, window, D=hd, BN=BLOCK_KEYS, BF16=bf16)
     return out

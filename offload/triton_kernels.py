@@ -222,11 +222,13 @@ def _attn_scores(q, kc_base, mask_row, n0, n_keys, scaling, D: tl.constexpr, BN:
 
 
 @triton.jit
-def attn_decode(q_ptr, kc_ptr, vc_ptr, mask_ptr, sinks_ptr, out_ptr, n_keys, mask_stride, cache_len, scaling, NQ, GROUP,
-                D: tl.constexpr, BN: tl.constexpr, BF16: tl.constexpr):
+def attn_decode(q_ptr, kc_ptr, vc_ptr, mask_ptr, sinks_ptr, out_ptr, pos_ptr, n_keys, mask_stride, cache_len, scaling,
+                NQ, GROUP, window, D: tl.constexpr, BN: tl.constexpr, BF16: tl.constexpr):
     """Program (t, head): softmax over [scores of the keys, the head's sink] (the sink's share
     dropped), times the values -> out[t, head]. Three passes over the keys (max, sum, output)
-    so that each probability is rounded where the eager path rounds it."""
+    so that each probability is rounded where the eager path rounds it. ``window`` > 0 (a
+    sliding layer): the blocks wholly before row t's window (position pos[t] - window + 1),
+    which its mask hides, are skipped (their probabilities are exactly 0)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -236,16 +238,18 @@ def attn_decode(q_ptr, kc_ptr, vc_ptr, mask_ptr, sinks_ptr, out_ptr, n_keys, mas
     vc = vc_ptr + kv * cache_len * D
     mrow = mask_ptr + t * mask_stride
     sink = tl.load(sinks_ptr + h).to(tl.float32)
+    first = tl.maximum(tl.load(pos_ptr + t) - window + 1, 0)  # the window's first position
+    lo = tl.where(window > 0, first // BN * BN, 0)
     m = sink
-    for n0 in range(0, n_keys, BN):
+    for n0 in range(lo, n_keys, BN):
         s, n, nm = _attn_scores(q, kc, mrow, n0, n_keys, scaling, D, BN, BF16)
         m = tl.maximum(m, tl.max(s, axis=0))
     total = tl.exp(_round(sink - m, BF16))
-    for n0 in range(0, n_keys, BN):
+    for n0 in range(lo, n_keys, BN):
         s, n, nm = _attn_scores(q, kc, mrow, n0, n_keys, scaling, D, BN, BF16)
         total += tl.sum(tl.where(nm, tl.exp(_round(s - m, BF16)), 0.0), axis=0)
     acc = tl.zeros([D], dtype=tl.float32)
-    for n0 in range(0, n_keys, BN):
+    for n0 in range(lo, n_keys, BN):
         s, n, nm = _attn_scores(q, kc, mrow, n0, n_keys, scaling, D, BN, BF16)
         p = _round(tl.where(nm, tl.exp(_round(s - m, BF16)) / total, 0.0), BF16)
         v = tl.load(vc + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)

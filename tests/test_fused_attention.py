@@ -49,9 +49,13 @@ def _run(rt, monkeypatch, fused: bool, rows=None, blocks=(1, 3, 2)):
     return outs, toks, dec.kv, len(calls)
 
 
-@pytest.mark.parametrize("dtype,rows", [("float32", None), ("bfloat16", None), ("bfloat16", 4)],
-                         ids=["f32", "bf16", "bf16-fixed-rows"])
-def test_fused_layer_matches_the_library_modules(ckpts, monkeypatch, dtype, rows):
+@pytest.mark.parametrize("dtype,rows,block", [("float32", None, 64), ("bfloat16", None, 64), ("bfloat16", 4, 64),
+                                              ("float32", None, 4)],
+                         ids=["f32", "bf16", "bf16-fixed-rows", "f32-short-key-blocks"])
+def test_fused_layer_matches_the_library_modules(ckpts, monkeypatch, dtype, rows, block):
+    """``block`` keys a loop step: with 4, the sliding layers (window 8) skip the key blocks
+    wholly before their window, as long sequences do with the default."""
+    monkeypatch.setattr(attn_triton, "BLOCK_KEYS", block)
     with OffloadedModel.load(ckpts[dtype]) as rt:
         want, want_toks, want_kv, n0 = _run(rt, monkeypatch, fused=False, rows=rows)
         got, got_toks, got_kv, n1 = _run(rt, monkeypatch, fused=True, rows=rows)
