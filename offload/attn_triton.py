@@ -47,10 +47,6 @@ def available(device: torch.device) -> bool:
     return triton_available(device, "PDFLASH_FUSED_ATTENTION")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def supports(layer, x: torch.Tensor, position_embeddings, mask, cache) -> bool:
     """Whether this step of ``layer`` can run fused: a short step over a static cache (graphs.py's
     StaticKV), a compute dtype of bfloat16 or float32, a power-of-two head size and rotary
@@ -82,7 +78,7 @@ def rms_norm(norm, x: torch.Tensor, add: torch.Tensor | None = None):
     y = torch.empty_like(x)
     xo = torch.empty_like(x) if add is not None else x
     k.rms_norm[(rows,)](x, add if add is not None else x, xo, norm.weight, y, H, float(norm.variance_epsilon),
-                        ADD=add is not None, BH=_pow2(H), BF16=x.dtype == torch.bfloat16)
+                        ADD=add is not None, BH=k.triton.next_power_of_2(H), BF16=x.dtype == torch.bfloat16)
     return y if add is None else (xo, y)
 
 
