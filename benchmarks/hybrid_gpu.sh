@@ -19,6 +19,12 @@
 #            (a cache fraction) run another shape, e.g. gpt-oss-120b and 0.1408 (8 GiB)
 #   handoff  handoff_gpu.py: one device -> CPU -> device hand-off in a captured graph, host node
 #            against stream memory operations (LIMIT_HANDOFF, default 120 s)
+#   llama    the peer on the same machine: bench_llamacpp.sh, gpt-oss-120b in MXFP4 at --n-cpu-moe
+#            LLAMA_NCMOE (default 36,31,30: every expert on the CPU, then 5 and 6 of 36 layers' experts
+#            on the GPU, around the 120b stage's 8 GiB cache), from .peers/llama.cpp-src.tar.gz (see
+#            that script); built into LLAMA_BUILD (default /tmp/pdflash-llamacpp-build, kept for later
+#            calls on a warm machine); LIMIT_LLAMA default 300 s. Run it after the 120b stage: the
+#            synthetic GGUF needs the host memory pdflash's store held.
 #
 # TOKENS_HYBRID (default 48) tokens per run; LIMIT_<STAGE> (seconds) overrides a stage's limit.
 # PACK=1: at the end, every stage's folder goes into one archive, $OUT/stages.tgz (the device tool
@@ -35,7 +41,7 @@ PY="${PYTHON:-python3}"
 TOKENS_HYBRID="${TOKENS_HYBRID:-48}"
 DEVICE="${DEVICE:-cuda}"
 GRAPHS=$([ "$DEVICE" = cuda ] && echo --cuda-graphs)
-STAGES="check 20b desktop 120b threads handoff"
+STAGES="check 20b desktop 120b threads handoff llama"
 [ "$#" -ge 1 ] || { echo "Error: name one or more stages: ${STAGES// /, }" >&2; exit 2; }
 for stage in "$@"; do
   known=0
@@ -84,6 +90,12 @@ for stage in "$@"; do
       ;;
     120b)
       hybrid 120b "${LIMIT_120B:-360}" --in-memory gpt-oss-120b --cache-fraction 0.1408 --modes "${MODES_120B:-auto-host,auto-model}"
+      ;;
+    llama)
+      limit="${LIMIT_LLAMA:-300}"
+      timeout "$limit" bash benchmarks/bench_llamacpp.sh --out "$OUT/llama" --models "gpt-oss-120b:mxfp4" \
+        --ncmoe "${LLAMA_NCMOE:-36,31,30}" --n-gen 32 --reps 2 --deadline $((limit - 10)) \
+        --build-dir "${LLAMA_BUILD:-/tmp/pdflash-llamacpp-build}" > "$OUT/llama/llama.log" 2>&1
       ;;
   esac
   rc=$?
