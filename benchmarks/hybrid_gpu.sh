@@ -21,8 +21,8 @@
 #            against stream memory operations (LIMIT_HANDOFF, default 120 s)
 #   llama    the peer on the same machine: bench_llamacpp.sh, gpt-oss-120b in MXFP4 at --n-cpu-moe
 #            LLAMA_NCMOE (default 36,31,30: every expert on the CPU, then 5 and 6 of 36 layers' experts
-#            on the GPU, around the 120b stage's 8 GiB cache), from .peers/llama.cpp-src.tar.gz (see
-#            that script); built into LLAMA_BUILD (default /tmp/pdflash-llamacpp-build, kept for later
+#            on the GPU, around the 120b stage's 8 GiB cache), from LLAMA_SRC (default
+#            .peers/llama.cpp-src.tar.gz, see that script); built into LLAMA_BUILD (default /tmp/pdflash-llamacpp-build, kept for later
 #            calls on a warm machine); LIMIT_LLAMA default 300 s. Run it after the 120b stage: the
 #            synthetic GGUF needs the host memory pdflash's store held.
 #
@@ -93,7 +93,8 @@ for stage in "$@"; do
       ;;
     llama)
       limit="${LIMIT_LLAMA:-300}"
-      timeout "$limit" bash benchmarks/bench_llamacpp.sh --out "$OUT/llama" --models "gpt-oss-120b:mxfp4" \
+      timeout "$limit" bash benchmarks/bench_llamacpp.sh --src "${LLAMA_SRC:-$ROOT/.peers/llama.cpp-src.tar.gz}" \
+        --out "$OUT/llama" --models "gpt-oss-120b:mxfp4" \
         --ncmoe "${LLAMA_NCMOE:-36,31,30}" --n-gen 32 --reps 2 --deadline $((limit - 10)) \
         --build-dir "${LLAMA_BUILD:-/tmp/pdflash-llamacpp-build}" > "$OUT/llama/llama.log" 2>&1
       ;;

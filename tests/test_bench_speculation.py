@@ -220,8 +220,8 @@ def test_the_gpu_stage_script_runs_its_hybrid_stage_on_the_cpu(tmp_path):
 def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
     """benchmarks/hybrid_gpu.sh 20b (CPU check: tiny preset in memory): the stage's JSON and log
     land under $OUT/20b, its status in $OUT/status.txt; the threads stage runs once per count
-    (under $OUT/threads/t<N>); the hand-off stage says why it cannot run without CUDA; no stage
-    or an unknown one exits 2."""
+    (under $OUT/threads/t<N>); the hand-off stage says why it cannot run without CUDA, the llama
+    stage why it cannot run without its source; no stage or an unknown one exits 2."""
     import os
     import subprocess
     import sys
@@ -253,6 +253,11 @@ def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
         assert {"threads/t1/hybrid.json", "threads/t1/hybrid.log"} <= set(tar.getnames())
         res = json.load(tar.extractfile("threads/t1/hybrid.json"))
     assert res["cache_slots"] == 16  # CACHE_THREADS 0.5 of tiny's 4 layers x 8 experts
+    # the peer's stage: without its llama.cpp source, its status and bench_llamacpp.sh's reason
+    done = subprocess.run(["bash", str(script), "llama"], env={**env, "LLAMA_SRC": str(tmp_path / "no-source.tar.gz")},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "llama: status 2" in (tmp_path / "out" / "status.txt").read_text()
+    assert "no llama.cpp source at" in (tmp_path / "out" / "llama" / "llama.log").read_text()
     import torch
 
     if not torch.cuda.is_available():  # the hand-off stage needs CUDA: its status and one-line reason
