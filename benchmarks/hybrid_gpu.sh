@@ -22,9 +22,10 @@
 #   llama    the peer on the same machine: bench_llamacpp.sh, gpt-oss-120b in MXFP4 at --n-cpu-moe
 #            LLAMA_NCMOE (default 36,31,30: every expert on the CPU, then 5 and 6 of 36 layers' experts
 #            on the GPU, around the 120b stage's 8 GiB cache), from LLAMA_SRC (default
-#            .peers/llama.cpp-src.tar.gz, see that script); built into LLAMA_BUILD (default /tmp/pdflash-llamacpp-build, kept for later
-#            calls on a warm machine); LIMIT_LLAMA default 300 s. Run it after the 120b stage: the
-#            synthetic GGUF needs the host memory pdflash's store held.
+#            .peers/llama.cpp-src.tar.gz, see that script), built into LLAMA_BUILD (default
+#            /tmp/pdflash-llamacpp-build, kept for later calls on a warm machine); LIMIT_LLAMA
+#            default 300 s. Run it after the 120b stage: the synthetic GGUF needs the host memory
+#            pdflash's store held.
 #
 # TOKENS_HYBRID (default 48) tokens per run; LIMIT_<STAGE> (seconds) overrides a stage's limit.
 # PACK=1: at the end, every stage's folder goes into one archive, $OUT/stages.tgz (the device tool

@@ -507,7 +507,7 @@ def test_runner_prices_an_expert_by_its_calibrated_cost_per_token_count(tmp_path
         runner.rate_bps = None  # the layer call alone sets the rate
         runner.run_layer(0, [0, 1, 2], positions, K, x, w_flat, out)
         assert runner.seconds_for(1) == pytest.approx(2e-3) and runner.seconds_for(4) == pytest.approx(5e-3)
-        # a new calibration's curve replaces the memoised per-token-count costs: 1 ms more a token up to 4
+        # a new calibration's curve replaces the last one in every later price: 1 ms more a token up to 4
         monkeypatch.setattr(runner, "_compute_many", fake)
         cost_ms = lambda T: float(min(T, 4))  # noqa: E731
         runner.calibrate(repeats=2)
