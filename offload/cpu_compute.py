@@ -75,6 +75,7 @@ class CpuRunner:
         # seconds of a call over T tokens relative to one token's, as calibrated, in increasing T
         # (empty: 1 for any T up to tokens_per_read); between calibrated counts interpolated linearly
         self.token_cost: dict[int, float] = {}
+        self._units_memo: tuple[dict[int, float] | None, dict[int, float]] = (None, {})
         self.experts = 0  # (layer, expert) computations
         self.tokens = 0  # token rows computed (a token counts once per expert)
         self.seconds = 0.0
@@ -91,9 +92,18 @@ class CpuRunner:
 
     def _units(self, tokens: int) -> float:
         """One expert over ``tokens`` tokens in one-token calls: a call per tokens_per_read tokens,
-        each at its calibrated relative cost."""
-        full, rest = divmod(max(1, tokens), self.tokens_per_read)
-        return full * self._relative(self.tokens_per_read) + (self._relative(rest) if rest else 0.0)
+        each at its calibrated relative cost. Memoised per token count for the current
+        ``token_cost`` (which calibrate() replaces, never changes in place): a host step accounts
+        every layer's experts after each step."""
+        memo_of, memo = self._units_memo
+        if memo_of is not self.token_cost:
+            memo = {}
+            self._units_memo = (self.token_cost, memo)
+        got = memo.get(tokens)
+        if got is None:
+            full, rest = divmod(max(1, tokens), self.tokens_per_read)
+            got = memo[tokens] = full * self._relative(self.tokens_per_read) + (self._relative(rest) if rest else 0.0)
+        return got
 
     def _account(self, experts: int, tokens: int, units: float, dt: float) -> None:
         self.experts += experts

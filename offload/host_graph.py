@@ -597,16 +597,17 @@ class HostSteps:
         K = self.top_k
         mode = layers[0].mode
         routed = torch.stack([lay.idx[: tokens * K] for lay in layers]).tolist()
-        slot_of = {(layer, e): s for layer, e, s in self._slots_host} if mode in ("host", "split") else {}
+        split, on_device = mode == "split", mode in ("host", "split")
+        slot_of = {(layer, e): s for layer, e, s in self._slots_host} if on_device else {}
         hot = []  # "split": each layer's CPU experts, offered to the cache once every hit is counted
-        staged = layers[0].bufs.stage_of.tolist() if mode == "split" else None  # [layer][expert]: stage or -1
+        staged = layers[0].bufs.stage_of.tolist() if split else None  # [layer][expert]: stage or -1
         runs = []  # (start ns, wall s, kernel ns, fetch wait s) of each layer's host node
         for lay, idx in zip(layers, routed):
             n, lay.launched = lay.launched, 0
             _, seconds = lay.cpu.check(runs=n)
             begin, kernel = lay.cpu.clock()
-            waited = lay.cpu.fetch_result()[2] if mode == "split" else 0.0
-            if mode == "split":  # route-ahead: prefetches sent for the next layer, this layer's claimed / cancelled
+            waited = lay.cpu.fetch_result()[2] if split else 0.0
+            if split:  # route-ahead: prefetches sent for the next layer, this layer's claimed / cancelled
                 sent, used, unused = lay.cpu.ahead_result()
                 if sent:
                     stats.prefetch_issued[Band.ROUTE_AHEAD] = stats.prefetch_issued.get(Band.ROUTE_AHEAD, 0) + sent
@@ -615,21 +616,26 @@ class HostSteps:
                 stats.route_ahead_cancelled += unused
                 stats.layers[lay.layer].promoted += used
             runs.append((begin, seconds, kernel, waited))
-            counts = Counter(idx)
+            layer = lay.layer
+            counts = Counter(idx) if tokens > 1 else dict.fromkeys(idx, 1)  # one token: distinct top-k experts
             experts = sorted(counts)
-            on_cpu, cpu_experts, fetched = [], [], 0
-            for e in experts:
-                s = slot_of.get((lay.layer, e))
-                if s is not None:  # computed on the device from its slot
-                    rt.cache.count_hit(lay.layer, s)
-                elif staged is not None and staged[lay.layer][e] >= 0:  # fetched into a stage
-                    fetched += 1
-                else:
-                    on_cpu.append(counts[e])
-                    cpu_experts.append(e)
-            layer_stats = stats.layers[lay.layer]
+            if not on_device:  # "all": every routed expert on the CPU
+                on_cpu, cpu_experts, fetched = [counts[e] for e in experts], experts, 0
+            else:
+                on_cpu, cpu_experts, fetched = [], [], 0
+                stage_row = staged[layer] if split else None
+                for e in experts:
+                    s = slot_of.get((layer, e))
+                    if s is not None:  # computed on the device from its slot
+                        rt.cache.count_hit(layer, s)
+                    elif split and stage_row[e] >= 0:  # fetched into a stage
+                        fetched += 1
+                    else:
+                        on_cpu.append(counts[e])
+                        cpu_experts.append(e)
+            layer_stats = stats.layers[layer]
             layer_stats.cpu += len(on_cpu)
-            if mode == "split":
+            if split:
                 layer_stats.misses += fetched
                 stats.demand_fetches += fetched
                 if fetched:
@@ -637,11 +643,11 @@ class HostSteps:
                     layer_stats.waits += 1
                 if not lay.bufs.ahead_most:  # with route-ahead the link carries the prefetches the cost
                     # model planned for it; background fills beside them would take the link from them
-                    hot.append((lay.layer, cpu_experts))
-            kernel_s = runs[-1][2] / 1e9  # the CPU's share: a split node's fetch wait is the link's
+                    hot.append((layer, cpu_experts))
+            kernel_s = kernel / 1e9  # the CPU's share: a split node's fetch wait is the link's
             stats.cpu_seconds += kernel_s
             runner.account(on_cpu, kernel_s)
-            rt._on_routed(lay.layer, experts)
+            rt._on_routed(layer, experts)
         for layer, experts in hot:  # hot ones go to the cache in the background (this may evict a hit's slot)
             rt.placer.note_host(layer, experts)
         if launched_ns is not None and done_ns is not None:
