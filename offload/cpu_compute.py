@@ -117,7 +117,9 @@ class CpuRunner:
         """Count a layer's experts computed elsewhere (a host step's host node: host_graph.py):
         ``expert_tokens`` the token rows of each expert, ``seconds`` the call's time."""
         if expert_tokens:
-            self._account(len(expert_tokens), sum(expert_tokens), sum(self._units(t) for t in expert_tokens), seconds)
+            n, tokens = len(expert_tokens), sum(expert_tokens)
+            units = n * self._units(1) if tokens == n else sum(self._units(t) for t in expert_tokens)
+            self._account(n, tokens, units, seconds)
 
     def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, H] on the host -> the expert's output [n, H] float32 (no routing weight)."""
