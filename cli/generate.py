@@ -293,7 +293,8 @@ def _timeline_text(tl: dict) -> str:
     """One mode's host-step timeline (mean ms per step): where a step's wall time went."""
     return (f"{tl['step']:.2f} over {tl['steps']} steps: host nodes {tl['node']:.2f} (CPU kernel {tl['kernel']:.2f}, "
             f"fetch wait {tl['fetch_wait']:.2f}), device between nodes {tl['gaps']:.2f}, "
-            f"launch and end {tl['head'] + tl['tail']:.2f}")
+            f"launch and end {tl['head'] + tl['tail']:.2f}"
+            + (f"; bookkeeping after it {tl['bookkeeping']:.2f}" if "bookkeeping" in tl else ""))
 
 
 def _guard_text(guard: dict) -> str:

@@ -644,13 +644,17 @@ class CpuLayer:
         """After ``runs`` runs were launched since the last check (and have finished): raise if
         one did not happen or the last failed; returns (distinct experts, seconds) of the last."""
         st, ex, sec, total = self.result()
+        self._checked(st, total, runs)
+        return ex, sec
+
+    def _checked(self, status: int, total: int, runs: int) -> None:
+        """Raise unless ``runs`` runs happened since the last check and the last succeeded."""
         if total != self._runs + runs:
             raise CpuExpertError(f"CPU layer: {total - self._runs} runs happened where {runs} were launched")
         self._runs = total
-        if st != 0:
-            raise CpuExpertError(f"CPU layer run: {self._ffi.string(self._lib.pf_cpu_strerror(st)).decode()}"
-                                 + (" (an expert index out of range)" if st == self._lib.PF_CPU_EINVAL else ""))
-        return ex, sec
+        if status != 0:
+            raise CpuExpertError(f"CPU layer run: {self._ffi.string(self._lib.pf_cpu_strerror(status)).decode()}"
+                                 + (" (an expert index out of range)" if status == self._lib.PF_CPU_EINVAL else ""))
 
     def _live(self) -> None:
         if self._L is None:
@@ -666,6 +670,47 @@ class CpuLayer:
 
 class RelayError(CpuExpertError):
     """A relayed step did not end as it should (a flag that never came, a cancelled step)."""
+
+
+class LayerReport:
+    """Every figure of a fixed list of :class:`CpuLayer` after their runs, in one native call
+    (``pf_layer_report``): a host step reads each of its layers' after the step.
+
+    :meth:`check` is :meth:`CpuLayer.check` for every layer at once (``runs[i]`` runs launched
+    on layer i since the last check; raises as it does); :meth:`rows` returns, per layer, its
+    last run's (seconds, begin ns, kernel ns, fetch wait seconds, route-ahead sent, used,
+    unused), the figures of :meth:`CpuLayer.result`, ``clock``, ``fetch_result`` and
+    ``ahead_result``. The layers stay referenced; close them only after their report's last use."""
+
+    FIELDS = 10  # PF_LAYER_REPORT: status, experts, ns, runs, begin, kernel, wait ns, sent, used, unused
+
+    def __init__(self, layers: list[CpuLayer]):
+        if not layers:
+            raise CpuExpertError("a layer report names at least one layer")
+        first = layers[0]
+        self._ffi, self._lib = first._ffi, first._lib
+        for lay in layers:
+            lay._live()
+        self._layers = list(layers)
+        self._ctx = self._ffi.new("pf_layer *[]", [lay._L for lay in layers])
+        self._n = len(layers)
+        self._out = self._ffi.new("int64_t[]", self._n * self.FIELDS)
+
+    def check(self, runs: list[int]) -> list[tuple[float, int, int, float, int, int, int]]:
+        """Raise if a layer's launched runs did not all happen or its last one failed (as
+        :meth:`CpuLayer.check`); else every layer's figures (see the class docstring)."""
+        for lay in self._layers:
+            lay._live()
+        if self._lib.pf_layer_report(self._ctx, self._n, self._out) != 0:
+            raise CpuExpertError("layer report: a layer is closed")
+        F = self.FIELDS
+        vals = self._ffi.unpack(self._out, self._n * F)
+        out = []
+        for i, lay in enumerate(self._layers):
+            st, _, ns, total, begin, kernel, wait, sent, used, unused = vals[i * F: (i + 1) * F]
+            lay._checked(st, total, runs[i])
+            out.append((ns / 1e9, begin, kernel, wait / 1e9, sent, used, unused))
+        return out
 
 
 class Relay:
@@ -744,6 +789,6 @@ class Relay:
             self._keep = None
 
 
-__all__ = ["CpuExperts", "CpuExpertError", "CpuLayer", "LayerFetch", "CpuLevelUnsupported", "ExpertWeights", "LEVELS", "MAX_TOKENS",
+__all__ = ["CpuExperts", "CpuExpertError", "CpuLayer", "LayerFetch", "LayerReport", "CpuLevelUnsupported", "ExpertWeights", "LEVELS", "MAX_TOKENS",
            "Relay", "RelayError",
            "default_threads", "detect_level", "supported_levels"]

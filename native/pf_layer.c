@@ -486,3 +486,24 @@ int pf_layer_clock(pf_layer *L, uint64_t *begin_ns, uint64_t *kernel_ns) {
     if (kernel_ns) *kernel_ns = atomic_load(&L->kernel_ns);
     return PF_CPU_OK;
 }
+
+int pf_layer_report(pf_layer *const *layers, int n, int64_t *out) {
+    if (!layers || !out || n < 1) return PF_CPU_EINVAL;
+    for (int i = 0; i < n; i++)
+        if (!layers[i]) return PF_CPU_EINVAL;
+    for (int i = 0; i < n; i++) {
+        pf_layer *L = layers[i];
+        int64_t *row = out + (size_t)i * PF_LAYER_REPORT;
+        row[0] = (int64_t)atomic_load(&L->status);
+        row[1] = (int64_t)atomic_load(&L->experts_run);
+        row[2] = (int64_t)atomic_load(&L->ns);
+        row[3] = (int64_t)atomic_load(&L->runs);
+        row[4] = (int64_t)atomic_load(&L->begin_ns);
+        row[5] = (int64_t)atomic_load(&L->kernel_ns);
+        row[6] = (int64_t)atomic_load(&L->wait_ns);
+        row[7] = (int64_t)atomic_load(&L->ahead_sent);
+        row[8] = (int64_t)atomic_load(&L->ahead_used);
+        row[9] = (int64_t)atomic_load(&L->ahead_unused);
+    }
+    return PF_CPU_OK;
+}

@@ -145,4 +145,13 @@ int pf_layer_ahead_result(pf_layer *L, int *sent, int *used, int *unused);
  * one's start. */
 int pf_layer_clock(pf_layer *L, uint64_t *begin_ns, uint64_t *kernel_ns);
 
+/* Every figure above of n contexts at once, for a caller that reads a whole step's layers after
+ * it (one call instead of several per layer): row i of out (PF_LAYER_REPORT int64 values) holds
+ * layers[i]'s status, experts, wall ns and runs (pf_layer_result), begin and kernel ns
+ * (pf_layer_clock), fetch wait ns (pf_layer_fetch_result) and route-ahead sent, used and unused
+ * (pf_layer_ahead_result), in that order. PF_CPU_EINVAL (out untouched) for a NULL array, out
+ * or context, or n < 1. */
+#define PF_LAYER_REPORT 10
+int pf_layer_report(pf_layer *const *layers, int n, int64_t *out);
+
 #endif /* PF_LAYER_H */

@@ -83,12 +83,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import time
 from collections import Counter
 
 import torch
 
 from pdflash import PdflashError
 from pdflash.native import Band
+from pdflash.native.cpu_experts import LayerReport
 from pdflash.offload.host_store import host_register, host_unregister
 
 
@@ -403,12 +405,13 @@ class HostSteps:
         self._pin = self.device.type == "cuda"
         self._registered: list[torch.Tensor] = []
         self._layers: dict[tuple[int, str], list[HostLayer]] = {}  # (rows, mode) -> one HostLayer per layer
+        self._reports: dict[tuple[int, str], LayerReport] = {}  # (rows, mode) -> its layers' figures in one call
         self._bufs: dict[int, _RowBuffers] = {}  # rows -> buffers (one mode runs at a time)
         # the cache's resident set as the host steps of mode "host" see it (sync_cache, before each)
         L, E = self.num_layers, self.num_experts
         self.resident = torch.zeros((L, E), dtype=torch.uint8)  # read by the host nodes
         self.slot_of = torch.full((L, E), -1, dtype=torch.int32, device=self.device)  # read on the device
-        self._slots_host: list[tuple[int, int, int]] = []
+        self._slots_host: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot, as slot_of holds it
         self._version = None
         experts = rt.family.decoder_layers(rt.model)[0].mlp.experts
         self.fused = experts.kernel.fused(self.device) if hasattr(experts, "kernel") else None
@@ -537,13 +540,16 @@ class HostSteps:
         cache = self.rt.cache
         if cache.version == self._version:
             return
-        self._slots_host = cache.resident_slots()
+        held = cache.resident_slots()
+        self._slots_host = {(layer, e): s for layer, e, s in held}
         table = torch.full(self.slot_of.shape, -1, dtype=torch.int32)
-        for layer, e, s in self._slots_host:
-            table[layer, e] = s
+        if held:  # one indexed write, not one per expert
+            where = torch.tensor(held, dtype=torch.int64).T
+            table[where[0], where[1]] = where[2].to(torch.int32)
         self.resident.copy_(table >= 0)
         self.slot_of.copy_(table)  # queued before the replay on the same stream
         self._version = cache.version
+        cache.stats.host_table_syncs += 1
 
     def layers(self, rows: int, x_dtype: torch.dtype, mode: str = "all") -> list[HostLayer]:
         """Every layer's HostLayer for steps of ``rows`` rows in ``mode`` (built on first use)."""
@@ -555,6 +561,7 @@ class HostSteps:
             if bufs is None:
                 bufs = self._bufs[rows] = _RowBuffers(self, rows, x_dtype)
             got = self._layers[(rows, mode)] = [HostLayer(self, i, rows, bufs, mode) for i in range(self.num_layers)]
+            self._reports[(rows, mode)] = LayerReport([lay.cpu for lay in got])
             if mode == "split":
                 bufs.plan_key = None  # its route-ahead is set with the next plan
             for lay, nxt in zip(got[:-1], got[1:]):
@@ -591,32 +598,36 @@ class HostSteps:
         """After a step (its work finished): check every layer's run, then do the experts
         module's bookkeeping (see the module docstring). With ``launched_ns`` and ``done_ns``
         (``time.monotonic_ns`` just before the step was launched and once it had finished), the
-        step's timeline is added to the statistics (:func:`step_timeline`)."""
+        step's timeline is added to the statistics (:func:`step_timeline`), with ``bookkeeping``:
+        this method's own time, after the step and not part of it."""
+        began_ns = time.monotonic_ns()
         rt, runner = self.rt, self.runner
         stats = rt.cache.stats
         K = self.top_k
         mode = layers[0].mode
+        launched = [lay.launched for lay in layers]
+        for lay in layers:
+            lay.launched = 0
+        figures = self._reports[(layers[0].rows, mode)].check(launched)  # raises where a run failed
         routed = torch.stack([lay.idx[: tokens * K] for lay in layers]).tolist()
         split, on_device = mode == "split", mode in ("host", "split")
-        slot_of = {(layer, e): s for layer, e, s in self._slots_host} if on_device else {}
+        slot_of = self._slots_host
         hot = []  # "split": each layer's CPU experts, offered to the cache once every hit is counted
         staged = layers[0].bufs.stage_of.tolist() if split else None  # [layer][expert]: stage or -1
         runs = []  # (start ns, wall s, kernel ns, fetch wait s) of each layer's host node
-        for lay, idx in zip(layers, routed):
-            n, lay.launched = lay.launched, 0
-            _, seconds = lay.cpu.check(runs=n)
-            begin, kernel = lay.cpu.clock()
-            waited = lay.cpu.fetch_result()[2] if split else 0.0
+        for lay, idx, (seconds, begin, kernel, waited, sent, used, unused) in zip(layers, routed, figures):
+            layer = lay.layer
+            layer_stats = stats.layers[layer]
             if split:  # route-ahead: prefetches sent for the next layer, this layer's claimed / cancelled
-                sent, used, unused = lay.cpu.ahead_result()
                 if sent:
                     stats.prefetch_issued[Band.ROUTE_AHEAD] = stats.prefetch_issued.get(Band.ROUTE_AHEAD, 0) + sent
                 stats.route_ahead_sent += sent
                 stats.route_ahead_used += used
                 stats.route_ahead_cancelled += unused
-                stats.layers[lay.layer].promoted += used
+                layer_stats.promoted += used
+            else:
+                waited = 0.0
             runs.append((begin, seconds, kernel, waited))
-            layer = lay.layer
             counts = Counter(idx) if tokens > 1 else dict.fromkeys(idx, 1)  # one token: distinct top-k experts
             experts = sorted(counts)
             if not on_device:  # "all": every routed expert on the CPU
@@ -633,7 +644,6 @@ class HostSteps:
                     else:
                         on_cpu.append(counts[e])
                         cpu_experts.append(e)
-            layer_stats = stats.layers[layer]
             layer_stats.cpu += len(on_cpu)
             if split:
                 layer_stats.misses += fetched
@@ -651,7 +661,9 @@ class HostSteps:
         for layer, experts in hot:  # hot ones go to the cache in the background (this may evict a hit's slot)
             rt.placer.note_host(layer, experts)
         if launched_ns is not None and done_ns is not None:
-            stats.add_host_step(mode, step_timeline(launched_ns, done_ns, runs))
+            parts = step_timeline(launched_ns, done_ns, runs)
+            parts["bookkeeping"] = (time.monotonic_ns() - began_ns) / 1e9  # after the step: this method's work
+            stats.add_host_step(mode, parts)
         stats.host_steps += 1
         self.steps_run += 1
         rt.cache.sync_point()
@@ -667,6 +679,7 @@ class HostSteps:
             self.relay.close()
         if self.flags is not None:
             self.flags.close()
+        self._reports.clear()
         for made in self._layers.values():
             for lay in made:
                 lay.cpu.close()

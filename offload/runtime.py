@@ -612,6 +612,7 @@ class OffloadedModel:
                 "computed": fs.cpu,
                 "seconds": fs.cpu_seconds if ran else None,
                 "host_steps": fs.host_steps,
+                "host_table_syncs": fs.host_table_syncs,
                 "host_handoff": self._host_handoff(),
                 "host_timeline_ms": fs.host_timeline_ms(),
                 # split host steps: the next layer's predicted experts prefetched at band 1 into its stages

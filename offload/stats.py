@@ -54,6 +54,7 @@ class FetchStats:
     route_ahead_used: int = 0
     route_ahead_cancelled: int = 0
     host_steps: int = 0  # forwards run as host steps (every expert on the CPU, one CUDA graph: host_graph.py)
+    host_table_syncs: int = 0  # host steps that first copied the cache's slot table (its resident set had changed)
     # host steps' timeline, per mode: {"steps": n, "<part>_s": seconds summed over steps} (HostSteps.finish)
     host_timeline: dict[str, dict[str, float]] = field(default_factory=dict)
 

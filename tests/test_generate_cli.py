@@ -110,6 +110,8 @@ def test_table_reports_the_hybrid_guard(ck, run, capsys):
     line = _timeline_text(report["cpu_experts"]["host_timeline_ms"]["split"])
     assert line == ("27.97 over 47 steps: host nodes 17.22 (CPU kernel 11.84, fetch wait 4.38), device between "
                     "nodes 9.78, launch and end 0.98")
+    with_books = dict(report["cpu_experts"]["host_timeline_ms"]["split"], bookkeeping=0.41)
+    assert _timeline_text(with_books) == line + "; bookkeeping after it 0.41"
     report["cpu_experts"]["guard"].update(checks=0, arm="off", off_ms=None, all_ms=None, model_ms=None)
     _print_summary(report)
     assert "no check completed yet" in capsys.readouterr().out

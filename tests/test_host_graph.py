@@ -217,6 +217,43 @@ def test_a_layer_run_is_the_runners_grouped_call_bit_for_bit(idx_dtype, x_dtype)
         lay.run()
 
 
+def test_a_layer_report_reads_every_layers_figures_in_one_call_as_each_layer_does():
+    """LayerReport: one pf_layer_report call gives each layer's last run as result(), clock(),
+    fetch_result() and ahead_result() do, and checks the launched runs and the status as
+    check() does (a layer that ran once more than launched, or whose run failed, raises)."""
+    from pdflash.native.cpu_experts import LayerReport
+
+    H, E, K, R = 64, 5, 2, 3
+    experts = [_expert(H, 32, seed=e) for e in range(E)]
+    with CpuExperts(threads=2) as k:
+        structs = [w.struct(k.ffi) for w in experts]
+        bufs = [(torch.tensor([e % E for e in range(i, i + R * K)], dtype=torch.int64), torch.rand(R * K),
+                 torch.randn(R, H), torch.zeros(R * K, H)) for i in range(3)]
+        layers = [k.layer(structs, K, R, *b) for b in bufs]
+        report = LayerReport(layers)
+        for lay, n in zip(layers, (1, 2, 0)):
+            for _ in range(n):
+                lay.run(check=False)
+        got = report.check([1, 2, 0])
+        for lay, row in zip(layers, got):
+            st, ex, sec, runs = lay.result()
+            assert row[:3] == (sec, *lay.clock()) and row[3] == lay.fetch_result()[2] and row[4:] == lay.ahead_result()
+        assert got[2] == (0.0, 0, 0, 0.0, 0, 0, 0)  # never ran: zeros
+        assert got[0][0] > 0 and got[0][2] > 0
+        report.check([0, 0, 0])  # nothing launched since
+        layers[1].run(check=False)
+        with pytest.raises(CpuExpertError, match="1 runs happened where 0"):
+            report.check([0, 0, 0])
+        bufs[2][0][1] = E  # out of range
+        layers[2].run(check=False)
+        with pytest.raises(CpuExpertError, match="out of range"):
+            report.check([0, 1, 1])  # layer 1's unexpected run is still unchecked
+        with pytest.raises(CpuExpertError, match="at least one layer"):
+            LayerReport([])
+    with pytest.raises(CpuExpertError, match="closed"):  # closing the pool closed its layers
+        report.check([0, 0, 0])
+
+
 def test_a_fetching_layer_stages_the_planned_experts_and_computes_the_rest():
     """With a LayerFetch (memcpy scheduler, host stages) a run fetches plan[M] of its M
     non-resident experts, the most positions first, into the stages byte for byte, zeroes their
@@ -540,6 +577,7 @@ def test_split_host_steps_fetch_the_planned_misses_into_stages(tmp_path, monkeyp
                 assert t["steps"] == steps
                 assert t["head"] + t["node"] + t["gaps"] + t["tail"] == pytest.approx(t["step"], rel=1e-6, abs=1e-3)
                 assert 0 <= t["kernel"] <= t["node"] and 0 <= t["fetch_wait"] <= t["node"] and t["head"] >= 0
+                assert t["bookkeeping"] > 0  # HostSteps.finish's own time, after the step
                 # the CPU's time is the kernel's own, not the node's (a split node also waits for the link)
                 kernel_s = fs.host_timeline[mode]["kernel_s"]
                 assert fs.cpu_seconds - cpu_s == pytest.approx(kernel_s)

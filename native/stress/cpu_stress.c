@@ -21,7 +21,8 @@
  *             own contexts, each checking its results; contexts are created and destroyed
  *             while others run.
  *   layer     pf_layer (pf_layer.h): bad descriptions and token counts refused; each run's clock
- *             (pf_layer_clock: started, kernel time within its wall time); several
+ *             (pf_layer_clock: started, kernel time within its wall time) and pf_layer_report's
+ *             row (the same figures in one call; bad arrays refused, out untouched); several
  *             threads each run their own layer contexts (random routing, int64 / int32
  *             indices, f32 / bf16 rows, 1..rows tokens) on one shared pool, every output row
  *             checked against a one-token pf_cpu_expert call times its scale, rows past the
@@ -655,6 +656,11 @@ static void *layer_worker(void *p) {
             ok = rc == st && runs == (uint64_t)r + 1 && (bad ? rc == PF_CPU_EINVAL : rc == PF_CPU_OK);
             uint64_t begin = 0, kernel_ns = 0; /* the run's clock: it started, its kernel took part of it */
             ok &= pf_layer_clock(L, &begin, &kernel_ns) == PF_CPU_OK && begin > 0 && kernel_ns <= ns;
+            int64_t rep[PF_LAYER_REPORT]; /* the same figures in one call */
+            pf_layer *const one[1] = {L};
+            ok &= pf_layer_report(one, 1, rep) == PF_CPU_OK && rep[0] == st && rep[1] == routed
+                  && rep[2] == (int64_t)ns && rep[3] == (int64_t)runs && rep[4] == (int64_t)begin
+                  && rep[5] == (int64_t)kernel_ns;
             if (fetching && ok && !bad) ok &= check_fetch(L, &f, count, res, d.resident != NULL, src, stage, fetched_e);
             if (fetching && bad)
                 for (int e = 0; e < E; e++) ok &= stage_of[e] == -1;
@@ -840,6 +846,13 @@ static void phase_layer(int quick, uint64_t seed) {
         uint64_t runs = 0;
         CHECK(pf_layer_result(L, NULL, NULL, NULL, &runs) == PF_CPU_OK && runs == 2);
         CHECK(pf_layer_clock(L, NULL, NULL) == PF_CPU_OK);
+        int64_t rep[2 * PF_LAYER_REPORT];
+        pf_layer *const two[2] = {L, L}, *const gap[2] = {L, NULL};
+        CHECK(pf_layer_report(two, 2, rep) == PF_CPU_OK && rep[3] == 2 && rep[PF_LAYER_REPORT + 3] == 2);
+        rep[0] = 77;
+        CHECK(pf_layer_report(gap, 2, rep) == PF_CPU_EINVAL && rep[0] == 77); /* out untouched */
+        CHECK(pf_layer_report(two, 0, rep) == PF_CPU_EINVAL && pf_layer_report(NULL, 1, rep) == PF_CPU_EINVAL
+              && pf_layer_report(two, 1, NULL) == PF_CPU_EINVAL);
         pf_layer_destroy(L);
         pf_layer_destroy(NULL);
         CHECK(pf_layer_run(NULL) == PF_CPU_EINVAL);
