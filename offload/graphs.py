@@ -416,7 +416,7 @@ class GraphedDecoder:
                 x, flat, scores, indices = self._pre_experts(i, x, pe, masks)
                 # route-ahead ("split"): the next layer's router on this residual stream, for its host node
                 ahead = self.family.router_topk(self.model, i + 1, x.reshape(-1, x.shape[-1])) if lay.ahead else None
-                x = x + lay(flat, scores, indices, ahead).view_as(x)
+                x = lay(flat, scores, indices, ahead, residual=x)  # the layer's output: x plus its experts'
                 xs.append(x)
             return self._head(x, last=head_last), xs
 

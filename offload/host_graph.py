@@ -14,7 +14,8 @@ the whole step as one graph instead; each layer's experts are, inside it,
     host   a host node (cudaLaunchHostFunc, captured): pf_layer_run (native/pf_layer.c) groups the
            positions by expert, runs the native kernel once (pool woken at the previous layer's
            end), writes float32 weighted rows into the shared page-locked up buffer
-    up     one copy to the device, then the sum over top-k and the residual add
+    up     one copy to the device, then the sum over top-k and the residual add (on CUDA one
+           kernel, moe_residual: the device's rows, the CPU's, the sum, the cast and the add)
 
 so a step costs one graph launch and one synchronisation, and no Python between layers.
 
@@ -92,6 +93,7 @@ from pdflash import PdflashError
 from pdflash.native import Band
 from pdflash.native.cpu_experts import LayerReport
 from pdflash.offload.host_store import host_register, host_unregister
+from pdflash.offload.mxfp4_triton import _kernels, triton_available
 
 
 def _launcher(device: torch.device):
@@ -261,6 +263,24 @@ def step_timeline(launched_ns: int, done_ns: int, runs: list[tuple[int, float, i
             "fetch_wait": sum(w for _, _, _, w in runs), "gaps": gaps / 1e9, "tail": (done_ns - ends[-1]) / 1e9}
 
 
+def moe_residual(residual: torch.Tensor, contrib: torch.Tensor | None, up: torch.Tensor, c_dtype: torch.dtype,
+                 K: int) -> torch.Tensor:
+    """residual [..., H] + the layer's expert output from its rows, in one Triton kernel: the
+    device's rows ``contrib`` [R*K, H] (``c_dtype``; None: every row the CPU's) plus the CPU's
+    ``up`` [R*K, H] float32, summed over each row's K positions, in residual's dtype; the same
+    bits as ``residual + (contrib.add_(up) or up.to(c_dtype)).view(R, K, H).sum(1).to(dtype)``
+    (triton_kernels.moe_residual)."""
+    k = _kernels()
+    H = residual.shape[-1]
+    R = residual.numel() // H
+    out = torch.empty_like(residual)
+    BH = min(1024, k.triton.next_power_of_2(H))
+    k.moe_residual[(R, k.triton.cdiv(H, BH))](residual, contrib if contrib is not None else up, up, out, H,
+                                              K=K, HAS_C=contrib is not None, C_BF16=c_dtype == torch.bfloat16,
+                                              X_BF16=residual.dtype == torch.bfloat16, BH=BH)
+    return out
+
+
 class HostLayer:
     """One layer's experts inside a host step of ``rows`` token rows (see the module docstring)."""
 
@@ -291,10 +311,12 @@ class HostLayer:
         self.launched = 0  # runs queued or done since the last check
 
     def __call__(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor,
-                 predicted: torch.Tensor | None = None) -> torch.Tensor:
+                 predicted: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Inside the captured step: x [R, H], the router's weights and indices (and, where
         :attr:`ahead`, the next layer's predicted experts [R, K]) -> the layer's expert output
-        [R, H] in x's dtype."""
+        [R, H] in x's dtype; with ``residual`` (the residual stream, R rows of H, x's dtype), the
+        residual plus that output in its shape (the layer's output): on CUDA one kernel
+        (:func:`moe_residual`) instead of the four ops it computes bit for bit."""
         s = self.steps
         R, K, H = self.rows, s.top_k, s.hidden
         idx = indices.reshape(R, -1)
@@ -331,9 +353,12 @@ class HostLayer:
         if self.mode == "split":  # the fetched experts, from the stages the host node filled
             bufs.stage_dev.copy_(self.stage_of, non_blocking=True)
             contrib.add_(self._fused(s.stages[self.layer % len(s.stages)], bufs.stage_dev, x, idx, w, out_dtype))
-        if on_device:  # the CPU's rows are zero where the device computed, and the reverse
-            return contrib.add_(bufs.up_dev).view(R, K, H).sum(dim=1).to(x.dtype)
-        return bufs.up_dev.to(out_dtype).view(R, K, H).sum(dim=1).to(x.dtype)
+        # the CPU's rows are zero where the device computed, and the reverse
+        if residual is not None and s.fused_residual:
+            return moe_residual(residual, contrib if on_device else None, bufs.up_dev, out_dtype, K)
+        rows = contrib.add_(bufs.up_dev) if on_device else bufs.up_dev.to(out_dtype)
+        out = rows.view(R, K, H).sum(dim=1).to(x.dtype)
+        return out if residual is None else residual + out.view_as(residual)
 
     def _fused(self, slots: torch.Tensor, slot_of: torch.Tensor, x: torch.Tensor, idx: torch.Tensor,
                w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -415,6 +440,8 @@ class HostSteps:
         self._version = None
         experts = rt.family.decoder_layers(rt.model)[0].mlp.experts
         self.fused = experts.kernel.fused(self.device) if hasattr(experts, "kernel") else None
+        # each layer's expert output into the residual stream in one kernel (PDFLASH_FUSED_RESIDUAL=0: torch ops)
+        self.fused_residual = triton_available(self.device, "PDFLASH_FUSED_RESIDUAL")
         # mode "split": [sets, stages, expert bytes] (made on first use); layer i uses set i % sets: two
         # with route-ahead (layer i's host node fills layer i+1's set while the device still reads its own)
         self.stages: torch.Tensor | None = None

@@ -255,3 +255,32 @@ def attn_decode(q_ptr, kc_ptr, vc_ptr, mask_ptr, sinks_ptr, out_ptr, pos_ptr, n_
         v = tl.load(vc + n[:, None] * D + d[None, :], mask=nm[:, None], other=0.0).to(tl.float32)
         acc += tl.sum(p[:, None] * v, axis=0)
     tl.store(out_ptr + (t * NQ + h) * D + d, _round(acc, BF16).to(out_ptr.dtype.element_ty))
+
+
+# -- a host step's expert output into the residual stream (host_graph.py) -----------------------
+
+@triton.jit
+def moe_residual(x_ptr, c_ptr, u_ptr, out_ptr, H,
+                 K: tl.constexpr, HAS_C: tl.constexpr, C_BF16: tl.constexpr, X_BF16: tl.constexpr,
+                 BH: tl.constexpr):
+    """Program (row r, feature tile): out[r] = x[r] + to_x(sum over k of to_c(c[r*K+k] + u[r*K+k])),
+    without c (HAS_C False) the sum of to_c(u[r*K+k]): the torch ops ``c.add_(u)`` (c in its own
+    dtype), ``.view(R, K, H).sum(dim=1)`` (float32 accumulation from the first term, k in order),
+    ``.to(x.dtype)`` and the residual add, each rounded where they round (C_BF16: c's dtype,
+    X_BF16: x's and out's)."""
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = j < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for k in tl.static_range(K):
+        s = tl.load(u_ptr + (r * K + k) * H + j, mask=m, other=0.0).to(tl.float32)
+        if HAS_C:
+            s = tl.load(c_ptr + (r * K + k) * H + j, mask=m, other=0.0).to(tl.float32) + s
+        s = _round(s, C_BF16)
+        if k == 0:
+            acc = s
+        else:
+            acc = acc + s
+    e = _round(_round(acc, C_BF16), X_BF16)
+    x = tl.load(x_ptr + r * H + j, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * H + j, _round(x + e, X_BF16).to(out_ptr.dtype.element_ty), mask=m)

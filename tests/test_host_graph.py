@@ -470,10 +470,11 @@ def test_a_host_step_with_the_caches_hits_is_the_host_arm_bit_for_bit(tmp_path, 
     """The guard's host arm (hits from the cache on the device, every other expert on the CPU,
     nothing fetched) as host steps of mode "host": the segmented host arm's logits bit for bit,
     hits and CPU experts counted alike; the slot table follows the cache after it changes. On
-    the CPU device the hits' fused kernel runs in Triton's interpreter."""
+    the CPU device the hits' fused kernel and the fused residual run in Triton's interpreter."""
     from pdflash.offload import mxfp4_triton
 
     monkeypatch.setenv("PDFLASH_FUSED_EXPERTS", "1")
+    monkeypatch.setenv("PDFLASH_FUSED_RESIDUAL", "1")
     if not mxfp4_triton.available(torch.device("cpu")):
         pytest.skip("the fused kernels need Triton (its interpreter on the CPU)")
     monkeypatch.setattr(GraphedDecoder, "_capture_host", _replaying_capture_host)
@@ -507,6 +508,7 @@ def test_a_host_step_with_the_caches_hits_is_the_host_arm_bit_for_bit(tmp_path, 
         assert torch.equal(got[0], want[0])
         assert got[1:4] == want[1:4] and want[1] > 0 and want[3] > 0
         assert want[4] == 0 and got[4] == 5
+        assert HostSteps.for_runtime(rt).fused_residual  # the host steps added their experts in one kernel
 
 
 def _fused_on_cpu(monkeypatch):
@@ -819,3 +821,30 @@ def test_cuda_host_steps_relayed_by_flags_match_host_nodes(tmp_path, monkeypatch
         assert torch.equal(flags[0], node[0])
     else:  # the split's fetches land by the link's timing: the same tokens
         assert torch.equal(flags[0].argmax(-1), node[0].argmax(-1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_fused_residual_is_the_torch_ops_bit_for_bit(device):
+    """moe_residual (one Triton kernel; on the CPU through the interpreter) gives the bits of the
+    torch ops a host step ran before it: the device's rows plus the CPU's, summed over each row's
+    K positions, cast, added to the residual; for bfloat16 and float32 rows, residuals and
+    routing-weight dtypes, with and without device rows, one and several feature tiles."""
+    pytest.importorskip("triton")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pdflash.offload.host_graph import moe_residual
+
+    g = torch.Generator().manual_seed(11)
+    for R, K, H in ((1, 4, 2880), (3, 2, 80)):
+        for x_dtype in (torch.bfloat16, torch.float32):
+            for c_dtype in (torch.bfloat16, torch.float32):
+                for has_c in (True, False):
+                    x = torch.randn(1, R, H, generator=g).to(x_dtype).to(device)
+                    up = (torch.randn(R * K, H, generator=g) * 3).to(device)
+                    up[: K][:, :7] = 0.0  # rows the CPU left zero
+                    c = (torch.randn(R * K, H, generator=g) * 3).to(c_dtype).to(device) if has_c else None
+                    rows = c.clone().add_(up) if has_c else up.to(c_dtype)
+                    want = x + rows.view(R, K, H).sum(dim=1).to(x_dtype).view_as(x)
+                    got = moe_residual(x, c, up, c_dtype, K)
+                    assert got.dtype == x_dtype and got.shape == x.shape
+                    assert torch.equal(got, want), (R, K, H, x_dtype, c_dtype, has_c)
