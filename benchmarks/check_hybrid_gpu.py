@@ -101,6 +101,7 @@ def run_one(ckpt, device: str, dtype: str, mode: str, args, prewake_us: int | No
         return {"dtype": dtype, "prewake_us": getattr(rt.cpu, "prewake_us", None) if mode != "off" else None,
                 "host_steps_enabled": not segmented, "host_steps": st["cpu_experts"].get("host_steps"),
                 "host_handoff": st["cpu_experts"].get("host_handoff"), "fused_attention": _fused_attention(rt),
+                "fused_residual": _fused_residual(rt),
                 "gpu_device_used_bytes": vram, "mode": st["cpu_experts"]["mode"], "asked": asked, "cuda_graphs": graphs,
                 "link_gbps": args.link_gbps, "link_emulated": st.get("link_emulated", False),
                 "cpu_threads": st["cpu_experts"].get("threads"), "scheduler_workers": rt.scheduler.workers,
@@ -125,6 +126,13 @@ def _env(name: str, on: bool):
             del os.environ[name]
         else:
             os.environ[name] = old
+
+
+def _fused_residual(rt) -> bool | None:
+    """Whether the host steps summed each layer's experts into the residual stream in one kernel
+    (host_graph.moe_residual); None where no host step ran."""
+    steps = rt.__dict__.get("_host_steps")
+    return None if steps is None else bool(steps.fused_residual)
 
 
 def _fused_attention(rt) -> bool:

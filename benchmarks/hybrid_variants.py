@@ -11,7 +11,9 @@ A variant is ``MODE[:OPTION...]``: MODE one of check_hybrid_gpu.py's modes, OPTI
 ``zero`` (split steps whose plan fetches nothing and no route-ahead: the split's own structure
 with an idle link; use with mode auto-model-noahead or auto-model), ``nofill`` (no background
 fills of the CPU's hot experts), ``libattn`` (the library's attention modules in the graphs instead
-of the fused layer, offload/attn_triton.py: PDFLASH_FUSED_ATTENTION=0). Each variant's JSON is OUTDIR/<variant, ':' as '_'>.json; one
+of the fused layer, offload/attn_triton.py: PDFLASH_FUSED_ATTENTION=0), ``resops`` (a host step's
+expert rows summed into the residual stream by torch ops instead of host_graph.moe_residual's one
+kernel: PDFLASH_FUSED_RESIDUAL=0). Each variant's JSON is OUTDIR/<variant, ':' as '_'>.json; one
 line per variant goes to stderr with its link rate and the cost model's CPU rate. Exit status 0,
 2 for a malformed variant.
 """
@@ -28,15 +30,18 @@ import check_hybrid_gpu as chk  # noqa: E402 (imports pdflash from this checkout
 
 from pdflash.offload.cpu_compute import CpuPlacement  # noqa: E402
 
+_SWITCHES = {"libattn": "PDFLASH_FUSED_ATTENTION", "resops": "PDFLASH_FUSED_RESIDUAL"}  # option -> the switch it sets to 0
 
-def parse(variant: str) -> tuple[str, list[str], bool, bool, bool]:
-    """``MODE:OPTION...`` -> (mode, extra check_hybrid_gpu.py args, zero, nofill, libattn)."""
+
+def parse(variant: str) -> tuple[str, list[str], bool, bool, list[str]]:
+    """``MODE:OPTION...`` -> (mode, extra check_hybrid_gpu.py args, zero, nofill, the fused
+    paths switched off: environment variables)."""
     mode, *opts = variant.split(":")
-    extra, zero, nofill, libattn = [], False, False, False
+    extra, zero, nofill, off = [], False, False, []
     for o in opts:
         try:
-            if o == "libattn":
-                libattn = True
+            if o in _SWITCHES:
+                off.append(_SWITCHES[o])
             elif o == "zero":
                 zero = True
             elif o == "nofill":
@@ -50,8 +55,9 @@ def parse(variant: str) -> tuple[str, list[str], bool, bool, bool]:
             else:
                 raise ValueError
         except ValueError:
-            raise SystemExit(f"Error: variant {variant!r}: unknown option {o!r} (use tN, wN, cX, zero, nofill, libattn)") from None
-    return mode, extra, zero, nofill, libattn
+            raise SystemExit(f"Error: variant {variant!r}: unknown option {o!r} "
+                             f"(use tN, wN, cX, zero, nofill, {', '.join(_SWITCHES)})") from None
+    return mode, extra, zero, nofill, off
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,12 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         return [0] * len(plan), 0
 
     try:
-        for mode, extra, zero, nofill, libattn, name in variants:
+        for mode, extra, zero, nofill, off, name in variants:
             CpuPlacement.split_plan = zero_plan if zero else plan0
             CpuPlacement.note_host = (lambda self, *a, **k: None) if nofill else note0
             path = out / f"{name.replace(':', '_')}.json"
             print(f"== {name}", file=sys.stderr, flush=True)
-            with chk._env("PDFLASH_FUSED_ATTENTION", False) if libattn else contextlib.nullcontext():
+            with contextlib.ExitStack() as switched:
+                for name_off in off:
+                    switched.enter_context(chk._env(name_off, False))
                 rc = chk.main(argv[2:] + extra + ["--modes", mode, "--out", str(path)])
             if rc:
                 return rc
