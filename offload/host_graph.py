@@ -636,7 +636,8 @@ class HostSteps:
         for lay in layers:
             lay.launched = 0
         figures = self._reports[(layers[0].rows, mode)].check(launched)  # raises where a run failed
-        routed = torch.stack([lay.idx[: tokens * K] for lay in layers]).tolist()
+        every = layers[0].bufs.down[:, : layers[0].bufs.a].view(torch.int64)  # [layers, R*K]: each layer's idx
+        routed = every[[lay.layer for lay in layers], : tokens * K].tolist()
         split, on_device = mode == "split", mode in ("host", "split")
         slot_of = self._slots_host
         hot = []  # "split": each layer's CPU experts, offered to the cache once every hit is counted
