@@ -677,10 +677,10 @@ class LayerReport:
     (``pf_layer_report``): a host step reads each of its layers' after the step.
 
     :meth:`check` is :meth:`CpuLayer.check` for every layer at once (``runs[i]`` runs launched
-    on layer i since the last check; raises as it does); :meth:`rows` returns, per layer, its
-    last run's (seconds, begin ns, kernel ns, fetch wait seconds, route-ahead sent, used,
-    unused), the figures of :meth:`CpuLayer.result`, ``clock``, ``fetch_result`` and
-    ``ahead_result``. The layers stay referenced; close them only after their report's last use."""
+    on layer i since the last check; raises as it does), and returns, per layer, its last run's
+    (seconds, begin ns, kernel ns, fetch wait seconds, route-ahead sent, used, unused): the
+    figures of :meth:`CpuLayer.result`, ``clock``, ``fetch_result`` and ``ahead_result``. The
+    layers stay referenced; close them only after their report's last use."""
 
     FIELDS = 10  # PF_LAYER_REPORT: status, experts, ns, runs, begin, kernel, wait ns, sent, used, unused
 

@@ -269,7 +269,7 @@ def moe_residual(residual: torch.Tensor, contrib: torch.Tensor | None, up: torch
     device's rows ``contrib`` [R*K, H] (``c_dtype``; None: every row the CPU's) plus the CPU's
     ``up`` [R*K, H] float32, summed over each row's K positions, in residual's dtype; the same
     bits as ``residual + (contrib.add_(up) or up.to(c_dtype)).view(R, K, H).sum(1).to(dtype)``
-    (triton_kernels.moe_residual)."""
+    (triton_kernels.moe_residual). All three contiguous, as a host step's are."""
     k = _kernels()
     H = residual.shape[-1]
     R = residual.numel() // H
