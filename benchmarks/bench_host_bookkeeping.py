@@ -12,7 +12,8 @@ timed is everything else a decode step does in Python: the set-up before the lau
 bookkeeping after it (``HostSteps.finish``) and the decoder's own work. Reported per step:
 outside (all of it) and bookkeeping (``finish`` alone), in milliseconds, the median of
 ``--repeats`` runs of ``--steps`` steps. The "host" mode's hits use the fused kernel through
-Triton's CPU interpreter during the real steps (TRITON_INTERPRET=1 is set here).
+Triton's CPU interpreter during the real steps (TRITON_INTERPRET=1 and PDFLASH_FUSED_EXPERTS=1
+are set for the run).
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # the hits' fused kernel on the CPU (mode "host")
-os.environ.setdefault("PDFLASH_FUSED_EXPERTS", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _checkout import import_pdflash  # noqa: E402
@@ -108,9 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     preset = replace(ModelPreset.from_name("tiny"), name="tiny-36x128", num_hidden_layers=36, num_local_experts=128,
                      layer_types=())
-    with tempfile.TemporaryDirectory(prefix="pdflash-bookkeeping-") as tmp:
-        path = write_checkpoint(Path(tmp) / "m", preset, mxfp4=True, seed=3, progress=False)
-        res = measure(path, args.mode, args.cache_fraction, args.steps, args.repeats)
+    # mode "host": the hits' fused kernel through Triton's CPU interpreter (set for this run only)
+    switches = {"TRITON_INTERPRET": "1", "PDFLASH_FUSED_EXPERTS": "1"} if args.mode == "host" else {}
+    old = {k: os.environ.get(k) for k in switches}
+    os.environ.update(switches)
+    try:
+        with tempfile.TemporaryDirectory(prefix="pdflash-bookkeeping-") as tmp:
+            path = write_checkpoint(Path(tmp) / "m", preset, mxfp4=True, seed=3, progress=False)
+            res = measure(path, args.mode, args.cache_fraction, args.steps, args.repeats)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if args.json:
         print(json.dumps(res, indent=1))
     else:

@@ -2,6 +2,7 @@
 --cprofile, --prewake-us, mode checks) and bench_cpu_experts.py (--gaps, --prewake)."""
 
 import importlib.util
+import os
 import json
 from pathlib import Path
 
@@ -199,16 +200,19 @@ def test_handoff_benchmark_refuses_bad_sizes_and_a_machine_without_cuda(capsys):
 def test_the_bookkeeping_benchmark_times_host_steps_and_restores_the_code(capsys):
     """benchmarks/bench_host_bookkeeping.py: host steps of mode "all" on the 36 x 128 tiny shape,
     every timed step a host step, the bookkeeping part of the time outside the graph; the patched
-    methods restored after; bad arguments refused with status 2."""
+    methods and its switches restored after; bad arguments refused with status 2."""
     from pdflash.offload import host_graph
     from pdflash.offload.graphs import GraphedDecoder
 
     before = (host_graph.HostSteps.finish, GraphedDecoder._capture_host)
+    switches = ("TRITON_INTERPRET", "PDFLASH_FUSED_EXPERTS")
+    env = [os.environ.get(k) for k in switches]
     mod = _load("bench_host_bookkeeping")
     assert mod.main(["--mode", "all", "--steps", "3", "--repeats", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["mode"] == "all" and res["host_steps"] == 3 * 2 + 1  # and the capture's step
     assert 0 < res["bookkeeping_ms"] <= res["outside_ms"]
     assert (host_graph.HostSteps.finish, GraphedDecoder._capture_host) == before
+    assert [os.environ.get(k) for k in switches] == env
     assert mod.main(["--steps", "0"]) == 2
     assert capsys.readouterr().err.startswith("Error: --steps")
