@@ -486,11 +486,12 @@ def test_a_host_step_with_the_caches_hits_is_the_host_arm_bit_for_bit(tmp_path, 
 
         def run(host):
             rt.reset_cache()
+            rt.cache.fill([(layer, e) for layer in range(4) for e in range(8) if (layer + e) % 3 == 0][:12])
             dec = GraphedDecoder(rt, max_len=len(PROMPT) + 10, graphs=False)
-            guard.pin("off", longer=True)
-            dec.prefill(PROMPT[:5])  # fetches: the cache holds some experts (a short prompt: its hits
-            # run the fused kernel, in Triton's interpreter here, one program per pair and tile)
+            guard.pin("all", longer=True)  # the prompt on the CPU: the cache keeps what it was filled with
+            dec.prefill(PROMPT[:5])
             dec.graphs, dec.host_steps_enabled = True, host
+            guard.pin("off")
             logits = [dec.decode(TOKENS[0])]  # fetch-only: the cache changes
             guard.pin("host")
             for t in TOKENS[1:4]:
