@@ -19,8 +19,8 @@ are set for the run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -34,6 +34,7 @@ from _checkout import import_pdflash  # noqa: E402
 
 import_pdflash()
 
+from check_hybrid_gpu import _env  # noqa: E402 (a switch set for a block, then restored)
 from pdflash.offload import host_graph  # noqa: E402
 from pdflash.offload.config import ModelPreset  # noqa: E402
 from pdflash.offload.graphs import GraphedDecoder  # noqa: E402
@@ -41,6 +42,8 @@ from pdflash.offload.runtime import OffloadedModel  # noqa: E402
 from pdflash.offload.synthetic import write_checkpoint  # noqa: E402
 
 ARMS = {"host": "host", "all": "all"}  # --mode -> the guard's arm that runs it
+PRESET = replace(ModelPreset.from_name("tiny"), name="tiny-36x128", num_hidden_layers=36, num_local_experts=128,
+                 layer_types=())  # gpt-oss-120b's layers and experts at the tiny preset's width
 
 
 def _capture_once(self, bucket: int, R: int, mode: str = "all") -> list:
@@ -66,15 +69,14 @@ def measure(path: Path, mode: str, cache_fraction: float, steps: int, repeats: i
     host_graph.HostSteps.finish = timed_finish
     runs = []
     try:
-        preset = ModelPreset.from_name("tiny")
-        total = 36 * 128
+        total = PRESET.num_hidden_layers * PRESET.num_local_experts
         with OffloadedModel.load(path, device="cpu", dtype="float32", cpu_experts="auto", link_gbps=1.0,
                                  expert_cache_experts=max(1, int(total * cache_fraction)), cpu_threads=1) as rt:
             guard = rt.placer.guard
             guard.pin("all", longer=True)
             n = 16 + steps * repeats + 8
             dec = GraphedDecoder(rt, max_len=n, graphs=False, min_bucket=n)  # one bucket: one capture
-            tok = int(dec.prefill(list(range(3, 3 + min(16, preset.vocab_size - 3)))).argmax())
+            tok = int(dec.prefill(list(range(3, 19))).argmax())
             dec.graphs = True
             guard.pin(ARMS[mode])
             tok = int(dec.decode(tok).argmax())  # the capture: its step function runs once
@@ -104,22 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.repeats < 1 or not 0 < args.cache_fraction < 1:
         print("Error: --steps and --repeats must be at least 1 and --cache-fraction in (0, 1)", file=sys.stderr)
         return 2
-    preset = replace(ModelPreset.from_name("tiny"), name="tiny-36x128", num_hidden_layers=36, num_local_experts=128,
-                     layer_types=())
-    # mode "host": the hits' fused kernel through Triton's CPU interpreter (set for this run only)
-    switches = {"TRITON_INTERPRET": "1", "PDFLASH_FUSED_EXPERTS": "1"} if args.mode == "host" else {}
-    old = {k: os.environ.get(k) for k in switches}
-    os.environ.update(switches)
-    try:
-        with tempfile.TemporaryDirectory(prefix="pdflash-bookkeeping-") as tmp:
-            path = write_checkpoint(Path(tmp) / "m", preset, mxfp4=True, seed=3, progress=False)
-            res = measure(path, args.mode, args.cache_fraction, args.steps, args.repeats)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with contextlib.ExitStack() as switched, tempfile.TemporaryDirectory(prefix="pdflash-bookkeeping-") as tmp:
+        if args.mode == "host":  # the hits' fused kernel through Triton's CPU interpreter, for this run only
+            for name in ("TRITON_INTERPRET", "PDFLASH_FUSED_EXPERTS"):
+                switched.enter_context(_env(name, True))
+        path = write_checkpoint(Path(tmp) / "m", PRESET, mxfp4=True, seed=3, progress=False)
+        res = measure(path, args.mode, args.cache_fraction, args.steps, args.repeats)
     if args.json:
         print(json.dumps(res, indent=1))
     else:
