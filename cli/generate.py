@@ -260,7 +260,7 @@ def _print_summary(report: dict) -> None:
         rows += [
             ("experts/token: cache, fetched, cpu", f"{per('cache')}, {per('fetched')}, {per('cpu')}"),
             ("cpu experts", f"{ce['mode']}: {ce['computed']} computed in {_fmt(ce['seconds'], ' s', 3)} "
-                            f"({ce.get('threads')} threads, {ce.get('level')})"
+                            f"({_threads_text(ce)}, {ce.get('level')})"
                             + (f"; {ce['host_steps']} host steps (one CUDA graph each)" if ce.get("host_steps") else "")),
         ]
         for mode, tl in (ce.get("host_timeline_ms") or {}).items():
@@ -287,6 +287,12 @@ def _live_timeline(fs) -> str:
     if node is None:
         return ""
     return f" ({1e3 * node:.1f} ms in nodes, {1e3 * gaps:.1f} between, per step)"
+
+
+def _threads_text(ce: dict) -> str:
+    """The kernel's threads, and how many work beside fetches where that is fewer."""
+    n, fetching = ce.get("threads"), ce.get("fetch_threads")
+    return f"{n} threads" + (f", {fetching} beside fetches" if fetching is not None and fetching != n else "")
 
 
 def _timeline_text(tl: dict) -> str:
@@ -379,7 +385,7 @@ def generate(
     batch_invariant: Annotated[bool | None, typer.Option("--batch-invariant/--no-batch-invariant", help="With a draft: run every verify pass with the draft's trained block length of rows, so a token's logits do not depend on the block it was verified in (output identical to plain decoding through the same rows, also in bf16). Default: on in --draft-acceptance mode in a 16-bit dtype, off otherwise.", show_default=False)] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
     cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: decode steps and verify blocks try fetch-only, every routed expert on the CPU, the cost model's per-layer split and every missing expert on the CPU, and keep the fastest; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all (every expert on the CPU: the fastest on a host whose DRAM outruns its link). Default: auto.", show_default=False)] = None,
-    cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use; beside a GPU, a few fewer, for the copy workers).")] = None,
+    cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use; beside a GPU every core but two, and while fetches may run one fewer per copy worker).")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length, and the draft's passes (default: on CUDA, off elsewhere).", show_default=False)] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.

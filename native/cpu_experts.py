@@ -370,6 +370,29 @@ class CpuExperts:
             raise CpuExpertError(f"stream_read: {self._strerror(rc)}")
         return int(out[0])
 
+    @property
+    def active(self) -> int:
+        """How many of the pool's threads take part in its calls (:meth:`set_active`)."""
+        c = self._enter()
+        try:
+            return int(self._lib.pf_cpu_active(c))
+        finally:
+            self._leave()
+
+    def set_active(self, n: int) -> None:
+        """Let only ``n`` of the pool's threads (1 .. threads: the caller and n - 1 workers) take
+        part in its calls from the next phase on; the others sleep, and prewakes leave them asleep
+        (``pf_cpu_set_active``). For a caller whose other threads need cores for a while."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.threads:
+            raise CpuExpertError(f"set_active: n must be an integer in 1 .. {self.threads}, got {n!r}")
+        c = self._enter()
+        try:
+            rc = self._lib.pf_cpu_set_active(c, n)
+        finally:
+            self._leave()
+        if rc != 0:
+            raise CpuExpertError(f"set_active: {self._strerror(rc)}")
+
     def prewake(self, us: int) -> None:
         """Wake the pool's sleeping threads now; they poll for the next call for up to ``us``
         microseconds (0 .. 100000) before they sleep again (``pf_cpu_prewake``). For a caller that

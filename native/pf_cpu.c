@@ -907,6 +907,7 @@ struct pf_cpu {
     _Atomic int done;             /* the job's last phase has been completed */
     _Atomic int stop;
     _Atomic uint64_t linger_until; /* pf_cpu_prewake: idle workers poll until then (monotonic ns; written under mu) */
+    _Atomic int active;           /* pf_cpu_set_active: threads 0 .. active-1 take part in jobs and prewakes */
     uint32_t seq;                 /* the last phase published (under mu) */
     int last_phase;               /* the job ends after this phase (under mu) */
     job cur;                      /* written by the caller before the job's first phase is published */
@@ -1198,7 +1199,7 @@ static void work_phase(pf_cpu *c, int idx, uint64_t st) {
     uint64_t cl = atomic_load_explicit(&c->claim, memory_order_relaxed);
     for (;;) {
         if ((uint32_t)(cl >> 32) != seq || (uint32_t)cl >= units) return;
-        const uint32_t a = (uint32_t)cl, n = grab_size(units - a, (uint32_t)c->threads);
+        const uint32_t a = (uint32_t)cl, n = grab_size(units - a, (uint32_t)atomic_load_explicit(&c->active, memory_order_relaxed));
         if (!atomic_compare_exchange_weak_explicit(&c->claim, &cl, cl + n, memory_order_acquire, memory_order_relaxed))
             continue;
         if (!c->t_join[phase][idx]) c->t_join[phase][idx] = now_ns();
@@ -1229,16 +1230,22 @@ static int poll_ready(pf_cpu *c, uint32_t seen, int caller, uint64_t ns) {
     }
 }
 
+/* Whether thread idx takes part in jobs now (pf_cpu_set_active). */
+static int is_active(pf_cpu *c, int idx) { return idx < atomic_load_explicit(&c->active, memory_order_relaxed); }
+
 /* A worker: wait for a phase newer than `seen` (or stop); poll first for PF_CPU_POLL_NS if
- * `poll`, and for as long as a prewake deadline lasts (pf_cpu_prewake wakes sleepers to poll). */
-static uint64_t wait_phase(pf_cpu *c, uint32_t seen, int poll) {
+ * `poll`, and, while it is active, for as long as a prewake deadline lasts (pf_cpu_prewake wakes
+ * sleepers to poll); an inactive worker sleeps until something happens. */
+static uint64_t wait_phase(pf_cpu *c, int idx, uint32_t seen, int poll) {
     uint64_t ns = poll ? PF_CPU_POLL_NS : 0;
     for (;;) {
-        const uint64_t now = now_ns(), until = atomic_load_explicit(&c->linger_until, memory_order_relaxed);
+        const int lingers = is_active(c, idx);
+        const uint64_t now = now_ns(), until = lingers ? atomic_load_explicit(&c->linger_until, memory_order_relaxed) : 0;
         if (until > now && until - now > ns) ns = until - now;
         if (ns && poll_ready(c, seen, 0, ns)) break;
         pthread_mutex_lock(&c->mu);
-        while (!ready(c, seen, 0) && atomic_load_explicit(&c->linger_until, memory_order_relaxed) <= now_ns())
+        while (!ready(c, seen, 0)
+               && (!is_active(c, idx) || atomic_load_explicit(&c->linger_until, memory_order_relaxed) <= now_ns()))
             pthread_cond_wait(&c->work_cv, &c->mu);
         const int r = ready(c, seen, 0);
         pthread_mutex_unlock(&c->mu);
@@ -1255,9 +1262,13 @@ static void *worker_main(void *p) {
     uint32_t seen = 0;
     int poll = 0; /* only between phases of a job: an idle pool sleeps */
     for (;;) {
-        uint64_t st = wait_phase(c, seen, poll);
+        uint64_t st = wait_phase(c, a.idx, seen, poll);
         if (atomic_load_explicit(&c->stop, memory_order_relaxed)) break;
         seen = ST_SEQ(st);
+        if (!is_active(c, a.idx)) { /* sits this phase out: the active threads claim every unit */
+            poll = 0;
+            continue;
+        }
         work_phase(c, a.idx, st);
         poll = !ST_LAST(st);
     }
@@ -1318,6 +1329,7 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     if (!c) return PF_CPU_ENOMEM;
     c->level = level;
     c->threads = threads;
+    atomic_init(&c->active, threads);
     c->mx_rows = mx_rows_scalar;
     c->dense_cols = dense_cols_scalar;
     c->read = read_scalar;
@@ -1392,7 +1404,7 @@ void pf_cpu_destroy(pf_cpu *c) {
 
 int pf_cpu_prewake(pf_cpu *c, unsigned us) {
     if (!c || us > 100000u) return PF_CPU_EINVAL;
-    if (us == 0 || c->threads < 2) return PF_CPU_OK;
+    if (us == 0 || atomic_load_explicit(&c->active, memory_order_relaxed) < 2) return PF_CPU_OK;
     const uint64_t until = now_ns() + (uint64_t)us * 1000u;
     pthread_mutex_lock(&c->mu);
     if (until > atomic_load_explicit(&c->linger_until, memory_order_relaxed)) {
@@ -1430,6 +1442,17 @@ int pf_cpu_last_timing(pf_cpu *c, pf_cpu_timing *out) {
 
 int pf_cpu_level(const pf_cpu *c) { return c ? c->level : PF_CPU_EINVAL; }
 int pf_cpu_threads(const pf_cpu *c) { return c ? c->threads : PF_CPU_EINVAL; }
+
+int pf_cpu_set_active(pf_cpu *c, int n) {
+    if (!c || n < 1 || n > c->threads) return PF_CPU_EINVAL;
+    pthread_mutex_lock(&c->mu); /* under mu: a worker deciding to sleep sees it, or is woken */
+    atomic_store_explicit(&c->active, n, memory_order_relaxed);
+    pthread_cond_broadcast(&c->work_cv);
+    pthread_mutex_unlock(&c->mu);
+    return PF_CPU_OK;
+}
+
+int pf_cpu_active(pf_cpu *c) { return c ? atomic_load_explicit(&c->active, memory_order_relaxed) : PF_CPU_EINVAL; }
 
 /* grow *buf to at least n elements of `size` bytes (contents not kept) */
 static int reserve(void **buf, size_t *cap, size_t n, size_t size) {

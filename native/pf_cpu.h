@@ -115,6 +115,14 @@ void pf_cpu_destroy(pf_cpu *c);
 int pf_cpu_level(const pf_cpu *c);
 int pf_cpu_threads(const pf_cpu *c);
 
+/* How many of the pool's threads take part in its calls from the next phase on: threads 0 .. n-1
+ * (the caller and n - 1 workers); the others sleep, and prewakes leave them asleep. 1 .. the
+ * pool's threads (the default: all of them), else PF_CPU_EINVAL. For a caller whose other threads
+ * need some of the cores for a while (a copy scheduler's workers during fetches). Callable from
+ * any thread, also while a call runs (its later phases see it; every phase completes either way). */
+int pf_cpu_set_active(pf_cpu *c, int n);
+int pf_cpu_active(pf_cpu *c); /* the count set last, or PF_CPU_EINVAL for NULL */
+
 /* out[T][H] (float32, row-major) = the expert applied to x[T][H] (x_format PF_CPU_F32
  * or PF_CPU_BF16, row-major, rows x_stride elements apart, x_stride >= H), 1 <= T <=
  * PF_CPU_MAX_TOKENS. Blocks (GIL released by the Python binding) until done. */

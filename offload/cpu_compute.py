@@ -227,6 +227,8 @@ class CpuExpertRunner(CpuRunner):
             self.calibration_dtype = torch.bfloat16
         self.kernel = CpuExperts(threads=threads, level=level)
         self.threads = self.kernel.threads
+        self.fetch_threads = self.threads  # the threads that work while fetches may run (use_threads)
+        self._working = self.threads  # the pool's active count, as last set
         self.level = self.kernel.level
         self.max_tokens = MAX_TOKENS
         self._weights: dict[tuple[int, int], object] = {}
@@ -236,6 +238,24 @@ class CpuExpertRunner(CpuRunner):
         self._slots_ptr = None
         self.hidden = (self.layout.piece("down_proj_blocks").shape[0] if self.layout.quantized
                        else self.layout.piece("down_proj").shape[1])
+
+    def share_with_fetches(self, threads: int) -> None:
+        """From now on only ``threads`` of the pool's threads work (the others sleep), except in
+        :meth:`use_threads` windows that ask for all: the cores left over are the scheduler's copy
+        workers' while fetches may run."""
+        self.fetch_threads = max(1, min(int(threads), self.threads))
+        self.use_threads(False)
+
+    def use_threads(self, every: bool) -> None:
+        """Every pool thread (``every``: a step that fetches nothing, e.g. a host step of the host
+        arm) or the share left beside fetches (:meth:`share_with_fetches`)."""
+        n = self.threads if every else self.fetch_threads
+        if n != self._working:
+            self.kernel.set_active(n)
+            self._working = n
+
+    def stats(self) -> dict:
+        return {**super().stats(), "fetch_threads": self.fetch_threads}
 
     def _row_weights(self, row: torch.Tensor):
         """ExpertWeights viewing one packed row (host store row or cache slot; no copy)."""

@@ -437,10 +437,17 @@ class GraphedDecoder:
         steps.before_step(mode, R, T)
         for lay in layers:
             lay.set_tokens(T)
+        # a step that fetches nothing ("all", "host") has every pool thread; the others leave the
+        # copy workers their cores (CpuExpertRunner.use_threads)
+        steps.runner.use_threads(mode != "split")
         steps.runner.prewake()  # layer 0's call comes after the embedding and its attention
         launched = time.monotonic_ns()
-        steps.replay(g, layers)
-        steps.finish(layers, T, launched, time.monotonic_ns())
+        try:
+            steps.replay(g, layers)
+            done = time.monotonic_ns()
+        finally:
+            steps.runner.use_threads(False)
+        steps.finish(layers, T, launched, done)
         self.length += T
         taps = {i: (xs[i] if R == T else xs[i][:, :T]) for i in self.tap_layers}
         return (logits if R == T else logits[:T]).clone(), self._features(taps)

@@ -302,10 +302,11 @@ class OffloadedModel:
         from pdflash.native import NativeLibraryMissing
         from pdflash.native.cpu_experts import CpuExpertError
 
+        fetching = None  # the default beside a GPU: fewer threads work while fetches may run
         if cpu_threads is None and self.device.type == "cuda":
             from pdflash.native.cpu_experts import default_threads
 
-            cpu_threads = gpu_cpu_threads(default_threads(), self.scheduler.workers)
+            cpu_threads, fetching = gpu_cpu_threads(default_threads(), self.scheduler.workers)
         try:
             self.cpu = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
         except (CpuExpertError, NativeLibraryMissing) as exc:
@@ -313,6 +314,8 @@ class OffloadedModel:
                 self.cpu_mode, self.cpu_reason = "off", f"the CPU expert kernel cannot run here: {exc}"
                 return
             raise PdflashError(f"--cpu-experts {cpu_mode}: {exc}") from None
+        if fetching is not None and hasattr(self.cpu, "share_with_fetches"):
+            self.cpu.share_with_fetches(fetching)
         if cpu_mode == "auto":
             from pdflash.offload.cpu_compute import CpuPlacement, HybridGuard, guard_order
 
@@ -775,15 +778,17 @@ def _eos_ids(path: Path, config: dict) -> list[int]:
     return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
 
 
-def gpu_cpu_threads(cores: int, workers: int) -> int:
-    """The CPU kernel's default thread count beside a GPU: every core but one per scheduler copy
-    worker and two more (the decoding thread, which waits on the device, and the thread that
-    runs host steps' layers: the relay's, or CUDA's callback thread), and never fewer than three
-    quarters of the cores. With every core in the pool the copy workers wake late after each
-    chunk and the link's rate halves
-    (gpt-oss-20b shape, 16 cores, 2 workers: 16-18 GB/s with 16 threads, 30-32 GB/s with 12 or
-    14; docs/benchmarks.md)."""
-    return max(1, cores - workers - 2, cores * 3 // 4)
+def gpu_cpu_threads(cores: int, workers: int) -> tuple[int, int]:
+    """The CPU kernel's default thread counts beside a GPU: (its pool, the threads that work while
+    fetches may run). The pool: every core but two (the decoding thread, which waits on the device,
+    and the thread that runs host steps' layers: the relay's, or CUDA's callback thread). Beside
+    fetches, one core fewer for each scheduler copy worker, never fewer than three quarters of the
+    cores: with every core in the pool the copy workers wake late after each chunk and the link's
+    rate halves (gpt-oss-20b shape, 16 cores, 2 workers: 16-18 GB/s with 16 threads, 30-32 GB/s
+    with 12 or 14), while steps that fetch nothing (the host arm's host steps) ran 1.08x faster
+    with 14 threads than with 12 on the gpt-oss-120b shape (docs/benchmarks.md)."""
+    fetching = max(1, cores - workers - 2, cores * 3 // 4)
+    return max(fetching, cores - 2), fetching
 
 
 def load_tokenizer(path: str | Path):

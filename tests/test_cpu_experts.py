@@ -597,6 +597,72 @@ def test_prewake_checks_its_argument_and_calls_after_it_compute_the_same():
         k.prewake(10)
 
 
+def test_a_pool_with_fewer_active_threads_computes_the_same_and_joins_no_more():
+    """CpuExperts.set_active: calls of a 4-thread pool with 1..4 active threads give the bits of a
+    one-thread pool, no phase is joined by more threads than are active, bad counts are refused,
+    and a closed pool says so."""
+    w, _ = mxfp4_expert(64, 96, seed=8)
+    x = torch.randn(9, 64)
+    with CpuExperts(threads=1) as ref:
+        want = ref.forward(w, x)
+    with CpuExperts(threads=4) as k:
+        assert k.active == 4
+        for bad in (0, 5, -1, 2.0, True, None):
+            with pytest.raises(CpuExpertError, match="set_active"):
+                k.set_active(bad)
+        for n in (1, 3, 2, 4):
+            k.set_active(n)
+            assert k.active == n
+            k.prewake(200)  # wakes the active ones only
+            assert torch.equal(k.forward(w, x), want)
+            assert all(p["threads"] <= n for p in k.last_timing()["phases"].values())
+    with pytest.raises(CpuExpertError, match="closed"):
+        k.set_active(1)
+
+
+def test_the_runner_gives_steps_without_fetches_every_thread_and_others_their_share(monkeypatch, tmp_path):
+    """CpuExpertRunner.share_with_fetches / use_threads: the pool works with the share left
+    beside fetches, every thread only inside a use_threads(True) window; no native call when the
+    count does not change. A host step of mode "all" runs in such a window and ends it."""
+    from pdflash.offload.config import ModelPreset
+    from pdflash.offload.graphs import GraphedDecoder
+    from pdflash.offload.runtime import OffloadedModel
+    from pdflash.offload.synthetic import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "m", ModelPreset.from_name("tiny"), mxfp4=True, seed=26)
+
+    with OffloadedModel.load(ckpt, device="cpu", cpu_experts="all", cpu_threads=3) as rt:
+        runner = rt.cpu
+        assert runner.fetch_threads == 3 and runner.kernel.active == 3
+        runner.share_with_fetches(2)
+        assert runner.fetch_threads == 2 and runner.kernel.active == 2
+        sets = []
+        real = runner.kernel.set_active
+        monkeypatch.setattr(runner.kernel, "set_active", lambda n: (sets.append(n), real(n)))
+        runner.use_threads(False)
+        assert sets == []  # already the share
+        runner.use_threads(True)
+        runner.use_threads(True)
+        assert sets == [3] and runner.kernel.active == 3
+        runner.use_threads(False)
+        assert sets == [3, 2]
+        sets.clear()
+        from test_host_graph import _replaying_capture_host  # noqa: E402 (the CPU's stand-in for a captured step)
+        from test_batch_invariant import _replaying_capture  # noqa: E402
+
+        monkeypatch.setattr(GraphedDecoder, "_capture_host", _replaying_capture_host)
+        monkeypatch.setattr(GraphedDecoder, "_capture", _replaying_capture)
+        dec = GraphedDecoder(rt, max_len=12, graphs=False)
+        tok = int(dec.prefill([5, 77, 200]).argmax())
+        dec.graphs = True
+        dec.decode(tok)
+        assert rt.cache.stats.host_steps == 1
+        assert sets[-2:] == [3, 2] and runner.kernel.active == 2  # the step's window, then the share again
+        assert rt.stats()["cpu_experts"]["threads"] == 3 and rt.stats()["cpu_experts"]["fetch_threads"] == 2
+        runner.share_with_fetches(99)  # at most the pool
+        assert runner.fetch_threads == 3
+
+
 def test_the_cli_bound_on_cpu_threads_is_the_kernels():
     from pdflash.cli.checks import CPU_THREADS_MAX
     from pdflash.native import _load
@@ -604,12 +670,12 @@ def test_the_cli_bound_on_cpu_threads_is_the_kernels():
     assert CPU_THREADS_MAX == _load()[1].PF_CPU_MAX_THREADS
 
 
-@pytest.mark.parametrize("cores, workers, want", [(16, 2, 12), (8, 2, 6), (32, 2, 28), (64, 4, 58), (4, 2, 3),
-                                                  (2, 2, 1), (1, 2, 1)])
+@pytest.mark.parametrize("cores, workers, want", [(16, 2, (14, 12)), (8, 2, (6, 6)), (32, 2, (30, 28)),
+                                                  (64, 4, (62, 58)), (4, 2, (3, 3)), (2, 2, (1, 1)), (1, 2, (1, 1))])
 def test_beside_a_gpu_the_kernel_leaves_cores_to_the_copy_workers(cores, workers, want):
-    """The default thread count on CUDA: a core for each copy worker and two more, at most a
-    quarter of the cores, at least one thread."""
+    """The default thread counts on CUDA: a pool of every core but two, and beside fetches a core
+    fewer for each copy worker, at most a quarter of the cores left out, at least one thread."""
     from pdflash.offload.runtime import gpu_cpu_threads
 
-    got = gpu_cpu_threads(cores, workers)
-    assert got == want and 1 <= got <= cores
+    pool, fetching = got = gpu_cpu_threads(cores, workers)
+    assert got == want and 1 <= fetching <= pool <= cores

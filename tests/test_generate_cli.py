@@ -89,7 +89,7 @@ def test_table_reports_the_hybrid_guard(ck, run, capsys):
     """On CUDA auto's guard decides; the summary table says which arm it keeps and what each
     measured (the CPU device has no guard: its auto is all, or off for an offload experiment, so
     the guard's stats are set on a real CPU report here)."""
-    from pdflash.cli.generate import _print_summary, _timeline_text
+    from pdflash.cli.generate import _print_summary, _threads_text, _timeline_text
 
     code, out, err = run("generate", PROMPT, "--model", ck, "--max-new-tokens", 2, "--json", "--device", "cpu",
                          "--cpu-threads", 1)
@@ -110,6 +110,8 @@ def test_table_reports_the_hybrid_guard(ck, run, capsys):
     line = _timeline_text(report["cpu_experts"]["host_timeline_ms"]["split"])
     assert line == ("27.97 over 47 steps: host nodes 17.22 (CPU kernel 11.84, fetch wait 4.38), device between "
                     "nodes 9.78, launch and end 0.98")
+    assert _threads_text({"threads": 14, "fetch_threads": 12}) == "14 threads, 12 beside fetches"
+    assert _threads_text({"threads": 2, "fetch_threads": 2}) == _threads_text({"threads": 2}) == "2 threads"
     with_books = dict(report["cpu_experts"]["host_timeline_ms"]["split"], bookkeeping=0.41)
     assert _timeline_text(with_books) == line + "; bookkeeping after it 0.41"
     report["cpu_experts"]["guard"].update(checks=0, arm="off", off_ms=None, all_ms=None, model_ms=None)

@@ -16,7 +16,9 @@
  *             against a double-precision reference written here from the format's
  *             definition (E2M1 table, 2^(s-127) scales, clamped SwiGLU).
  *   pool      back-to-back jobs on a pool of more threads than cores: stream reads of
- *             random sizes (some without a whole word) between batched calls.
+ *             random sizes (some without a whole word) between batched calls, while another
+ *             thread keeps changing how many of the pool's threads take part
+ *             (pf_cpu_set_active); then a fixed count that no phase exceeds.
  *   shared    several threads call one context at once (calls are serialized) and their
  *             own contexts, each checking its results; contexts are created and destroyed
  *             while others run.
@@ -382,7 +384,9 @@ static void phase_api(void) {
         CHECK(pf_cpu_create(1, pf_cpu_detect() + 1, &c) == PF_CPU_EUNSUPPORTED && c == NULL);
     for (int n = 1; n <= 6; n++) { /* init / close symmetry, with and without calls */
         CHECK(pf_cpu_create(n, PF_CPU_LEVEL_AUTO, &c) == PF_CPU_OK && c != NULL);
-        CHECK(pf_cpu_threads(c) == n && pf_cpu_level(c) == pf_cpu_detect());
+        CHECK(pf_cpu_threads(c) == n && pf_cpu_level(c) == pf_cpu_detect() && pf_cpu_active(c) == n);
+        CHECK(pf_cpu_set_active(c, 0) == PF_CPU_EINVAL && pf_cpu_set_active(c, n + 1) == PF_CPU_EINVAL
+              && pf_cpu_active(c) == n);
         if (n % 2) {
             uint64_t rng = 77 + n;
             CHECK(random_call(c, &rng, 1));
@@ -393,6 +397,7 @@ static void phase_api(void) {
     }
     pf_cpu_destroy(NULL);
     CHECK(pf_cpu_prewake(NULL, 10) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_set_active(NULL, 1) == PF_CPU_EINVAL && pf_cpu_active(NULL) == PF_CPU_EINVAL);
 
     CHECK(pf_cpu_create(2, PF_CPU_LEVEL_SCALAR, &c) == PF_CPU_OK);
     uint64_t rng = 5;
@@ -523,6 +528,24 @@ static void phase_shared(int quick, uint64_t seed) {
 /* back-to-back jobs on a pool with more threads than this machine has cores, so workers
  * wake late, find a phase already finished or a newer one published: stream reads of random
  * sizes (under 8 bytes: a job without units) between batched calls, each checked */
+struct toggler {
+    pf_cpu *c;
+    uint64_t rng;
+    _Atomic int stop;
+    int sets;
+};
+
+/* Changes the pool's active thread count (1 .. 8) every few microseconds while jobs run. */
+static void *toggler_main(void *p) {
+    struct toggler *t = p;
+    while (!atomic_load(&t->stop)) {
+        t->sets += pf_cpu_set_active(t->c, 1 + (int)(rng_next(&t->rng) % 8)) == PF_CPU_OK;
+        struct timespec ts = {0, 20000 + (long)(rng_next(&t->rng) % 60000)};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
 static void phase_pool(int quick, uint64_t seed) {
     uint64_t rng = seed * 7919 + 3;
     pf_cpu *c;
@@ -530,6 +553,10 @@ static void phase_pool(int quick, uint64_t seed) {
         count(0, "create pool context");
         return;
     }
+    /* the active thread count changes under the jobs (pf_cpu_set_active): every job still completes, exactly */
+    struct toggler tog = {.c = c, .rng = seed + 11};
+    pthread_t tt;
+    int toggling = pthread_create(&tt, NULL, toggler_main, &tog) == 0;
     const size_t cap = (size_t)3 << 20;
     uint8_t *buf = malloc(cap);
     for (size_t i = 0; i < cap; i++) buf[i] = (uint8_t)rng_next(&rng);
@@ -550,9 +577,26 @@ static void phase_pool(int quick, uint64_t seed) {
         }
         good += pf_cpu_stream_read(c, buf, n, &got) == PF_CPU_OK && got == want;
     }
-    char what[64];
-    snprintf(what, sizeof what, "pool: %d/%d back-to-back jobs match", good, total);
-    count(good == total, what);
+    if (toggling) {
+        atomic_store(&tog.stop, 1);
+        pthread_join(tt, NULL);
+    }
+    char what[96];
+    snprintf(what, sizeof what, "pool: %d/%d back-to-back jobs match (active count set %d times meanwhile)", good, total,
+             tog.sets);
+    count(good == total && toggling && tog.sets > 0, what);
+    /* with 3 active threads a job's phases are joined by at most 3; then all 8 again */
+    pf_cpu_timing tm;
+    CHECK(pf_cpu_set_active(c, 3) == PF_CPU_OK && pf_cpu_active(c) == 3);
+    CHECK(pf_cpu_prewake(c, 300) == PF_CPU_OK); /* wakes (and spins) only the active ones */
+    int ok = 1;
+    for (int i = 0; i < 6; i++) {
+        ok &= random_batch(c, &rng);
+        ok &= pf_cpu_last_timing(c, &tm) == PF_CPU_OK && tm.joined[1] <= 3 && tm.joined[2] <= 3;
+    }
+    CHECK(ok);
+    CHECK(pf_cpu_set_active(c, 8) == PF_CPU_OK);
+    CHECK(random_batch(c, &rng));
     /* destroyed right after a job: its workers may still poll for a next phase */
     free(buf);
     pf_cpu_destroy(c);
