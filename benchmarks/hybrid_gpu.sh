@@ -66,7 +66,7 @@ for stage in "$@"; do
   case "$stage" in
     check)
       OUT="$OUT/check" WORK="${WORK:-/tmp/pdflash-gpu-check}" SMOKE_RUNS="${SMOKE_RUNS:-1}" TOKENS="${TOKENS:-16}" \
-        PYTHON="$PY" timeout "${LIMIT_CHECK:-240}" bash tools/gpu_check.sh > "$OUT/check/stdout.log" 2>&1
+        PYTHON="$PY" timeout "${LIMIT_CHECK:-270}" bash tools/gpu_check.sh > "$OUT/check/stdout.log" 2>&1
       ;;
     20b)
       hybrid 20b "${LIMIT_20B:-240}" --in-memory "${PRESET_20B:-gpt-oss-20b}" --modes "${MODES_20B:-off,all,auto-host,auto-model,auto}"

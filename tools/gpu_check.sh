@@ -5,11 +5,12 @@
 #
 #   OUT=/some/dir bash tools/gpu_check.sh          # or: make gpu-check
 #
-# 1. every GPU-marked test (pytest -m gpu, Triton kernels compiled, not interpreted);
+# 1. every GPU-marked test (pytest -m gpu, Triton kernels compiled, not interpreted), then the CPU
+#    kernel's own tests on this host's CPU (AMX tiles, which CI's CPUs lack);
 # 2. `pdflash smoke --cuda yes --json` SMOKE_RUNS times in a row (default 20), each must pass;
 # 3. a gpt-oss-20b-shaped MXFP4 synthetic checkpoint and a short `generate` on it with a 25 %
 #    expert cache (192 of 768 experts), speculative-free and with the embedded default pair.
-# Writes $OUT/gpu_check.log (everything), $OUT/gpu_tests.log, $OUT/smoke_runs.json,
+# Writes $OUT/gpu_check.log (everything), $OUT/gpu_tests.log, $OUT/host_cpu_tests.log, $OUT/smoke_runs.json,
 # $OUT/generate_gpt_oss_20b.json and $OUT/gpu_check.json (the summary). Exit 0 only if all held.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,6 +30,11 @@ echo "== GPU-marked tests"
 $PY -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 [ "$tests_rc" -eq 0 ] || fail=1
+
+echo "== the CPU kernel's tests on this host (its AMX tiles, where CI's CPUs have none)"
+$PY -m pytest -q -m "not gpu" tests/test_cpu_experts.py tests/test_batch_invariant.py -p no:cacheprovider 2>&1 | tee "$OUT/host_cpu_tests.log"
+host_rc=${PIPESTATUS[0]}
+[ "$host_rc" -eq 0 ] || fail=1
 
 echo "== pdflash smoke --cuda yes, $SMOKE_RUNS runs"
 smoke_ok=0
@@ -56,10 +62,11 @@ $PY -m pdflash.cli.main generate "def fibonacci(n):" --device cuda --max-new-tok
 emb_rc=$?
 [ "$emb_rc" -eq 0 ] || fail=1
 
-$PY - "$OUT" "$tests_rc" "$smoke_ok" "$SMOKE_RUNS" "$gen_rc" "$emb_rc" "$WORK/generate_embedded.json" <<'PYEOF'
+$PY - "$OUT" "$tests_rc" "$smoke_ok" "$SMOKE_RUNS" "$gen_rc" "$emb_rc" "$WORK/generate_embedded.json" "$host_rc" <<'PYEOF'
 import json, sys, re
-out, tests_rc, smoke_ok, runs, gen_rc, emb_rc, emb = sys.argv[1:]
+out, tests_rc, smoke_ok, runs, gen_rc, emb_rc, emb, host_rc = sys.argv[1:]
 tail = open(f"{out}/gpu_tests.log").read().strip().splitlines()[-1:]
+host_tail = open(f"{out}/host_cpu_tests.log").read().strip().splitlines()[-1:]
 def rate(path):
     try:
         r = json.load(open(path))
@@ -68,11 +75,12 @@ def rate(path):
         return {"error": repr(exc)}
 summary = {
     "gpu_tests": {"exit_code": int(tests_rc), "summary": tail[0] if tail else ""},
+    "host_cpu_tests": {"exit_code": int(host_rc), "summary": host_tail[0] if host_tail else ""},
     "smoke": {"passed": int(smoke_ok), "runs": int(runs)},
     "generate_gpt_oss_20b_25pct": dict(exit_code=int(gen_rc), **rate(f"{out}/generate_gpt_oss_20b.json")),
     "generate_embedded": dict(exit_code=int(emb_rc), **rate(emb)),
 }
-summary["ok"] = int(tests_rc) == 0 and smoke_ok == runs and int(gen_rc) == 0 and int(emb_rc) == 0
+summary["ok"] = int(tests_rc) == 0 and int(host_rc) == 0 and smoke_ok == runs and int(gen_rc) == 0 and int(emb_rc) == 0
 json.dump(summary, open(f"{out}/gpu_check.json", "w"), indent=1)
 print(json.dumps(summary, indent=1))
 PYEOF
