@@ -16,6 +16,9 @@ every arm runs from a cold cache and cold costs, the order reversed every other 
 - ``plain``: ``generate(..., cuda_graphs=True)`` (eager on a CPU), its own decoder;
 - ``decoder``: generate's loop (``decode`` then argmax) on the decoder the speculative runs share
   (``verify_decoder``: graphs captured for every block length), no feature capture;
+- ``decoder-rows``: the same loop on a decoder with the trained block's fixed rows (batch-invariant
+  verify, ``verify_decoder(..., batch_invariant=True)``: every step runs that many rows, as oracle
+  mode's steps do in a 16-bit dtype): what fixed rows cost a plain step, without the speculative loop;
 - ``loop``: the speculative loop at ``--block-size 1`` (every step a plain step through the verify
   path: feature capture, the loop's bookkeeping), no planner;
 - ``auto@P``: the loop with the block planner in oracle mode at acceptance P (``--acceptance``):
@@ -101,12 +104,14 @@ def run_arm(rt, draft, arm: str, prompt: list[int], n: int, ref: list[int], grap
     if arm == "plain":
         generate(rt, prompt, max_new_tokens=n, eos_token_ids=[], cuda_graphs=graphs, on_step=clock)
         clock.rows = clock.rows[1:]  # the first token: the prefill
-    elif arm == "decoder":
-        if graphs:
-            dec = verify_decoder(rt, draft, len(prompt) + n, None, graphs=True, at=len(prompt),
-                                 blocks=range(1, draft.config.block_size + 1))
+    elif arm in ("decoder", "decoder-rows"):
+        rows = arm == "decoder-rows"
+        if graphs or rows:
+            dec = verify_decoder(rt, draft, len(prompt) + n, None, batch_invariant=rows, graphs=graphs,
+                                 at=len(prompt), blocks=range(1, draft.config.block_size + 1))
         else:
             dec = GraphedDecoder(rt, len(prompt) + n, graphs=False)
+        extra["rows"] = dec.rows  # every step's rows (fixed rows), or None
         dec.tap_layers = []
         with rt.decode_threads(), torch.inference_mode():
             tok = int(dec.prefill(prompt).argmax())
@@ -167,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdflash.draft.config import DFlashConfig
 
     trained = DFlashConfig.from_dir(args.checkpoint_dir / "draft").block_size
-    arms = ["plain", "decoder", "loop"] + [f"auto@{p}" for p in acceptance]
+    arms = ["plain", "decoder", "decoder-rows", "loop"] + [f"auto@{p}" for p in acceptance]
     runs: list[dict] = []
     profiles: dict[str, str] = {}
     with OffloadedModel.load(args.checkpoint_dir, device=args.device, dtype=args.dtype, expert_cache_experts=slots,

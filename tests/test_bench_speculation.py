@@ -114,11 +114,13 @@ def test_plain_step_benchmark_runs_every_arm_on_the_cpu(load_script, tmp_path):
                      "--tokens", "16", "--prompts", "1", "--repeats", "2", "--acceptance", "0", "--profile",
                      "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert set(res["summary"]) == {"plain", "decoder", "loop", "auto@0.0"}
-    assert len(res["runs"]) == 2 * 4
-    for arm in ("plain", "decoder", "loop"):
+    assert set(res["summary"]) == {"plain", "decoder", "decoder-rows", "loop", "auto@0.0"}
+    assert len(res["runs"]) == 2 * 5
+    for arm in ("plain", "decoder", "decoder-rows", "loop"):
         s = res["summary"][arm]
         assert s["runs"] == 2 and s["steady_wall_ms"] > 0 and s["steady_misses"] is not None
+    assert {r["rows"] for r in res["runs"] if r["arm"] == "decoder"} == {None}
+    assert {r["rows"] for r in res["runs"] if r["arm"] == "decoder-rows"} == {4}  # the tiny draft's block
     assert res["summary"]["plain"]["vs_plain"] == 1.0
     assert res["summary"]["loop"]["steady_loop_ms"] > 0 and res["summary"]["plain"]["steady_loop_ms"] is None
     assert set(res["profiles"]) == {"plain", "loop"} and "function calls" in res["profiles"]["loop"]
