@@ -6,7 +6,9 @@
 #                                                            # then eager vs graphed draft steps, float32 and bf16
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh spec    # the planner (and an arm without its overdraft) against graphed
 #                                                            # plain decoding (bench_speculation_gpu.py), float32 then bf16
-#   OUT=/some/dir bash benchmarks/speculation_gpu.sh plain   # the loop's plain step taken apart (bench_plain_step.py)
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh plain   # the loop's plain step taken apart (bench_plain_step.py),
+#                                                            # per dtype of DTYPES: in bf16 its decoder-rows arm
+#                                                            # prices oracle mode's fixed rows
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh hybrid  # spec with every miss computed on the CPU (the hybrid
 #                                                            # guard pinned to GUARD_ARM, default host), plus the
 #                                                            # fetch-only plain arm plain-fetch every arm is compared with
@@ -62,8 +64,10 @@ case "$STAGE" in
         --out "$OUT/hybrid_$dt.json"
     done ;;
   plain)
-    run plain_step_float32 "$PY" benchmarks/bench_plain_step.py "${COMMON[@]}" $EXTRA --dtype float32 --profile \
-      --tokens "$TOKENS" --out "$OUT/plain_step_float32.json" ;;
+    for dt in $DTYPES; do
+      run "plain_step_$dt" "$PY" benchmarks/bench_plain_step.py "${COMMON[@]}" $EXTRA --dtype "$dt" --profile \
+        --tokens "$TOKENS" --out "$OUT/plain_step_$dt.json"
+    done ;;
 esac
 echo "stage $STAGE done in $(( $(date +%s) - t0 )) s, fail=$fail" >&2
 exit "$fail"

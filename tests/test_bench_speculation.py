@@ -202,7 +202,8 @@ def test_guard_arm_pins_every_arm_and_adds_a_fetch_only_plain_arm(tmp_path, caps
 
 def test_the_gpu_stage_script_runs_its_hybrid_stage_on_the_cpu(tmp_path):
     """benchmarks/speculation_gpu.sh hybrid (CPU check: tiny preset, simulated link): one JSON per
-    dtype with the fetch-only plain arm; an unknown stage is refused with exit code 2."""
+    dtype with the fetch-only plain arm; the plain stage, one JSON per dtype; an unknown stage is
+    refused with exit code 2."""
     import os
     import subprocess
     import sys
@@ -215,6 +216,10 @@ def test_the_gpu_stage_script_runs_its_hybrid_stage_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stderr
     res = json.loads((tmp_path / "out" / "hybrid_float32.json").read_text())
     assert res["config"]["guard_arm"] == "host" and {r["arm"] for r in res["runs"]} >= {"plain", "plain-fetch", "B2@0.9"}
+    env.update(TOKENS="8", DTYPES="bfloat16")  # the plain stage: one JSON per dtype
+    done = subprocess.run(["bash", str(script), "plain"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "decoder-rows" in json.loads((tmp_path / "out" / "plain_step_bfloat16.json").read_text())["summary"]
     bad = subprocess.run(["bash", str(script), "bogus"], env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "stage must be" in bad.stderr
 
