@@ -1,0 +1,205 @@
+/*
+ * The CPU expert kernel (native/pf_cpu.c) built with other values of its compile-time knobs,
+ * timed on the machine it runs on: what benchmarks/kernel_sweep.sh builds once per variant.
+ *
+ *   cc -std=c11 -O2 -pthread -Inative [-DPREFETCH_ROWS=N] [-DMX_SUPER=M] -o ks benchmarks/kernel_sweep.c -lm
+ *   ./ks [--threads 12,14,16] [--experts 40] [--hidden 2880] [--inter 2880] [--calls 100] [--lead-us 200]
+ *
+ * Workload: --experts distinct MXFP4 experts (gpt-oss's layout: gate_up [2I][H/32][16] blocks and
+ * [2I][H/32] E8M0 scales, down [H][I/32][16] and [H][I/32]; random values, scales 2^-8 .. 2^0) one
+ * after another in one buffer, as the host store holds them, cycled so that every call reads its
+ * weights from DRAM when the buffer is larger than the last-level cache. One bf16 token row, a
+ * model rounding like bf16 (round_bf16), the runtime's bf16 decode. Per thread count, medians over
+ * --calls calls:
+ *   dram    pf_cpu_stream_read of the whole buffer by the same pool (best of 5): the read rate
+ *           those threads have;
+ *   one     pf_cpu_expert, one expert, 1 token;
+ *   layer4 / layer8   pf_cpu_experts over 4 / 8 experts, 1 token each (a layer's CPU share).
+ * Before each timed call the pool is woken (pf_cpu_prewake) --lead-us microseconds ahead, as the
+ * runtime wakes it when a layer's routing is on its way, so the figures leave out a sleeping
+ * pool's wake-up. Every variant's results are first checked against the portable kernel (level
+ * scalar) in float32 (round_bf16 off): a knob that broke the maths fails the run (exit 1).
+ * One JSON object per thread count on stdout.
+ */
+#include "../native/pf_cpu.c"
+
+#include <stdio.h>
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
+static uint32_t rnd(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 32);
+}
+
+static double seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void spin_us(double us) {
+    const double until = seconds() + 1e-6 * us;
+    while (seconds() < until) {
+    }
+}
+
+/* median seconds of `calls` calls of n experts (k0, k0 + 1, ... cycling), the pool woken ahead */
+static double time_calls(pf_cpu *c, pf_cpu_weights *w, int nexp, int n, int calls, const uint16_t *x, float *out,
+                         int H, double lead_us, int *failed) {
+    double *t = malloc((size_t)calls * sizeof *t);
+    const pf_cpu_weights *ws[8];
+    int counts[8], rows[8], dest[8];
+    for (int i = 0; i < calls; i++) {
+        for (int j = 0; j < n; j++) {
+            ws[j] = &w[(i * n + j) % nexp];
+            counts[j] = 1;
+            rows[j] = 0;
+            dest[j] = j;
+        }
+        pf_cpu_prewake(c, (unsigned)(lead_us + 1000));
+        spin_us(lead_us);
+        const double t0 = seconds();
+        const int rc = n == 1 ? pf_cpu_expert(c, ws[0], x, PF_CPU_BF16, 1, H, out)
+                              : pf_cpu_experts(c, n, ws, counts, rows, NULL, x, PF_CPU_BF16, 1, H, out, dest, n, H);
+        t[i] = seconds() - t0;
+        *failed |= rc != PF_CPU_OK;
+    }
+    const double m = median(t, calls);
+    free(t);
+    return m;
+}
+
+static int parse_list(const char *s, int *out, int max) {
+    int n = 0;
+    while (*s && n < max) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 1 || v > PF_CPU_MAX_THREADS) return -1;
+        out[n++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') return -1;
+    }
+    return n;
+}
+
+int main(int argc, char **argv) {
+    int threads[16] = {12, 14, 16}, nthreads = 3, nexp = 40, H = 2880, I = 2880, calls = 100;
+    double lead_us = 200.0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) {
+            fprintf(stderr, "kernel_sweep: %s needs a value\n", a);
+            return 2;
+        }
+        if (!strcmp(a, "--threads")) nthreads = parse_list(v, threads, 16);
+        else if (!strcmp(a, "--experts")) nexp = atoi(v);
+        else if (!strcmp(a, "--hidden")) H = atoi(v);
+        else if (!strcmp(a, "--inter")) I = atoi(v);
+        else if (!strcmp(a, "--calls")) calls = atoi(v);
+        else if (!strcmp(a, "--lead-us")) lead_us = atof(v);
+        else {
+            fprintf(stderr, "kernel_sweep: unknown option %s\n", a);
+            return 2;
+        }
+        i++;
+    }
+    if (nthreads < 1 || nexp < 8 || H < 32 || H % 32 || I < 32 || I % 32 || calls < 1 || lead_us < 0 || lead_us > 50000) {
+        fprintf(stderr, "kernel_sweep: --threads N[,N...] (1..%d), --experts >= 8, --hidden and --inter multiples of "
+                        "32, --calls >= 1, --lead-us 0..50000\n", PF_CPU_MAX_THREADS);
+        return 2;
+    }
+    const size_t gb = (size_t)2 * I * (H / 32) * 16, gs = (size_t)2 * I * (H / 32);
+    const size_t db = (size_t)H * (I / 32) * 16, ds = (size_t)H * (I / 32), per = gb + gs + db + ds;
+    uint8_t *buf = malloc(per * (size_t)nexp); /* owned here: every expert's bytes, one after another */
+    pf_cpu_weights *w = calloc((size_t)nexp, sizeof *w);
+    uint16_t *x = malloc((size_t)H * sizeof *x);
+    float *out = malloc((size_t)8 * H * sizeof *out), *ref = malloc((size_t)H * sizeof *ref);
+    if (!buf || !w || !x || !out || !ref) {
+        fprintf(stderr, "kernel_sweep: out of memory\n");
+        return 1;
+    }
+    for (size_t k = 0; k < (size_t)nexp; k++) {
+        uint8_t *p = buf + k * per;
+        for (size_t i = 0; i < gb; i++) p[i] = (uint8_t)rnd();
+        for (size_t i = 0; i < gs; i++) p[gb + i] = (uint8_t)(119 + rnd() % 9);
+        for (size_t i = 0; i < db; i++) p[gb + gs + i] = (uint8_t)rnd();
+        for (size_t i = 0; i < ds; i++) p[gb + gs + db + i] = (uint8_t)(119 + rnd() % 9);
+        w[k] = (pf_cpu_weights){.format = PF_CPU_MXFP4, .bias_format = PF_CPU_BF16, .hidden = H, .inter = I,
+                                .gate_up = p, .gate_up_scales = p + gb, .down = p + gb + gs,
+                                .down_scales = p + gb + gs + db, .alpha = 1.702f, .limit = 7.0f, .round_bf16 = 0};
+    }
+    for (int i = 0; i < H; i++) {
+        const float f = ((float)(rnd() % 2001) - 1000.0f) / 1000.0f;
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        x[i] = (uint16_t)(u >> 16);
+    }
+
+    /* the variant's maths against the portable kernel (float32 throughout) */
+    pf_cpu *c, *scalar;
+    if (pf_cpu_create(2, PF_CPU_LEVEL_SCALAR, &scalar) != PF_CPU_OK || pf_cpu_create(2, PF_CPU_LEVEL_AUTO, &c) != PF_CPU_OK) {
+        fprintf(stderr, "kernel_sweep: cannot create a kernel context\n");
+        return 1;
+    }
+    int ok = pf_cpu_expert(scalar, &w[1], x, PF_CPU_BF16, 1, H, ref) == PF_CPU_OK
+             && pf_cpu_expert(c, &w[1], x, PF_CPU_BF16, 1, H, out) == PF_CPU_OK;
+    double worst = 0.0, scale = 1e-30;
+    for (int i = 0; i < H; i++) scale = fmax(scale, fabs((double)ref[i]));
+    for (int i = 0; ok && i < H; i++) worst = fmax(worst, fabs((double)out[i] - ref[i]) / scale);
+    const int level = pf_cpu_level(c);
+    pf_cpu_destroy(c);
+    pf_cpu_destroy(scalar);
+    if (!ok || worst > 1e-3) {
+        fprintf(stderr, "kernel_sweep: this variant's results are not the portable kernel's (max error %.3g of the "
+                        "largest output)\n", worst);
+        return 1;
+    }
+    for (int k = 0; k < nexp; k++) w[k].round_bf16 = 1;
+
+    int failed = 0;
+    for (int ti = 0; ti < nthreads; ti++) {
+        if (pf_cpu_create(threads[ti], PF_CPU_LEVEL_AUTO, &c) != PF_CPU_OK) {
+            fprintf(stderr, "kernel_sweep: cannot create a pool of %d threads\n", threads[ti]);
+            return 1;
+        }
+        double best = 1e30;
+        uint64_t sum;
+        for (int r = 0; r < 5; r++) {
+            const double t0 = seconds();
+            failed |= pf_cpu_stream_read(c, buf, per * (size_t)nexp, &sum) != PF_CPU_OK;
+            best = fmin(best, seconds() - t0);
+        }
+        const double dram = (double)(per * (size_t)nexp) / best / 1e9;
+        const double one = time_calls(c, w, nexp, 1, calls, x, out, H, lead_us, &failed);
+        const double l4 = time_calls(c, w, nexp, 4, calls, x, out, H, lead_us, &failed);
+        const double l8 = time_calls(c, w, nexp, 8, calls, x, out, H, lead_us, &failed);
+        pf_cpu_destroy(c);
+        printf("{\"prefetch_rows\": %d, \"mx_super\": %d, \"level\": \"%s\", \"threads\": %d, \"expert_bytes\": %zu, "
+               "\"dram_gbps\": %.2f, \"one_ms\": %.4f, \"one_gbps\": %.2f, \"one_of_dram\": %.3f, "
+               "\"layer4_ms\": %.4f, \"layer4_gbps\": %.2f, \"layer8_ms\": %.4f, \"layer8_gbps\": %.2f, "
+               "\"layer8_of_dram\": %.3f, \"max_error\": %.3g}\n",
+               PREFETCH_ROWS, MX_SUPER, pf_cpu_level_name(level), threads[ti], per, dram, 1e3 * one,
+               (double)per / one / 1e9, (double)per / one / 1e9 / dram, 1e3 * l4, 4.0 * per / l4 / 1e9, 1e3 * l8,
+               8.0 * per / l8 / 1e9, 8.0 * per / l8 / 1e9 / dram, worst);
+        fflush(stdout);
+    }
+    free(buf);
+    free(w);
+    free(x);
+    free(out);
+    free(ref);
+    if (failed) fprintf(stderr, "kernel_sweep: a kernel call failed\n");
+    return failed;
+}

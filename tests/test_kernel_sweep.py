@@ -1,0 +1,45 @@
+"""benchmarks/kernel_sweep.sh / kernel_sweep.c: the CPU kernel rebuilt with other values of its
+compile-time knobs, each build checked against the portable kernel, then timed."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import stress_programs
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "kernel_sweep.sh"
+
+pytestmark = pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
+
+
+def _run(tmp_path, variants: str, args: str = "--experts 8 --hidden 256 --inter 128 --calls 4"):
+    env = {**os.environ, "OUT": str(tmp_path), "VARIANTS": variants, "THREADS": "1,2", "ARGS": args,
+           "PYTHON": sys.executable, "CC": stress_programs.COMPILER}
+    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_every_variant_is_checked_and_timed_twice_per_thread_count(tmp_path):
+    done = _run(tmp_path, "base PREFETCH_ROWS=0 MX_SUPER=4,PREFETCH_ROWS=16")
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "kernel_sweep.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 2 * 2  # variants x passes x thread counts
+    knobs = {(r["variant"], r["prefetch_rows"], r["mx_super"]) for r in rows}
+    assert knobs == {("base", 8, 8), ("PREFETCH_ROWS=0", 0, 8), ("MX_SUPER=4,PREFETCH_ROWS=16", 16, 4)}
+    assert [r["variant"] for r in rows if r["pass"] == 2 and r["threads"] == 1] == [
+        "MX_SUPER=4,PREFETCH_ROWS=16", "PREFETCH_ROWS=0", "base"]  # the second pass in reverse
+    for r in rows:
+        assert r["max_error"] <= 1e-3 and r["expert_bytes"] == 2 * 128 * 8 * 17 + 256 * 4 * 17
+        assert r["dram_gbps"] > 0 and r["one_ms"] > 0 and r["layer8_ms"] > 0
+    assert "| base | 1 |" in done.stdout
+
+
+def test_bad_variants_and_options_are_refused(tmp_path):
+    done = _run(tmp_path, "base FOO=3")
+    assert done.returncode == 2 and "variant 'FOO=3'" in done.stderr
+    done = _run(tmp_path, "base", args="--hidden 100")
+    assert done.returncode == 1 and "multiples of 32" in done.stderr
