@@ -19,6 +19,9 @@
 #            (a cache fraction) run another shape, e.g. gpt-oss-120b and 0.1408 (8 GiB)
 #   handoff  handoff_gpu.py: one device -> CPU -> device hand-off in a captured graph, host node
 #            against stream memory operations (LIMIT_HANDOFF, default 120 s)
+#   sweep    benchmarks/kernel_sweep.sh: the CPU kernel rebuilt per value of its compile-time knobs
+#            (SWEEP_VARIANTS, default the script's), timed against this host's DRAM read at
+#            SWEEP_THREADS (default 12,14,16), SWEEP_ARGS passed on (LIMIT_SWEEP, default 240 s)
 #   llama    the peer on the same machine: bench_llamacpp.sh, gpt-oss-120b in MXFP4 at --n-cpu-moe
 #            LLAMA_NCMOE (default 36,31,30: every expert on the CPU, then 5 and 6 of 36 layers' experts
 #            on the GPU, around the 120b stage's 8 GiB cache), from LLAMA_SRC (default
@@ -42,7 +45,7 @@ PY="${PYTHON:-python3}"
 TOKENS_HYBRID="${TOKENS_HYBRID:-48}"
 DEVICE="${DEVICE:-cuda}"
 GRAPHS=$([ "$DEVICE" = cuda ] && echo --cuda-graphs)
-STAGES="check 20b desktop 120b threads handoff llama"
+STAGES="check 20b desktop 120b threads handoff sweep llama"
 [ "$#" -ge 1 ] || { echo "Error: name one or more stages: ${STAGES// /, }" >&2; exit 2; }
 for stage in "$@"; do
   known=0
@@ -92,6 +95,11 @@ for stage in "$@"; do
     120b)
       hybrid 120b "${LIMIT_120B:-360}" --in-memory gpt-oss-120b --cache-fraction 0.1408 --modes "${MODES_120B:-auto-host,auto-model}"
       ;;
+    sweep)
+      env OUT="$OUT/sweep" THREADS="${SWEEP_THREADS:-12,14,16}" ARGS="${SWEEP_ARGS:-}" PYTHON="$PY" \
+        ${SWEEP_VARIANTS:+"VARIANTS=$SWEEP_VARIANTS"} timeout "${LIMIT_SWEEP:-240}" bash benchmarks/kernel_sweep.sh \
+        > "$OUT/sweep/sweep.log" 2>&1
+      ;;
     llama)
       limit="${LIMIT_LLAMA:-300}"
       timeout "$limit" bash benchmarks/bench_llamacpp.sh --src "${LLAMA_SRC:-$ROOT/.peers/llama.cpp-src.tar.gz}" \
@@ -103,7 +111,7 @@ for stage in "$@"; do
   rc=$?
   [ "$rc" -eq 0 ] || fail=1
   echo "$stage: status $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/status.txt"
-  grep -hE "tok/s|host steps \(|route-ahead|gpu check:|smoke run|passed|failed|us_per_layer|handoff_us|\"error\"" "$OUT/$stage"/*.log "$OUT/$stage"/*/*.log 2>/dev/null | tail -24
+  grep -hE " %\) \||tok/s|host steps \(|route-ahead|gpu check:|smoke run|passed|failed|us_per_layer|handoff_us|\"error\"" "$OUT/$stage"/*.log "$OUT/$stage"/*/*.log 2>/dev/null | tail -24
 done
 if [ "${PACK:-0}" = 1 ]; then
   dirs=()

@@ -227,7 +227,8 @@ def test_the_gpu_stage_script_runs_its_hybrid_stage_on_the_cpu(tmp_path):
 def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
     """benchmarks/hybrid_gpu.sh 20b (CPU check: tiny preset in memory): the stage's JSON and log
     land under $OUT/20b, its status in $OUT/status.txt; the threads stage runs once per count
-    (under $OUT/threads/t<N>); the hand-off stage says why it cannot run without CUDA, the llama
+    (under $OUT/threads/t<N>); the kernel sweep's lands under $OUT/sweep; the hand-off stage says
+    why it cannot run without CUDA, the llama
     stage why it cannot run without its source; no stage or an unknown one exits 2."""
     import os
     import subprocess
@@ -260,6 +261,17 @@ def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
         assert {"threads/t1/hybrid.json", "threads/t1/hybrid.log"} <= set(tar.getnames())
         res = json.load(tar.extractfile("threads/t1/hybrid.json"))
     assert res["cache_slots"] == 16  # CACHE_THREADS 0.5 of tiny's 4 layers x 8 experts
+    # the kernel sweep's stage: its JSON lines under $OUT/sweep, its table in the stage's summary
+    import stress_programs
+
+    if stress_programs.COMPILER is not None:
+        env_s = {**env, "SWEEP_THREADS": "1", "SWEEP_VARIANTS": "base PREFETCH_ROWS=4",
+                 "SWEEP_ARGS": "--experts 8 --hidden 256 --inter 128 --calls 3", "CC": stress_programs.COMPILER}
+        done = subprocess.run(["bash", str(script), "sweep"], env=env_s, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        rows = (tmp_path / "out" / "sweep" / "kernel_sweep.jsonl").read_text().splitlines()
+        assert sorted({json.loads(r)["variant"] for r in rows}) == ["PREFETCH_ROWS=4", "base"] and len(rows) == 4
+        assert "| PREFETCH_ROWS=4 | 1 |" in done.stdout
     # the peer's stage: without its llama.cpp source, its status and bench_llamacpp.sh's reason
     done = subprocess.run(["bash", str(script), "llama"], env={**env, "LLAMA_SRC": str(tmp_path / "no-source.tar.gz")},
                           capture_output=True, text=True, timeout=120)
