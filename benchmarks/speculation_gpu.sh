@@ -8,7 +8,8 @@
 #                                                            # plain decoding (bench_speculation_gpu.py), float32 then bf16
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh plain   # the loop's plain step taken apart (bench_plain_step.py),
 #                                                            # per dtype of DTYPES: in bf16 its decoder-rows arm
-#                                                            # prices oracle mode's fixed rows
+#                                                            # prices oracle mode's fixed rows; on CUDA then
+#                                                            # probe_row_invariant_linear.py (the dense products)
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh hybrid  # spec with every miss computed on the CPU (the hybrid
 #                                                            # guard pinned to GUARD_ARM, default host), plus the
 #                                                            # fetch-only plain arm plain-fetch every arm is compared with
@@ -67,7 +68,11 @@ case "$STAGE" in
     for dt in $DTYPES; do
       run "plain_step_$dt" "$PY" benchmarks/bench_plain_step.py "${COMMON[@]}" $EXTRA --dtype "$dt" --profile \
         --tokens "$TOKENS" --out "$OUT/plain_step_$dt.json"
-    done ;;
+    done
+    if [ "$DEVICE" = cuda ]; then  # what a row count costs the dense products, and whether they round a row alike
+      run row_invariant_linear "$PY" benchmarks/probe_row_invariant_linear.py --preset "$PRESET" --dtype bfloat16 \
+        --out "$OUT/row_invariant_linear.json"
+    fi ;;
 esac
 echo "stage $STAGE done in $(( $(date +%s) - t0 )) s, fail=$fail" >&2
 exit "$fail"
