@@ -13,7 +13,8 @@ with an idle link; use with mode auto-model-noahead or auto-model), ``nofill`` (
 fills of the CPU's hot experts), ``libattn`` (the library's attention modules in the graphs instead
 of the fused layer, offload/attn_triton.py: PDFLASH_FUSED_ATTENTION=0), ``resops`` (a host step's
 expert rows summed into the residual stream by torch ops instead of host_graph.moe_residual's one
-kernel: PDFLASH_FUSED_RESIDUAL=0). Each variant's JSON is OUTDIR/<variant, ':' as '_'>.json; one
+kernel: PDFLASH_FUSED_RESIDUAL=0). Each variant's JSON is OUTDIR/<variant, ':' as '_'>.json (a
+variant named again, a repeat, adds _2, _3, ...); one
 line per variant goes to stderr with its link rate and the cost model's CPU rate. Exit status 0,
 2 for a malformed variant.
 """
@@ -79,11 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         plan, _ = plan0(self, *a, **k)
         return [0] * len(plan), 0
 
+    seen: dict[str, int] = {}
     try:
         for mode, extra, zero, nofill, off, name in variants:
             CpuPlacement.split_plan = zero_plan if zero else plan0
             CpuPlacement.note_host = (lambda self, *a, **k: None) if nofill else note0
-            path = out / f"{name.replace(':', '_')}.json"
+            seen[name] = seen.get(name, 0) + 1  # a variant named again (a repeat) gets its own file
+            path = out / f"{name.replace(':', '_')}{'' if seen[name] == 1 else f'_{seen[name]}'}.json"
             print(f"== {name}", file=sys.stderr, flush=True)
             with contextlib.ExitStack() as switched:
                 for name_off in off:

@@ -154,8 +154,9 @@ def test_probe_graph_wait_refuses_bad_input_and_a_machine_without_cuda(capsys):
 def test_hybrid_variants_runs_each_variant_then_restores_the_code(tmp_path, capsys):
     """benchmarks/hybrid_variants.py: one check_hybrid_gpu.py run per variant with its knobs
     (threads, workers, chunks, a plan fetching nothing, no background fills, the library's
-    attention, the residual's torch ops), each JSON written, the patched methods and the
-    environment restored after; a malformed variant is refused with status 2."""
+    attention, the residual's torch ops), each JSON written (a repeated variant to a file of its
+    own), the patched methods and the environment restored after; a malformed variant is refused
+    with status 2."""
     import os
 
     from pdflash.offload.cpu_compute import CpuPlacement
@@ -164,13 +165,15 @@ def test_hybrid_variants_runs_each_variant_then_restores_the_code(tmp_path, caps
     before = (CpuPlacement.split_plan, CpuPlacement.note_host, OffloadedModel.__dict__["load"])  # load: never patched
     mod = _load("hybrid_variants")
     assert "PDFLASH_FUSED_ATTENTION" not in os.environ and "PDFLASH_FUSED_RESIDUAL" not in os.environ
-    rc = mod.main(["auto-model:t1:w3:c2:zero:nofill:libattn:resops,off:w1", str(tmp_path), "--in-memory", "tiny", "--device", "cpu",
-                   "--dtypes", "float32", "--tokens", "3"])
+    rc = mod.main(["auto-model:t1:w3:c2:zero:nofill:libattn:resops,off:w1,off:w1", str(tmp_path), "--in-memory", "tiny",
+                   "--device", "cpu", "--dtypes", "float32", "--tokens", "3"])
     assert rc == 0
     assert (CpuPlacement.split_plan, CpuPlacement.note_host, OffloadedModel.__dict__["load"]) == before
     assert "PDFLASH_FUSED_ATTENTION" not in os.environ and "PDFLASH_FUSED_RESIDUAL" not in os.environ
     model = json.loads((tmp_path / "auto-model_t1_w3_c2_zero_nofill_libattn_resops.json").read_text())["runs"][0]
     off = json.loads((tmp_path / "off_w1.json").read_text())["runs"][0]
+    again = json.loads((tmp_path / "off_w1_2.json").read_text())["runs"][0]  # the repeat: a file of its own
+    assert again["asked"] == "off" and again["token_ids"] == off["token_ids"]
     assert model["cpu_threads"] == 1 and model["asked"] == "auto-model" and off["asked"] == "off"
     assert model["scheduler_workers"] == 3 and off["scheduler_workers"] == 1
     assert model["fused_attention"] is False  # the CPU: the fused layer runs only on CUDA (or the interpreter, asked)
