@@ -705,8 +705,6 @@ class LayerReport:
     figures of :meth:`CpuLayer.result`, ``clock``, ``fetch_result`` and ``ahead_result``. The
     layers stay referenced; close them only after their report's last use."""
 
-    FIELDS = 10  # PF_LAYER_REPORT: status, experts, ns, runs, begin, kernel, wait ns, sent, used, unused
-
     def __init__(self, layers: list[CpuLayer]):
         if not layers:
             raise CpuExpertError("a layer report names at least one layer")
@@ -717,7 +715,9 @@ class LayerReport:
         self._layers = list(layers)
         self._ctx = self._ffi.new("pf_layer *[]", [lay._L for lay in layers])
         self._n = len(layers)
-        self._out = self._ffi.new("int64_t[]", self._n * self.FIELDS)
+        # a row: status, experts, ns, runs, begin, kernel, wait ns, sent, used, unused (pf_layer.h)
+        self._fields = int(self._lib.PF_LAYER_REPORT)
+        self._out = self._ffi.new("int64_t[]", self._n * self._fields)
 
     def check(self, runs: list[int]) -> list[tuple[float, int, int, float, int, int, int]]:
         """Raise if a layer's launched runs did not all happen or its last one failed (as
@@ -726,7 +726,7 @@ class LayerReport:
             lay._live()
         if self._lib.pf_layer_report(self._ctx, self._n, self._out) != 0:
             raise CpuExpertError("layer report: a layer is closed")
-        F = self.FIELDS
+        F = self._fields
         vals = self._ffi.unpack(self._out, self._n * F)
         out = []
         for i, lay in enumerate(self._layers):
