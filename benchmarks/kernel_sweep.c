@@ -33,11 +33,7 @@ static uint32_t rnd(void) {
     return (uint32_t)(rng_state >> 32);
 }
 
-static double seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+static double seconds(void) { return 1e-9 * (double)now_ns(); } /* pf_cpu.c's monotonic clock */
 
 static int cmp_double(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;

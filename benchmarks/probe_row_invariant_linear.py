@@ -44,6 +44,8 @@ import_pdflash()
 
 import torch  # noqa: E402
 
+from bench_offload_gpu import cuda_time  # noqa: E402
+
 BLOCK_M = 16  # rows a program holds: every product of up to 16 rows runs the same instructions
 
 
@@ -98,21 +100,16 @@ def shapes(preset: str, scale: int) -> dict[str, tuple[int, int, bool]]:
 
 
 def timed(fn, iters: int, cuda: bool) -> float:
-    """Median seconds of fn() over iters calls (after one warm-up)."""
+    """Median seconds of fn() over iters calls (after one warm-up): CUDA events on CUDA
+    (bench_offload_gpu.cuda_time), the wall clock elsewhere."""
     fn()
+    if cuda:
+        return statistics.median(cuda_time(fn, iters))
     times = []
     for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
