@@ -41,7 +41,7 @@ from pdflash.offload.graphs import GraphedDecoder  # noqa: E402
 from pdflash.offload.runtime import OffloadedModel  # noqa: E402
 from pdflash.offload.synthetic import write_checkpoint  # noqa: E402
 
-ARMS = {"host": "host", "all": "all"}  # --mode -> the guard's arm that runs it
+MODES = ("all", "host")  # --mode: the guard's arm pinned, whose host steps are timed
 PRESET = replace(ModelPreset.from_name("tiny"), name="tiny-36x128", num_hidden_layers=36, num_local_experts=128,
                  layer_types=())  # gpt-oss-120b's layers and experts at the tiny preset's width
 
@@ -78,7 +78,7 @@ def measure(path: Path, mode: str, cache_fraction: float, steps: int, repeats: i
             dec = GraphedDecoder(rt, max_len=n, graphs=False, min_bucket=n)  # one bucket: one capture
             tok = int(dec.prefill(list(range(3, 19))).argmax())
             dec.graphs = True
-            guard.pin(ARMS[mode])
+            guard.pin(mode)
             tok = int(dec.decode(tok).argmax())  # the capture: its step function runs once
             for _ in range(repeats):
                 spent[0] = 0.0
@@ -97,7 +97,7 @@ def measure(path: Path, mode: str, cache_fraction: float, steps: int, repeats: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=sorted(ARMS), default="host")
+    ap.add_argument("--mode", choices=MODES, default="host")
     ap.add_argument("--cache-fraction", type=float, default=0.1408, help="expert cache, a fraction of all experts")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
