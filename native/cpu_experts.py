@@ -393,6 +393,30 @@ class CpuExperts:
         if rc != 0:
             raise CpuExpertError(f"set_active: {self._strerror(rc)}")
 
+    @property
+    def invariant(self) -> bool:
+        """Whether the calls are batch invariant (:meth:`set_invariant`)."""
+        c = self._enter()
+        try:
+            return bool(self._lib.pf_cpu_invariant(c))
+        finally:
+            self._leave()
+
+    def set_invariant(self, on: bool) -> None:
+        """Batch invariance (``pf_cpu_set_invariant``): on, every (token, expert) pair of a call is
+        computed by the same kernel whatever the number of tokens routed to its expert, so a
+        token's result does not depend on the other tokens of its call; off (the default), an
+        expert with several tokens takes the AMX tiles where they run, which round their sums
+        apart from the one-token kernels. For the calls of speculative decoding's batch-invariant
+        verify."""
+        c = self._enter()
+        try:
+            rc = self._lib.pf_cpu_set_invariant(c, 1 if on else 0)
+        finally:
+            self._leave()
+        if rc != 0:
+            raise CpuExpertError(f"set_invariant: {self._strerror(rc)}")
+
     def prewake(self, us: int) -> None:
         """Wake the pool's sleeping threads now; they poll for the next call for up to ``us``
         microseconds (0 .. 100000) before they sleep again (``pf_cpu_prewake``). For a caller that

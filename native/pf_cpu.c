@@ -908,6 +908,7 @@ struct pf_cpu {
     _Atomic int stop;
     _Atomic uint64_t linger_until; /* pf_cpu_prewake: idle workers poll until then (monotonic ns; written under mu) */
     _Atomic int active;           /* pf_cpu_set_active: threads 0 .. active-1 take part in jobs and prewakes */
+    _Atomic int invariant;        /* pf_cpu_set_invariant: no AMX tiles, whatever an expert's token count */
     uint32_t seq;                 /* the last phase published (under mu) */
     int last_phase;               /* the job ends after this phase (under mu) */
     job cur;                      /* written by the caller before the job's first phase is published */
@@ -1330,6 +1331,7 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     c->level = level;
     c->threads = threads;
     atomic_init(&c->active, threads);
+    atomic_init(&c->invariant, 0);
     c->mx_rows = mx_rows_scalar;
     c->dense_cols = dense_cols_scalar;
     c->read = read_scalar;
@@ -1454,6 +1456,14 @@ int pf_cpu_set_active(pf_cpu *c, int n) {
 
 int pf_cpu_active(pf_cpu *c) { return c ? atomic_load_explicit(&c->active, memory_order_relaxed) : PF_CPU_EINVAL; }
 
+int pf_cpu_set_invariant(pf_cpu *c, int on) {
+    if (!c) return PF_CPU_EINVAL;
+    atomic_store_explicit(&c->invariant, on != 0, memory_order_relaxed);
+    return PF_CPU_OK;
+}
+
+int pf_cpu_invariant(pf_cpu *c) { return c ? atomic_load_explicit(&c->invariant, memory_order_relaxed) : PF_CPU_EINVAL; }
+
 /* grow *buf to at least n elements of `size` bytes (contents not kept) */
 static int reserve(void **buf, size_t *cap, size_t n, size_t size) {
     if (*cap >= n) return 0;
@@ -1510,6 +1520,8 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
         return PF_CPU_ENOMEM;
     }
     int first1 = 0, first2 = 0, base = 0;
+    /* AMX tiles for experts of AMX_MIN_TOKENS tokens or more, unless the calls are batch invariant */
+    const int amx = c->mx_rows_amx != NULL && !atomic_load_explicit(&c->invariant, memory_order_relaxed);
     for (int k = 0; k < n; k++) {
         const int T = counts[k], I = w[k]->inter, unit = unit_of(w[k]);
         const int mx = w[k]->format == PF_CPU_MXFP4;
@@ -1519,8 +1531,8 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
         tk->T = T;
         tk->bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL;
         tk->bf16_h = mx && w[k]->round_bf16 && c->mx_rows_bf16 != NULL;
-        tk->amx_x = tk->bf16_x && c->mx_rows_amx != NULL && T >= AMX_MIN_TOKENS;
-        tk->amx_h = tk->bf16_h && c->mx_rows_amx != NULL && T >= AMX_MIN_TOKENS;
+        tk->amx_x = tk->bf16_x && amx && T >= AMX_MIN_TOKENS;
+        tk->amx_h = tk->bf16_h && amx && T >= AMX_MIN_TOKENS;
         tk->scale = scale ? scale + base : NULL;
         tk->dest = dest + base;
         tk->xo = tk->bf16_x ? nb : nx;

@@ -123,6 +123,16 @@ int pf_cpu_threads(const pf_cpu *c);
 int pf_cpu_set_active(pf_cpu *c, int n);
 int pf_cpu_active(pf_cpu *c); /* the count set last, or PF_CPU_EINVAL for NULL */
 
+/* Batch invariance. With on != 0, every (token, expert) pair of a call is computed by the same
+ * kernel whatever the number of tokens routed to its expert, so a token's result does not
+ * depend on the other tokens of its call (speculative decoding's batch-invariant verify: a
+ * position's logits the same in any verify block). Off (0, the default), an expert with
+ * AMX_MIN_TOKENS or more tokens takes the AMX tiles where they run, which sum in another order
+ * than the vector kernels, so its tokens' results differ in the last bits from one-token calls.
+ * Calls that start after it see it; callable from any thread. PF_CPU_EINVAL for NULL. */
+int pf_cpu_set_invariant(pf_cpu *c, int on);
+int pf_cpu_invariant(pf_cpu *c); /* 1 or 0 as set last, or PF_CPU_EINVAL for NULL */
+
 /* out[T][H] (float32, row-major) = the expert applied to x[T][H] (x_format PF_CPU_F32
  * or PF_CPU_BF16, row-major, rows x_stride elements apart, x_stride >= H), 1 <= T <=
  * PF_CPU_MAX_TOKENS. Blocks (GIL released by the Python binding) until done. */

@@ -121,6 +121,12 @@ class CpuRunner:
             units = n * self._units(1) if tokens == n else sum(self._units(t) for t in expert_tokens)
             self._account(n, tokens, units, seconds)
 
+    def set_invariant(self, on: bool) -> None:
+        """Batch invariance of the calls from now on (speculative decoding's batch-invariant
+        verify): a token's result the same whatever other tokens share its call. The native kernel
+        switches between its kernels by token count (CpuExpertRunner); a runner through PyTorch
+        (TorchCpuExperts) has no such switch of its own, nothing to set."""
+
     def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, H] on the host -> the expert's output [n, H] float32 (no routing weight)."""
         t0 = time.perf_counter()
@@ -229,6 +235,7 @@ class CpuExpertRunner(CpuRunner):
         self.threads = self.kernel.threads
         self.fetch_threads = self.threads  # the threads that work while fetches may run (use_threads)
         self._working = self.threads  # the pool's active count, as last set
+        self._invariant = False  # the kernel's batch invariance, as last set (set_invariant)
         self.level = self.kernel.level
         self.max_tokens = MAX_TOKENS
         self._weights: dict[tuple[int, int], object] = {}
@@ -238,6 +245,14 @@ class CpuExpertRunner(CpuRunner):
         self._slots_ptr = None
         self.hidden = (self.layout.piece("down_proj_blocks").shape[0] if self.layout.quantized
                        else self.layout.piece("down_proj").shape[1])
+
+    def set_invariant(self, on: bool) -> None:
+        """The kernel's batch invariance (CpuExperts.set_invariant: no AMX tiles for experts of
+        several tokens while on), set only when it changes: every step of a decoder asks."""
+        on = bool(on)
+        if on != self._invariant:
+            self.kernel.set_invariant(on)
+            self._invariant = on
 
     def share_with_fetches(self, threads: int) -> None:
         """From now on only ``threads`` of the pool's threads work (the others sleep), except in

@@ -48,7 +48,9 @@ on how many tokens its forward held (a verify block of 4 and a single-token step
 on random weights near-tied argmaxes flip). With ``rows`` every step (``decode`` and ``forward``
 of 1 .. R tokens) runs R rows: the tokens, then copies of the last one at the next positions,
 which no real row can see (causal mask) and which the next forward overwrites; the experts run on
-the real rows only (their kernels compute each (token, expert) pair alone), and every step
+the real rows only (their kernels compute each (token, expert) pair alone; the native CPU kernel
+keeps its AMX tiles, which experts of several tokens would take, off for these steps:
+``OffloadedModel.set_batch_invariant``), and every step
 attends to the whole cache (one key length), so a position's arithmetic is the same whatever
 block it is in and wherever in the block. The prefill is not padded (it is one computation per
 prompt). The cache holds ``max_len + R - 1`` positions for the padding rows.
@@ -481,6 +483,7 @@ class GraphedDecoder:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
         self.length = 0
         self.rt.begin_sequence(self.max_len - int(ids.shape[1]))  # at most that many steps follow
+        self.rt.set_batch_invariant(False)  # the prompt is one computation however it is verified
         feats = []  # every chunk's tapped outputs: the draft needs all the prompt's positions
 
         def run(chunk: torch.Tensor, start: int) -> torch.Tensor:
@@ -497,6 +500,7 @@ class GraphedDecoder:
         """Feed one token; returns its next-token logits [1, V] (float32)."""
         if self.length >= self.max_len:
             raise PdflashError(f"the sequence reached {self.max_len} positions, the most this decoder holds")
+        self.rt.set_batch_invariant(self.rows is not None)
         with torch.inference_mode():
             if self.graphs:
                 return self._step_graphed([int(token_id)])[0]
@@ -506,6 +510,7 @@ class GraphedDecoder:
         """Feed T tokens at the current length (a verify block); returns (logits [T, V] float32,
         ``tap_layers`` outputs [1, T, K*H] or None). Graphed when the decoder is, eager otherwise."""
         tokens = [int(t) for t in tokens]
+        self.rt.set_batch_invariant(self.rows is not None)  # the CPU experts too (fixed rows)
         with torch.inference_mode():
             if self.graphs:
                 return self._step_graphed(tokens)

@@ -465,6 +465,15 @@ class OffloadedModel:
         if self._closed:
             raise PdflashError("this OffloadedModel is closed; load the model again")
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """Whether the CPU experts' calls are batch invariant from now on (CpuRunner.set_invariant):
+        a batch-invariant verify decoder's steps ask for it (offload/graphs.py, fixed rows), so that a
+        position's experts compute alike in any verify block; its prefill and every other decoder's
+        forwards ask for the kernel's fastest choice."""
+        for runner in (self.cpu, self.slot_cpu if self.slot_cpu is not self.cpu else None):
+            if runner is not None:
+                runner.set_invariant(on)
+
     def begin_sequence(self, steps: int | None = None) -> None:
         """A new sequence starts (its prompt comes next), of at most ``steps`` decode steps (None:
         unknown): the time since the last forward holds whatever ran between two sequences and is

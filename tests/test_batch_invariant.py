@@ -59,6 +59,34 @@ def test_fixed_rows_give_every_position_the_same_bits_in_any_block(wide_pair):
         assert len(got[0]) == len(got[5]) == 4 and len(got[6]) == 3  # (blocks of 3 stop at position 5)
 
 
+def test_fixed_rows_steps_make_the_cpu_experts_batch_invariant(wide_pair):
+    """Every expert on the CPU (the native kernel): a fixed-rows decoder's steps turn the kernel's
+    batch invariance on (no AMX tiles for experts of several tokens: where a CPU has them they round
+    apart from one-token calls), its prefill and a decoder without fixed rows turn it off, and every
+    position gets the same bits in any block."""
+    with OffloadedModel.load(wide_pair / "target", cpu_experts="all") as rt:
+        kernel = rt.cpu.kernel
+        dec = GraphedDecoder(rt, max_len=len(PROMPT) + 8, graphs=False, rows=4)
+        dec.prefill(PROMPT)
+        assert not kernel.invariant  # the prompt: the kernel's fastest choice
+        dec.decode(TOKENS[0])
+        assert kernel.invariant
+        other = GraphedDecoder(rt, max_len=len(PROMPT) + 8, graphs=False)
+        other.prefill(PROMPT)
+        other.forward(TOKENS[:3])
+        assert not kernel.invariant
+        dec.truncate(len(PROMPT))
+        dec.forward(TOKENS[:3])
+        assert kernel.invariant
+        experts0 = rt.cpu.experts
+        got = _rows_by_block(dec, (1, 2, 3, 4))
+        assert rt.cpu.experts > experts0  # the CPU computed them
+        for pos, by_block in got.items():
+            first = next(iter(by_block.values()))
+            for key, logits in by_block.items():
+                assert torch.equal(logits, first), f"position {pos}: block {key} rounds apart"
+
+
 def test_fixed_rows_compute_the_model(wide_pair):
     """float32: the padded forward computes what the unpadded one does (padding rows reach no real
     row), the experts run on the real tokens only, and the features are the real rows'."""

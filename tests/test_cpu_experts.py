@@ -323,7 +323,10 @@ def test_c_stress_quick(tmp_path):
 def test_amx_kernel_layout_with_software_tiles(tmp_path):
     """native/stress/amx_check.c: the AMX kernel (decode, scale fold, lane transpose, B-tile
     order, partial blocks, the exact fallback) with tile operations emulated in C, against the
-    portable kernel. On a CPU with AMX the tests above run the real tiles at level amx_bf16."""
+    portable kernel, and the batch invariance of whole calls on a context given those tiles
+    (pf_cpu_set_invariant: each token of a call the bits of its one-token call; off, the tiles take
+    the calls of 4 tokens or more and some result differs). On a CPU with AMX the tests above run
+    the real tiles at level amx_bf16."""
     stress_programs.run_quick(tmp_path, "amx_check", [])
 
 
@@ -618,6 +621,33 @@ def test_a_pool_with_fewer_active_threads_computes_the_same_and_joins_no_more():
             assert all(p["threads"] <= n for p in k.last_timing()["phases"].values())
     with pytest.raises(CpuExpertError, match="closed"):
         k.set_active(1)
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_batch_invariant_calls_give_each_token_its_one_token_result(level):
+    """CpuExperts.set_invariant: while on, every token of a call of 1..16 tokens (bf16 inputs, a
+    model rounding like bf16: the inputs the AMX tiles take) gets the bits of its one-token call,
+    at every level this CPU runs (amx_bf16 included where it runs: the tiles are off then); off
+    again, the calls compute what the default computes; a closed pool says so."""
+    H, I = 2880 // 10, 2880 // 10
+    w, _ = mxfp4_expert(H, I, seed=12)
+    w = ExpertWeights.mxfp4(*(w.tensors[n] for n in ("gate_up", "gate_up_scales", "gate_up_bias", "down",
+                                                      "down_scales", "down_bias")), round_bf16=True)
+    x = torch.randn(16, H, generator=torch.Generator().manual_seed(13)).bfloat16()
+    with CpuExperts(threads=2, level=level) as k:
+        default = [k.forward(w, x[:T]) for T in range(1, 17)]
+        assert k.invariant is False
+        k.set_invariant(True)
+        assert k.invariant is True
+        alone = torch.cat([k.forward(w, x[i:i + 1]) for i in range(16)])
+        for T in range(1, 17):
+            assert torch.equal(k.forward(w, x[:T]), alone[:T]), f"T = {T}"
+        k.set_invariant(False)
+        assert k.invariant is False
+        for T in (1, 4, 16):
+            assert torch.equal(k.forward(w, x[:T]), default[T - 1])
+    with pytest.raises(CpuExpertError, match="closed"):
+        k.set_invariant(True)
 
 
 def test_the_runner_gives_steps_without_fetches_every_thread_and_others_their_share(monkeypatch, tmp_path):

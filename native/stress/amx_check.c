@@ -96,6 +96,59 @@ static void check(int in, int rows, int T, int r0, int r1, int extreme) {
     free(ref);
 }
 
+/* The whole call (pf_cpu_expert: token rows, gate_up, SwiGLU, down) on a context whose AMX kernel is
+ * the software tiles: with pf_cpu_set_invariant on, each token of a T-token call (T >= AMX_MIN_TOKENS,
+ * the tiles' range) gives its one-token call's result bit for bit; off, the tiles take those calls
+ * and, where the sums are long enough to round (`must_differ`: gpt-oss's 2880), some result differs
+ * in the last bits (the check that the tiles ran at all; short sums of bf16 products are exact in
+ * any order). */
+static void check_invariant(int H, int I, int must_differ) {
+    pf_cpu *c;
+    if (pf_cpu_create(2, PF_CPU_LEVEL_AVX512_BF16, &c) != PF_CPU_OK) {
+        printf("amx_check: invariance skipped (no avx512_bf16 context here)\n");
+        return;
+    }
+    c->mx_rows_amx = mx_rows_amx; /* what an AMX level sets; the tiles are software ones here */
+    const int G1 = H / 32, G2 = I / 32, T = 16;
+    uint8_t *gb = malloc((size_t)2 * I * G1 * 16), *gs = malloc((size_t)2 * I * G1);
+    uint8_t *db = malloc((size_t)H * G2 * 16), *ds = malloc((size_t)H * G2);
+    uint16_t *x = malloc((size_t)T * H * sizeof(uint16_t));
+    float *one = malloc((size_t)T * H * sizeof(float)), *all = malloc((size_t)T * H * sizeof(float));
+    for (int i = 0; i < 2 * I * G1 * 16; i++) gb[i] = (uint8_t)rnd();
+    for (int i = 0; i < 2 * I * G1; i++) gs[i] = (uint8_t)(119 + rnd() % 9);
+    for (int i = 0; i < H * G2 * 16; i++) db[i] = (uint8_t)rnd();
+    for (int i = 0; i < H * G2; i++) ds[i] = (uint8_t)(119 + rnd() % 9);
+    for (int i = 0; i < T * H; i++) x[i] = to_bf16(((float)(rnd() % 2001) - 1000.0f) / 1000.0f);
+    pf_cpu_weights w = {.format = PF_CPU_MXFP4, .hidden = H, .inter = I, .gate_up = gb, .gate_up_scales = gs,
+                        .down = db, .down_scales = ds, .alpha = 1.702f, .limit = 7.0f, .round_bf16 = 1};
+    int ok = pf_cpu_invariant(c) == 0 && pf_cpu_set_invariant(NULL, 1) == PF_CPU_EINVAL
+             && pf_cpu_invariant(NULL) == PF_CPU_EINVAL;
+    for (int t = 0; t < T; t++)
+        ok = ok && pf_cpu_expert(c, &w, x + (size_t)t * H, PF_CPU_BF16, 1, H, one + (size_t)t * H) == PF_CPU_OK;
+    int differs = 0;
+    for (int inv = 0; inv < 2; inv++) {
+        ok = ok && pf_cpu_set_invariant(c, inv ? 7 : 0) == PF_CPU_OK && pf_cpu_invariant(c) == inv;
+        for (int n = AMX_MIN_TOKENS; n <= T; n += 3) {
+            ok = ok && pf_cpu_expert(c, &w, x, PF_CPU_BF16, n, H, all) == PF_CPU_OK;
+            const int same = memcmp(all, one, (size_t)n * H * sizeof(float)) == 0;
+            if (inv) ok = ok && same;
+            else differs += !same;
+        }
+    }
+    char what[128];
+    snprintf(what, sizeof what, "invariance H %d I %d: one-token results in every call (AMX taken off: %d calls differ)",
+             H, I, differs);
+    count(ok && (differs > 0 || !must_differ), what);
+    pf_cpu_destroy(c);
+    free(gb);
+    free(gs);
+    free(db);
+    free(ds);
+    free(x);
+    free(one);
+    free(all);
+}
+
 int main(int argc, char **argv) {
     int quick = 0;
     for (int i = 1; i < argc; i++) {
@@ -129,6 +182,10 @@ int main(int argc, char **argv) {
                 check(in, 40, T, 8, 24, 2);    /* a scale of 255 (inf weights) */
             }
         }
+#ifndef PF_AMX_HARDWARE
+    check_invariant(160, 96, 0);
+    check_invariant(2880, 2880, 1);
+#endif
     printf("amx_check: %d passed, %d failed\n", passed, failed);
     return failed != 0;
 }

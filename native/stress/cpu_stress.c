@@ -18,7 +18,8 @@
  *   pool      back-to-back jobs on a pool of more threads than cores: stream reads of
  *             random sizes (some without a whole word) between batched calls, while another
  *             thread keeps changing how many of the pool's threads take part
- *             (pf_cpu_set_active); then a fixed count that no phase exceeds.
+ *             (pf_cpu_set_active) and whether its calls are batch invariant
+ *             (pf_cpu_set_invariant); then a fixed count that no phase exceeds.
  *   shared    several threads call one context at once (calls are serialized) and their
  *             own contexts, each checking its results; contexts are created and destroyed
  *             while others run.
@@ -398,6 +399,7 @@ static void phase_api(void) {
     pf_cpu_destroy(NULL);
     CHECK(pf_cpu_prewake(NULL, 10) == PF_CPU_EINVAL);
     CHECK(pf_cpu_set_active(NULL, 1) == PF_CPU_EINVAL && pf_cpu_active(NULL) == PF_CPU_EINVAL);
+    CHECK(pf_cpu_set_invariant(NULL, 1) == PF_CPU_EINVAL && pf_cpu_invariant(NULL) == PF_CPU_EINVAL);
 
     CHECK(pf_cpu_create(2, PF_CPU_LEVEL_SCALAR, &c) == PF_CPU_OK);
     uint64_t rng = 5;
@@ -535,11 +537,13 @@ struct toggler {
     int sets;
 };
 
-/* Changes the pool's active thread count (1 .. 8) every few microseconds while jobs run. */
+/* Changes the pool's active thread count (1 .. 8) and its batch invariance every few microseconds
+ * while jobs run. */
 static void *toggler_main(void *p) {
     struct toggler *t = p;
     while (!atomic_load(&t->stop)) {
         t->sets += pf_cpu_set_active(t->c, 1 + (int)(rng_next(&t->rng) % 8)) == PF_CPU_OK;
+        t->sets += pf_cpu_set_invariant(t->c, (int)(rng_next(&t->rng) % 2)) == PF_CPU_OK;
         struct timespec ts = {0, 20000 + (long)(rng_next(&t->rng) % 60000)};
         nanosleep(&ts, NULL);
     }
