@@ -535,15 +535,20 @@ struct toggler {
     uint64_t rng;
     _Atomic int stop;
     int sets;
+    /* held across both calls of a batched check and around each invariance change: a batch and the
+     * single calls it is compared with must round alike (AMX tiles or not) to match bit for bit */
+    pthread_mutex_t invariance;
 };
 
 /* Changes the pool's active thread count (1 .. 8) and its batch invariance every few microseconds
- * while jobs run. */
+ * while jobs run (an invariance change waits for a batched check in progress, see above). */
 static void *toggler_main(void *p) {
     struct toggler *t = p;
     while (!atomic_load(&t->stop)) {
         t->sets += pf_cpu_set_active(t->c, 1 + (int)(rng_next(&t->rng) % 8)) == PF_CPU_OK;
+        pthread_mutex_lock(&t->invariance);
         t->sets += pf_cpu_set_invariant(t->c, (int)(rng_next(&t->rng) % 2)) == PF_CPU_OK;
+        pthread_mutex_unlock(&t->invariance);
         struct timespec ts = {0, 20000 + (long)(rng_next(&t->rng) % 60000)};
         nanosleep(&ts, NULL);
     }
@@ -559,6 +564,7 @@ static void phase_pool(int quick, uint64_t seed) {
     }
     /* the active thread count changes under the jobs (pf_cpu_set_active): every job still completes, exactly */
     struct toggler tog = {.c = c, .rng = seed + 11};
+    pthread_mutex_init(&tog.invariance, NULL);
     pthread_t tt;
     int toggling = pthread_create(&tt, NULL, toggler_main, &tog) == 0;
     const size_t cap = (size_t)3 << 20;
@@ -569,7 +575,9 @@ static void phase_pool(int quick, uint64_t seed) {
         if (i % 3 == 0) /* workers polling after a prewake must take the next job as sleepers do */
             CHECK(pf_cpu_prewake(c, (unsigned)(rng_next(&rng) % 400)) == PF_CPU_OK);
         if (i % 2) {
+            pthread_mutex_lock(&tog.invariance);
             good += random_batch(c, &rng);
+            pthread_mutex_unlock(&tog.invariance);
             continue;
         }
         size_t n = (size_t)(rng_next(&rng) % 4 == 0 ? rng_next(&rng) % 8 : rng_next(&rng) % cap);
@@ -585,6 +593,7 @@ static void phase_pool(int quick, uint64_t seed) {
         atomic_store(&tog.stop, 1);
         pthread_join(tt, NULL);
     }
+    pthread_mutex_destroy(&tog.invariance);
     char what[96];
     snprintf(what, sizeof what, "pool: %d/%d back-to-back jobs match (active count set %d times meanwhile)", good, total,
              tog.sets);
