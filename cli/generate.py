@@ -21,6 +21,24 @@ from pdflash import GenerationInterrupted, Interrupted, PdflashError
 DEFAULT_DEVICE = "auto"
 
 
+def _open_trace(path: Path | None):
+    """The --trace file, open for writing (None without --trace); a path that cannot be written is
+    refused before anything loads."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise PdflashError(f"--trace {path} is a directory: give a file path, e.g. {path / 'trace.jsonl'}", exit_code=2)
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise PdflashError(f"cannot write --trace {path}: {exc.strerror or exc}; give a writable file path",
+                           exit_code=2) from None
+
+
+def _trace_line(f, row: dict) -> None:
+    f.write(json.dumps(row) + "\n")
+
+
 def _read_prompt(prompt: str) -> str:
     """The prompt text: the argument, or stdin for '-'; it must be UTF-8 and not blank."""
     if prompt == "-":
@@ -389,6 +407,7 @@ def generate(
     cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: decode steps and verify blocks try fetch-only, every routed expert on the CPU, the cost model's per-layer split and every missing expert on the CPU, and keep the fastest; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all (every expert on the CPU: the fastest on a host whose DRAM outruns its link). Default: auto.", show_default=False)] = None,
     cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use; beside a GPU every core but two, and while fetches may run one fewer per copy worker).")] = None,
     cuda_graphs: Annotated[bool | None, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay each layer's non-expert part as a CUDA graph, for plain steps and every verify block length, and the draft's passes (default: on CUDA, off elsewhere).", show_default=False)] = None,
+    trace: Annotated[Path | None, typer.Option(help="Write one JSON line per decode step to this file: its wall time since the previous step ended (step_ms), and with a draft the block length, acceptance, draft and verify time and the planner's prediction. Overwrites the file.")] = None,
 ) -> None:
     """Generate text; the experts stay in host memory and are fetched into a device cache on demand.
 
@@ -420,6 +439,7 @@ def generate(
                                acceptance=draft_acceptance, temperature=temperature, lookup=prompt_lookup,
                                batch_invariant=batch_invariant)
     text = _read_prompt(prompt)
+    trace_file = _open_trace(trace)
     draw = live_enabled(live, json_out)
     opts = _load_options(
         device=device, dtype=dtype, expert_cache_mib=expert_cache_mib, expert_cache_experts=expert_cache_experts,
@@ -440,11 +460,27 @@ def generate(
             cuda_graphs = rt.device.type == "cuda"
         rate: dict[str, Any] = {"n": 0, "tps": None}
 
+        last_end = [None]  # when the previous decode step ended (perf_counter), for --trace
+
+        def step_ms() -> float | None:
+            now = time.perf_counter()
+            ms = None if last_end[0] is None else round(1e3 * (now - last_end[0]), 3)
+            last_end[0] = now
+            return ms
+
         def on_step(step) -> None:
             rate["n"] = step.index + 1
             rate["tps"] = step.tokens_per_second
+            if trace_file is not None and spec is None:  # plain decoding: one line per token
+                _trace_line(trace_file, {"step": step.index, "token": step.token_id, "step_ms": step_ms()})
 
         def on_verify(step) -> None:  # speculative decoding: one call per verify pass
+            if trace_file is not None:
+                _trace_line(trace_file, {
+                    "step": step.step, "block": step.block_size, "accepted": step.accepted,
+                    "committed": len(step.committed), "shadow": step.shadow_block, "step_ms": step_ms(),
+                    "draft_ms": round(1e3 * step.draft_seconds, 3), "verify_ms": round(1e3 * step.verify_seconds, 3),
+                    "predicted_ms": None if step.predicted_seconds is None else round(1e3 * step.predicted_seconds, 3)})
             rate["verifies"] = rate.get("verifies", 0) + 1
             rate["committed"] = rate.get("committed", 0) + len(step.committed)
             rate["prefetched"] = step.route_ahead_submitted
@@ -492,6 +528,9 @@ def generate(
                                   on_step=on_step, spec=spec, on_verify=on_verify, cuda_graphs=cuda_graphs)
         except GenerationInterrupted as stop:
             _report_interrupted(rt, stop.token_ids, len(ids), max_new_tokens, json_out)
+        finally:
+            if trace_file is not None:
+                trace_file.close()
         out_text = rt.tokenizer.decode(res.token_ids)
         report = _report(rt, res, out_text, extra, load_s)
     if json_out:

@@ -175,3 +175,28 @@ def test_draft_options_without_a_draft_and_bad_drafts(run, mx_pair, tmp_path):
     got, _, err = _gen(run, mx_pair, "--draft", wrong)
     assert got == 1 and "hidden size 128 does not match the target's 64" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_trace_writes_a_line_per_step(run, mx_pair, tmp_path):
+    """--trace: one JSON line per verify pass (speculative) or per token (plain), whose blocks and
+    commits add up to the run's own report; a path that cannot be written is refused up front."""
+    path = tmp_path / "steps.jsonl"
+    code, out, err = _gen(run, mx_pair, "--json", "--draft", mx_pair / "draft", "--block-size", 3,
+                          "--expert-cache-experts", 6, "--trace", path)
+    assert code == 0, err
+    rep = json.loads(out)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == rep["verify_steps"] and [r["step"] for r in lines] == list(range(1, len(lines) + 1))
+    assert sum(r["committed"] for r in lines) == rep["generated_tokens"] - 1  # the first token is the prompt's
+    assert sum(r["accepted"] for r in lines) == sum(r["committed"] for r in lines) - len(lines)
+    assert lines[0]["block"] == 3 and all(r["block"] <= 3 for r in lines) and lines[0]["step_ms"] is None
+    assert all(r["step_ms"] >= r["verify_ms"] > 0 for r in lines[1:])
+    assert abs(sum(r["verify_ms"] for r in lines) - rep["verify_ms"]) < 1e-2 * len(lines)
+    code, out, err = _gen(run, mx_pair, "--json", "--trace", path)  # plain: a line per generated token
+    assert code == 0, err
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["token"] for r in lines] == json.loads(out)["token_ids"]
+    assert all(r["step_ms"] > 0 for r in lines[1:])
+    for bad, message in ((tmp_path, "is a directory"), (tmp_path / "missing" / "t.jsonl", "cannot write --trace")):
+        code, out, err = _gen(run, mx_pair, "--trace", bad)
+        assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
