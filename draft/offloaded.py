@@ -187,8 +187,9 @@ def verify_decoder(rt, draft: DFlashDraftModel, max_len: int, acceptance: float 
     outcome = None
     if check:  # every length the draft can verify, once per runtime: a reference and the runs after it agree
         plain = GraphedDecoder.shared(rt, max_len, rows=None, graphs=graphs)
-        plain.invariant = True
+        plain.invariant = True  # as it would serve: its CPU experts' calls batch invariant
         outcome = "agree" if _rows_agree_once(rt, plain, probe, range(1, int(draft.config.block_size) + 1)) else "differ"
+        plain.invariant = False
         if outcome == "agree":
             batch_invariant = False
     rows = int(draft.config.block_size) if batch_invariant else None
@@ -210,11 +211,11 @@ def rows_agree(dec, prompt: Sequence[int], lengths: Sequence[int], tokens: Seque
     decoder's own greedy continuation, what oracle mode's verify blocks hold) are fed one at a
     time, then as blocks of each length L at every L-aligned start (each position checked at
     several places in a block, against several key lengths); every logit of the vocabulary is
-    compared bit for bit. Whether blocks and steps
-    round alike depends on the machine's kernels for each row count (cuBLAS on an H100 at the
-    gpt-oss-20b shape: alike for 1..8 rows, benchmarks/probe_row_invariant_linear.py) and, where
-    a step attends to just its keys (eager), on the values summed: a check, not a proof; oracle
-    mode counts any divergence that follows. Leaves ``dec`` holding ``prompt``."""
+    compared bit for bit. Whether blocks and steps round alike depends on the machine's kernels
+    for each row count (cuBLAS on an H100 at the gpt-oss-20b shape: alike for 1..8 rows,
+    benchmarks/probe_row_invariant_linear.py) and, where a step attends to just its keys (eager),
+    on the values summed: a check, not a proof; oracle mode counts any divergence that follows.
+    Leaves ``dec`` holding ``prompt``."""
     prompt = [int(t) for t in prompt]
     n = min(span or max(8, 2 * max(lengths)), dec.max_len - len(prompt))
     wanted = [b for b in sorted(set(lengths)) if 2 <= b <= n]
