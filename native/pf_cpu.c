@@ -1348,7 +1348,12 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
         c->chunked = 1;
     }
     if (level >= PF_CPU_LEVEL_AVX512_BF16) c->mx_rows_bf16 = mx_rows_bf16;
+#if defined(PF_AMX_EMULATE) && defined(PF_AMX_EMULATE_CONTEXTS)
+    /* a test build (tests/test_cpu_experts.py): the software tiles stand in for AMX wherever the bf16 kernels run */
+    if (level >= PF_CPU_LEVEL_AVX512_BF16) c->mx_rows_amx = mx_rows_amx;
+#else
     if (level >= PF_CPU_LEVEL_AMX_BF16) c->mx_rows_amx = mx_rows_amx;
+#endif
 #endif
     if (threads > 1) {
         c->tids = calloc((size_t)threads - 1, sizeof *c->tids);

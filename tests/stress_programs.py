@@ -9,11 +9,12 @@ NATIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 COMPILER = shutil.which("cc") or shutil.which("gcc")
 
 
-def run_quick(tmp_path, program: str, sources: list[str]) -> None:
-    """Compile native/stress/<program>.c with the library ``sources`` (relative to native/), run
-    it with --quick and assert its last line reports passes and no failure."""
+def run_quick(tmp_path, program: str, sources: list[str], defines: tuple[str, ...] = ()) -> None:
+    """Compile native/stress/<program>.c with the library ``sources`` (relative to native/) and the
+    macros ``defines`` (``NAME`` or ``NAME=VALUE``), run it with --quick and assert its last line
+    reports passes and no failure."""
     exe = tmp_path / program
-    subprocess.run([COMPILER, "-std=c11", "-O2", "-pthread", f"-I{NATIVE}", "-o", str(exe),
+    subprocess.run([COMPILER, "-std=c11", "-O2", "-pthread", f"-I{NATIVE}", *(f"-D{d}" for d in defines), "-o", str(exe),
                     os.path.join(NATIVE, "stress", program + ".c"), *(os.path.join(NATIVE, s) for s in sources), "-lm", "-ldl"],
                    check=True)
     out = subprocess.run([str(exe), "--quick", "--seed", "7"], capture_output=True, text=True, timeout=300)

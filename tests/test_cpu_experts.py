@@ -319,6 +319,18 @@ def test_c_stress_quick(tmp_path):
 
 
 @pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
+@pytest.mark.skipif("avx512_bf16" not in LEVELS_HERE, reason="the software tiles stand in where the bf16 kernels run")
+def test_c_stress_quick_with_software_amx_tiles(tmp_path):
+    """The same stress test where every bf16 context takes the AMX kernel on software tiles
+    (PF_AMX_EMULATE_CONTEXTS, a test build): experts of 4 or more tokens round apart from one-token
+    calls there, as on an AMX host, so the checks that compare a batch with single calls bit for bit
+    must hold the batch invariance steady between them (on an AMX host the pool phase once
+    matched 36 of 40 jobs while another thread toggled it, the GPU check of session 34)."""
+    stress_programs.run_quick(tmp_path, "cpu_stress", ["pf_cpu.c", "pf_layer.c", "pf_relay.c", "pf_sched.c"],
+                              defines=("PF_AMX_EMULATE", "PF_AMX_EMULATE_CONTEXTS"))
+
+
+@pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
 @pytest.mark.skipif("avx512" not in LEVELS_HERE, reason="the AMX kernel's decode needs AVX-512")
 def test_amx_kernel_layout_with_software_tiles(tmp_path):
     """native/stress/amx_check.c: the AMX kernel (decode, scale fold, lane transpose, B-tile
