@@ -10,6 +10,12 @@ Arguments after ``--`` go to both commands (default: the `make demo` setting,
 --no-draft tokens/s of the same repeat. Reports per prompt the median ratio, the block lengths
 the planner chose, acceptance, and whether both produced the same tokens; overall the median and
 geometric mean of the per-prompt ratios and the lowest one.
+
+``--trace`` runs both commands with ``generate --trace`` and takes each run's steps apart
+(``step_breakdown``): per block length of the default arm its steps' mean verify and draft time,
+the time between steps outside both (the loop's own work: the planner, acceptance, bookkeeping)
+and the shadow probes, against --no-draft's mean step; where the default loses, that says whether
+its plain steps, its blocks or its loop cost the time.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +50,26 @@ def run(cmd: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
+def step_breakdown(lines: list[dict]) -> dict:
+    """One run's ``generate --trace`` lines taken apart. The first line has no step time (nothing
+    before it is a step) and is left out of the means. Speculative runs (lines with a block):
+    steps, shadow probes, per block length B its steps and mean verify / draft ms, and the mean time
+    per step outside draft and verify; plain runs: steps and mean step ms."""
+    timed = [r for r in lines if r.get("step_ms") is not None]
+    if not lines or "block" not in lines[0]:
+        return {"steps": len(lines), "step_ms": statistics.mean(r["step_ms"] for r in timed) if timed else None}
+    per_block: dict[str, dict] = {}
+    for b in sorted({r["block"] for r in timed}):
+        rs = [r for r in timed if r["block"] == b]
+        per_block[str(b)] = {"steps": len(rs), "verify_ms": statistics.mean(r["verify_ms"] for r in rs),
+                             "draft_ms": statistics.mean(r["draft_ms"] for r in rs),
+                             "step_ms": statistics.mean(r["step_ms"] for r in rs)}
+    return {"steps": len(lines), "shadow_probes": sum(1 for r in lines if r.get("shadow")),
+            "step_ms": statistics.mean(r["step_ms"] for r in timed) if timed else None,
+            "outside_ms": statistics.mean(r["step_ms"] - r["draft_ms"] - r["verify_ms"] for r in timed) if timed else None,
+            "per_block": per_block}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = DEFAULT_ARGS
@@ -56,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pdflash", default=f"{sys.executable} -m pdflash.cli.main", help="How to run pdflash.")
     ap.add_argument("--default-args", default="", help="Extra arguments of the default (speculative) arm only, "
                     "e.g. '--route-ahead-predictor none'.")
+    ap.add_argument("--trace", action="store_true", help="Take every run's steps apart (generate --trace).")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     base = args.pdflash.split()
+    traces = Path(tempfile.mkdtemp(prefix="pdflash-traces-")) if args.trace else None
     rows = []
     for pi, prompt in enumerate(PROMPTS[: args.prompts]):
         for rep in range(args.repeats):
@@ -70,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
                     cmd.append("--no-draft")
                 else:
                     cmd += args.default_args.split()
+                if traces is not None:
+                    cmd += ["--trace", str(traces / f"{pi}_{rep}_{arm}.jsonl")]
                 t0 = time.perf_counter()
                 got[arm] = run(cmd)
                 got[arm]["wall_s"] = time.perf_counter() - t0
+                if traces is not None:
+                    lines = (traces / f"{pi}_{rep}_{arm}.jsonl").read_text().splitlines()
+                    got[arm]["steps"] = step_breakdown([json.loads(line) for line in lines])
             d, p = got["default"], got["no-draft"]
             row = {"prompt": prompt, "repeat": rep, "default_tps": d["tokens_per_second"],
                    "no_draft_tps": p["tokens_per_second"], "ratio": d["tokens_per_second"] / p["tokens_per_second"],
@@ -83,10 +117,18 @@ def main(argv: list[str] | None = None) -> int:
                    "measured_step_ms": (d.get("planner") or {}).get("measured_step_ms"),
                    "bytes_per_committed_token": d.get("bytes_per_committed_token"),
                    "no_draft_bytes_per_token": p.get("bytes_per_token")}
+            if traces is not None:
+                row["default_steps"], row["no_draft_steps"] = d["steps"], p["steps"]
             rows.append(row)
             print(f"{prompt!r} rep {rep}: default {row['default_tps']:.1f} tok/s, --no-draft {row['no_draft_tps']:.1f}, "
                   f"ratio {row['ratio']:.2f}, blocks {row['block_histogram']}, accept {row['acceptance_length']:.2f}, "
                   f"same tokens {row['same_tokens']}", file=sys.stderr, flush=True)
+            if traces is not None:
+                ds, ps = d["steps"], p["steps"]
+                blocks = ", ".join(f"B{b} x{v['steps']}: verify {v['verify_ms']:.2f} draft {v['draft_ms']:.2f}"
+                                   for b, v in ds["per_block"].items())
+                print(f"    steps ms: --no-draft {ps['step_ms']:.2f}; default {blocks}; outside {ds['outside_ms']:.2f} "
+                      f"a step; {ds['shadow_probes']} shadow probes", file=sys.stderr, flush=True)
     per_prompt = {}
     for prompt in dict.fromkeys(r["prompt"] for r in rows):
         rs = [r for r in rows if r["prompt"] == prompt]

@@ -13,12 +13,16 @@
 #   OUT=/some/dir bash benchmarks/speculation_gpu.sh hybrid  # spec with every miss computed on the CPU (the hybrid
 #                                                            # guard pinned to GUARD_ARM, default host), plus the
 #                                                            # fetch-only plain arm plain-fetch every arm is compared with
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh embedded  # the embedded pair, default `generate` against
+#                                                            # --no-draft (bench_default_vs_plain.py --trace, the `make
+#                                                            # demo` setting on DEVICE, REPEATS each, default 2): every
+#                                                            # run's steps taken apart; needs no checkpoint
 #
 # Every result lands in $OUT as JSON with a .log of its progress; the checkpoints in $WORK.
 # A CPU check of this script in a minute: PRESET=tiny DEVICE=cpu EXTRA="--link-gbps 2" TOKENS=12.
 set -uo pipefail
 STAGE="${1:-}"
-case "$STAGE" in draft|spec|plain|hybrid) ;; *) echo "Error: stage must be draft, spec, plain or hybrid, got '$STAGE'" >&2; exit 2 ;; esac
+case "$STAGE" in draft|spec|plain|hybrid|embedded) ;; *) echo "Error: stage must be draft, spec, plain, hybrid or embedded, got '$STAGE'" >&2; exit 2 ;; esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/out}"
 WORK="${WORK:-/tmp/spec}"
@@ -64,6 +68,9 @@ case "$STAGE" in
         --tokens "$TOKENS" --prompts "$PROMPTS" --acceptance "$ACCEPT" --cpu-experts auto --guard-arm "$GUARD_ARM" \
         --out "$OUT/hybrid_$dt.json"
     done ;;
+  embedded)
+    run default_vs_plain "$PY" benchmarks/bench_default_vs_plain.py --repeats "${REPEATS:-2}" --trace \
+      --out "$OUT/default_vs_plain.json" -- --expert-cache-experts 64 --link-gbps 2 --device "$DEVICE" ;;
   plain)
     for dt in $DTYPES; do
       run "plain_step_$dt" "$PY" benchmarks/bench_plain_step.py "${COMMON[@]}" $EXTRA --dtype "$dt" --profile \

@@ -1,0 +1,38 @@
+"""benchmarks/bench_default_vs_plain.py: its step breakdown, and one real run of both arms."""
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def dvp(load_script):
+    return load_script("benchmarks/bench_default_vs_plain.py")
+
+
+def test_step_breakdown_by_hand(dvp):
+    spec = [
+        {"step": 1, "block": 1, "shadow": 0, "step_ms": None, "draft_ms": 0.0, "verify_ms": 5.0},
+        {"step": 2, "block": 1, "shadow": 4, "step_ms": 7.0, "draft_ms": 1.5, "verify_ms": 5.0},
+        {"step": 3, "block": 4, "shadow": 0, "step_ms": 9.0, "draft_ms": 1.0, "verify_ms": 7.5},
+        {"step": 4, "block": 4, "shadow": 0, "step_ms": 8.0, "draft_ms": 1.0, "verify_ms": 6.5},
+    ]
+    got = dvp.step_breakdown(spec)
+    assert got["steps"] == 4 and got["shadow_probes"] == 1 and got["step_ms"] == pytest.approx(8.0)
+    assert got["outside_ms"] == pytest.approx((0.5 + 0.5 + 0.5) / 3)  # the untimed first step left out
+    assert got["per_block"] == {"1": {"steps": 1, "verify_ms": 5.0, "draft_ms": 1.5, "step_ms": 7.0},
+                                "4": {"steps": 2, "verify_ms": 7.0, "draft_ms": 1.0, "step_ms": 8.5}}
+    plain = [{"step": 0, "token": 3, "step_ms": None}, {"step": 1, "token": 4, "step_ms": 2.0},
+             {"step": 2, "token": 5, "step_ms": 4.0}]
+    assert dvp.step_breakdown(plain) == {"steps": 3, "step_ms": 3.0}
+
+
+def test_a_traced_run_of_both_arms(dvp, tmp_path):
+    out = tmp_path / "dvp.json"
+    assert dvp.main(["--repeats", "1", "--prompts", "1", "--max-new-tokens", "12", "--trace", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["runs"][0]
+    assert row["same_tokens"] and row["ratio"] > 0
+    d, p = row["default_steps"], row["no_draft_steps"]
+    assert p["steps"] == 12 and p["step_ms"] > 0
+    assert d["steps"] == sum(row["block_histogram"].values()) and d["outside_ms"] >= 0
+    assert sum(v["steps"] for v in d["per_block"].values()) == d["steps"] - 1
