@@ -51,10 +51,19 @@ static void spin_us(double us) {
     }
 }
 
-/* median seconds of `calls` calls of n experts (k0, k0 + 1, ... cycling), the pool woken ahead */
+/* Where a one-expert call's time goes, microseconds (medians over the calls): before its first
+ * phase is published (checks, buffers, the token's row), gate_up (phase 1), the hand-off to down
+ * (phase 1 completed -> phase 2 published), down (phase 2), after it (the caller seeing the end
+ * and returning); the last thread to join each phase after its publication. */
+#define NPARTS 7
+static const char *const PART_NAMES[NPARTS] = {"setup", "gate_up", "handoff", "down", "finish", "last_join_gate_up",
+                                               "last_join_down"};
+
+/* median seconds of `calls` calls of n experts (k0, k0 + 1, ... cycling), the pool woken ahead;
+ * `parts` (n = 1, else NULL): the medians of PART_NAMES */
 static double time_calls(pf_cpu *c, pf_cpu_weights *w, int nexp, int n, int calls, const uint16_t *x, float *out,
-                         int H, double lead_us, int *failed) {
-    double *t = malloc((size_t)calls * sizeof *t);
+                         int H, double lead_us, int *failed, double *parts) {
+    double *t = malloc((size_t)calls * sizeof *t), *pt = malloc((size_t)calls * NPARTS * sizeof *pt);
     const pf_cpu_weights *ws[8];
     int counts[8], rows[8], dest[8];
     for (int i = 0; i < calls; i++) {
@@ -66,14 +75,26 @@ static double time_calls(pf_cpu *c, pf_cpu_weights *w, int nexp, int n, int call
         }
         pf_cpu_prewake(c, (unsigned)(lead_us + 1000));
         spin_us(lead_us);
-        const double t0 = seconds();
+        const uint64_t t0 = now_ns();
         const int rc = n == 1 ? pf_cpu_expert(c, ws[0], x, PF_CPU_BF16, 1, H, out)
                               : pf_cpu_experts(c, n, ws, counts, rows, NULL, x, PF_CPU_BF16, 1, H, out, dest, n, H);
-        t[i] = seconds() - t0;
+        const uint64_t t1 = now_ns();
+        t[i] = 1e-9 * (double)(t1 - t0);
         *failed |= rc != PF_CPU_OK;
+        pf_cpu_timing tm;
+        if (parts && pf_cpu_last_timing(c, &tm) == PF_CPU_OK) { /* times from the job's start, c->t_start */
+            const double start = 1e-3 * (double)(c->t_start - t0);
+            const double v[NPARTS] = {start + 1e-3 * tm.published[1], 1e-3 * (tm.completed[1] - tm.published[1]),
+                                      1e-3 * (tm.published[2] - tm.completed[1]), 1e-3 * (tm.completed[2] - tm.published[2]),
+                                      1e-3 * (double)(t1 - c->t_start) - 1e-3 * tm.completed[2],
+                                      1e-3 * (tm.last_join[1] - tm.published[1]), 1e-3 * (tm.last_join[2] - tm.published[2])};
+            for (int k = 0; k < NPARTS; k++) pt[(size_t)k * calls + i] = v[k];
+        }
     }
     const double m = median(t, calls);
+    for (int k = 0; parts && k < NPARTS; k++) parts[k] = median(pt + (size_t)k * calls, calls);
     free(t);
+    free(pt);
     return m;
 }
 
@@ -178,17 +199,20 @@ int main(int argc, char **argv) {
             best = fmin(best, seconds() - t0);
         }
         const double dram = (double)(per * (size_t)nexp) / best / 1e9;
-        const double one = time_calls(c, w, nexp, 1, calls, x, out, H, lead_us, &failed);
-        const double l4 = time_calls(c, w, nexp, 4, calls, x, out, H, lead_us, &failed);
-        const double l8 = time_calls(c, w, nexp, 8, calls, x, out, H, lead_us, &failed);
+        double parts[NPARTS];
+        const double one = time_calls(c, w, nexp, 1, calls, x, out, H, lead_us, &failed, parts);
+        const double l4 = time_calls(c, w, nexp, 4, calls, x, out, H, lead_us, &failed, NULL);
+        const double l8 = time_calls(c, w, nexp, 8, calls, x, out, H, lead_us, &failed, NULL);
         pf_cpu_destroy(c);
         printf("{\"prefetch_rows\": %d, \"mx_super\": %d, \"level\": \"%s\", \"threads\": %d, \"expert_bytes\": %zu, "
                "\"dram_gbps\": %.2f, \"one_ms\": %.4f, \"one_gbps\": %.2f, \"one_of_dram\": %.3f, "
                "\"layer4_ms\": %.4f, \"layer4_gbps\": %.2f, \"layer8_ms\": %.4f, \"layer8_gbps\": %.2f, "
-               "\"layer8_of_dram\": %.3f, \"max_error\": %.3g}\n",
+               "\"layer8_of_dram\": %.3f, \"max_error\": %.3g, \"one_us\": {",
                PREFETCH_ROWS, MX_SUPER, pf_cpu_level_name(level), threads[ti], per, dram, 1e3 * one,
                (double)per / one / 1e9, (double)per / one / 1e9 / dram, 1e3 * l4, 4.0 * per / l4 / 1e9, 1e3 * l8,
                8.0 * per / l8 / 1e9, 8.0 * per / l8 / 1e9 / dram, worst);
+        for (int k = 0; k < NPARTS; k++) printf("%s\"%s\": %.2f", k ? ", " : "", PART_NAMES[k], parts[k]);
+        printf("}}\n");
         fflush(stdout);
     }
     free(buf);

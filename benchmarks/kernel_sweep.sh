@@ -12,8 +12,8 @@
 # kernel_sweep.c, e.g. --experts, --hidden, --calls). Every variant runs twice, the second pass in
 # reverse order, so that drift on a shared machine falls on every variant alike. Writes
 # $OUT/kernel_sweep.jsonl (one object per variant, pass and thread count, with "variant" and
-# "pass") and prints a table. Exit 0, 1 if a variant failed to build, to check out or to run, 2 for
-# a malformed variant.
+# "pass"; "one_us" takes a one-expert call apart, see kernel_sweep.c) and prints two tables.
+# Exit 0, 1 if a variant failed to build, to check out or to run, 2 for a malformed variant.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/out}"
@@ -77,5 +77,14 @@ for key in dict.fromkeys((r["variant"], r["threads"]) for r in rows):
     print(f"| {key[0]} | {key[1]} | {mean('dram_gbps'):.1f} | {mean('one_ms'):.3f} ({mean('one_gbps'):.1f}, "
           f"{100 * mean('one_of_dram'):.0f} %) | {mean('layer8_ms'):.3f} ({mean('layer8_gbps'):.1f}, "
           f"{100 * mean('layer8_of_dram'):.0f} %) |")
+parts = ("setup", "gate_up", "handoff", "down", "finish", "last_join_gate_up", "last_join_down")
+print()
+print("One expert's call, median us: " + ", ".join(parts))
+print("| variant | threads | " + " | ".join(parts) + " |")
+print("|---|---:|" + "---:|" * len(parts))
+for key in dict.fromkeys((r["variant"], r["threads"]) for r in rows):
+    rs = [r for r in rows if (r["variant"], r["threads"]) == key and "one_us" in r]
+    if rs:
+        print(f"| {key[0]} | {key[1]} | " + " | ".join(f"{sum(r['one_us'][p] for r in rs) / len(rs):.1f}" for p in parts) + " |")
 PYEOF
 exit "$fail"

@@ -35,6 +35,10 @@ def test_every_variant_is_checked_and_timed_twice_per_thread_count(tmp_path):
     for r in rows:
         assert r["max_error"] <= 1e-3 and r["expert_bytes"] == 2 * 128 * 8 * 17 + 256 * 4 * 17
         assert r["dram_gbps"] > 0 and r["one_ms"] > 0 and r["layer8_ms"] > 0
+        parts = r["one_us"]  # a one-expert call taken apart: its phases fill most of its time
+        assert set(parts) == {"setup", "gate_up", "handoff", "down", "finish", "last_join_gate_up", "last_join_down"}
+        assert parts["gate_up"] > 0 and parts["down"] > 0 and min(parts.values()) >= 0
+        assert 0.5 * 1e3 * r["one_ms"] < sum(parts[k] for k in ("setup", "gate_up", "handoff", "down", "finish")) < 1.5 * 1e3 * r["one_ms"]
     assert "| base | 1 |" in done.stdout
 
 
