@@ -359,25 +359,15 @@ class CpuExperts:
         (little-endian, modulo 2**64; a trailing partial word zero-padded). For bandwidth measurements."""
         if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
             raise CpuExpertError("stream_read needs a contiguous host tensor")
-        ffi, lib = self._ffi, self._lib
+        ffi = self._ffi
         out = ffi.new("uint64_t *")
-        c = self._enter()
-        try:
-            rc = lib.pf_cpu_stream_read(c, ffi.cast("void *", buf.data_ptr()), buf.numel() * buf.element_size(), out)
-        finally:
-            self._leave()
-        if rc != 0:
-            raise CpuExpertError(f"stream_read: {self._strerror(rc)}")
+        self._checked("stream_read", ffi.cast("void *", buf.data_ptr()), buf.numel() * buf.element_size(), out)
         return int(out[0])
 
     @property
     def active(self) -> int:
         """How many of the pool's threads take part in its calls (:meth:`set_active`)."""
-        c = self._enter()
-        try:
-            return int(self._lib.pf_cpu_active(c))
-        finally:
-            self._leave()
+        return int(self._native("active"))
 
     def set_active(self, n: int) -> None:
         """Let only ``n`` of the pool's threads (1 .. threads: the caller and n - 1 workers) take
@@ -385,22 +375,12 @@ class CpuExperts:
         (``pf_cpu_set_active``). For a caller whose other threads need cores for a while."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.threads:
             raise CpuExpertError(f"set_active: n must be an integer in 1 .. {self.threads}, got {n!r}")
-        c = self._enter()
-        try:
-            rc = self._lib.pf_cpu_set_active(c, n)
-        finally:
-            self._leave()
-        if rc != 0:
-            raise CpuExpertError(f"set_active: {self._strerror(rc)}")
+        self._checked("set_active", n)
 
     @property
     def invariant(self) -> bool:
         """Whether the calls are batch invariant (:meth:`set_invariant`)."""
-        c = self._enter()
-        try:
-            return bool(self._lib.pf_cpu_invariant(c))
-        finally:
-            self._leave()
+        return bool(self._native("invariant"))
 
     def set_invariant(self, on: bool) -> None:
         """Batch invariance (``pf_cpu_set_invariant``): on, every (token, expert) pair of a call is
@@ -409,13 +389,7 @@ class CpuExperts:
         expert with several tokens takes the AMX tiles where they run, which round their sums
         apart from the one-token kernels. For the calls of speculative decoding's batch-invariant
         verify."""
-        c = self._enter()
-        try:
-            rc = self._lib.pf_cpu_set_invariant(c, 1 if on else 0)
-        finally:
-            self._leave()
-        if rc != 0:
-            raise CpuExpertError(f"set_invariant: {self._strerror(rc)}")
+        self._checked("set_invariant", 1 if on else 0)
 
     def prewake(self, us: int) -> None:
         """Wake the pool's sleeping threads now; they poll for the next call for up to ``us``
@@ -423,33 +397,35 @@ class CpuExperts:
         knows a call is coming shortly: a sleeping thread takes 30-300 us to wake."""
         if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= 100_000:
             raise CpuExpertError(f"prewake: us must be an integer in 0 .. 100000, got {us!r}")
-        c = self._enter()
-        try:
-            rc = self._lib.pf_cpu_prewake(c, us)
-        finally:
-            self._leave()
-        if rc != 0:
-            raise CpuExpertError(f"prewake: {self._strerror(rc)}")
+        self._checked("prewake", us)
 
     def last_timing(self) -> dict:
         """Where the last call's time went (``pf_cpu_last_timing``), microseconds from its start:
         per phase that ran ("rows", "gate_up", "down", "read"): when it was published, the first
         and the last thread's first claim, how many threads took part, when its last grab
         finished; and "end", when the pool returned."""
-        ffi, lib = self._ffi, self._lib
-        t = ffi.new("pf_cpu_timing *")
-        c = self._enter()
-        try:
-            rc = lib.pf_cpu_last_timing(c, t)
-        finally:
-            self._leave()
-        if rc != 0:
+        t = self._ffi.new("pf_cpu_timing *")
+        if self._native("last_timing", t) != 0:
             raise CpuExpertError("no call has run on this CPU expert kernel yet")
         us = lambda ns: ns / 1e3  # noqa: E731
         phases = {name: {"published_us": us(t.published[p]), "first_join_us": us(t.first_join[p]),
                          "last_join_us": us(t.last_join[p]), "threads": t.joined[p], "completed_us": us(t.completed[p])}
                   for p, name in enumerate(("rows", "gate_up", "down", "read")) if t.joined[p]}
         return {"phases": phases, "end_us": us(t.end)}
+
+    def _native(self, name: str, *args) -> int:
+        """``pf_cpu_<name>(context, *args)`` as a call in progress (close() waits for it)."""
+        c = self._enter()
+        try:
+            return getattr(self._lib, "pf_cpu_" + name)(c, *args)
+        finally:
+            self._leave()
+
+    def _checked(self, name: str, *args) -> None:
+        """:meth:`_native`; a non-zero status raises CpuExpertError naming the call."""
+        rc = self._native(name, *args)
+        if rc != 0:
+            raise CpuExpertError(f"{name}: {self._strerror(rc)}")
 
     def _enter(self):
         with self._lock:
