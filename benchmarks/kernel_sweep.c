@@ -204,11 +204,11 @@ int main(int argc, char **argv) {
         const double l4 = time_calls(c, w, nexp, 4, calls, x, out, H, lead_us, &failed, NULL);
         const double l8 = time_calls(c, w, nexp, 8, calls, x, out, H, lead_us, &failed, NULL);
         pf_cpu_destroy(c);
-        printf("{\"prefetch_rows\": %d, \"mx_super\": %d, \"level\": \"%s\", \"threads\": %d, \"expert_bytes\": %zu, "
+        printf("{\"prefetch_rows\": %d, \"mx_super\": %d, \"pool_lines\": %d, \"level\": \"%s\", \"threads\": %d, \"expert_bytes\": %zu, "
                "\"dram_gbps\": %.2f, \"one_ms\": %.4f, \"one_gbps\": %.2f, \"one_of_dram\": %.3f, "
                "\"layer4_ms\": %.4f, \"layer4_gbps\": %.2f, \"layer8_ms\": %.4f, \"layer8_gbps\": %.2f, "
                "\"layer8_of_dram\": %.3f, \"max_error\": %.3g, \"one_us\": {",
-               PREFETCH_ROWS, MX_SUPER, pf_cpu_level_name(level), threads[ti], per, dram, 1e3 * one,
+               PREFETCH_ROWS, MX_SUPER, POOL_LINES, pf_cpu_level_name(level), threads[ti], per, dram, 1e3 * one,
                (double)per / one / 1e9, (double)per / one / 1e9 / dram, 1e3 * l4, 4.0 * per / l4 / 1e9, 1e3 * l8,
                8.0 * per / l8 / 1e9, 8.0 * per / l8 / 1e9 / dram, worst);
         for (int k = 0; k < NPARTS; k++) printf("%s\"%s\": %.2f", k ? ", " : "", PART_NAMES[k], parts[k]);

@@ -44,6 +44,15 @@
 #define AMX_MIN_TOKENS 4 /* fewer tokens per expert: the AVX-512 bf16 kernel (measured, one thread, 2880 x 5760:
                           * AMX 1.44-1.52 ms for any T, AVX-512 1.18 / 1.45 / 1.74 ms at T = 2 / 3 / 4) */
 #define PREPARE_INLINE_ROWS 16 /* calls with at most this many token rows prepare them on the calling thread */
+#ifndef POOL_LINES
+#define POOL_LINES 0 /* 1: the pool's shared words (and each thread's join times) on cache lines of their own;
+                      * a compile-time variant of benchmarks/kernel_sweep.sh, not yet measured on a many-core host */
+#endif
+#if POOL_LINES
+#define POOL_LINE _Alignas(ALIGN)
+#else
+#define POOL_LINE
+#endif
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8 /* MXFP4 kernels: prefetch the rows this many rows ahead (measured best of 4, 8, 16) */
 #endif
@@ -901,22 +910,29 @@ struct pf_cpu {
     pthread_mutex_t mu;           /* guards seq, last_phase, the condition variables' waits and wakes */
     pthread_cond_t work_cv;       /* workers: a phase was published, or stop */
     pthread_cond_t done_cv;       /* caller: a phase was published, or the job has ended */
-    _Atomic uint64_t state;       /* the published phase: seq | last | phase | units (ST_*) */
-    _Atomic uint64_t claim;       /* (seq << 32) | the next unit to claim of that phase */
-    _Atomic uint32_t completed;   /* units of the published phase finished */
+    /* With POOL_LINES, cache lines apart (the context is allocated 64-byte aligned): what polling
+     * threads read (written once a phase or less), the claim counter every grab updates, the
+     * completion counter, and the caller's job data, so that a poller's reads do not slow the
+     * grabs of a phase's last threads, nor the caller's writes while it sets up a job. */
+    POOL_LINE _Atomic uint64_t state; /* the published phase: seq | last | phase | units (ST_*) */
     _Atomic int done;             /* the job's last phase has been completed */
     _Atomic int stop;
     _Atomic uint64_t linger_until; /* pf_cpu_prewake: idle workers poll until then (monotonic ns; written under mu) */
     _Atomic int active;           /* pf_cpu_set_active: threads 0 .. active-1 take part in jobs and prewakes */
     _Atomic int invariant;        /* pf_cpu_set_invariant: no AMX tiles, whatever an expert's token count */
-    uint32_t seq;                 /* the last phase published (under mu) */
+    POOL_LINE _Atomic uint64_t claim; /* (seq << 32) | the next unit to claim of that phase */
+    POOL_LINE _Atomic uint32_t completed; /* units of the published phase finished */
+    POOL_LINE uint32_t seq; /* the last phase published (under mu) */
     int last_phase;               /* the job ends after this phase (under mu) */
     job cur;                      /* written by the caller before the job's first phase is published */
 
     /* the last job's timing (pf_cpu_last_timing), monotonic ns: the caller resets it before
-     * the first phase; publish / end_phase write under mu, each thread its own join slots */
+     * the first phase; publish / end_phase write under mu, each thread its own join slots, a
+     * line of its own */
     uint64_t t_start, t_end, t_pub[4], t_done[4];
-    uint64_t t_join[4][PF_CPU_MAX_THREADS]; /* each thread's first claim in each phase (0: none) */
+    struct {
+        POOL_LINE uint64_t at[4]; /* the thread's first claim in each phase (0: none) */
+    } t_join[PF_CPU_MAX_THREADS];
     int timed;                    /* a job has run */
 
     pthread_t *tids;              /* owned; tids[i] runs as thread i + 1 */
@@ -1203,7 +1219,7 @@ static void work_phase(pf_cpu *c, int idx, uint64_t st) {
         const uint32_t a = (uint32_t)cl, n = grab_size(units - a, (uint32_t)atomic_load_explicit(&c->active, memory_order_relaxed));
         if (!atomic_compare_exchange_weak_explicit(&c->claim, &cl, cl + n, memory_order_acquire, memory_order_relaxed))
             continue;
-        if (!c->t_join[phase][idx]) c->t_join[phase][idx] = now_ns();
+        if (!c->t_join[idx].at[phase]) c->t_join[idx].at[phase] = now_ns();
         run_units(c, idx, phase, (int)a, (int)(a + n));
         if (atomic_fetch_add_explicit(&c->completed, n, memory_order_acq_rel) + n == units) {
             end_phase(c, st);
@@ -1281,7 +1297,7 @@ static void *worker_main(void *p) {
 static void run_job(pf_cpu *c, int first, int last) {
     memset(c->t_pub, 0, sizeof c->t_pub);
     memset(c->t_done, 0, sizeof c->t_done);
-    for (int p = 0; p < 4; p++) memset(c->t_join[p], 0, (size_t)c->threads * sizeof c->t_join[p][0]);
+    memset(c->t_join, 0, (size_t)c->threads * sizeof c->t_join[0]);
     c->t_start = now_ns();
     c->timed = 1;
     pthread_mutex_lock(&c->mu);
@@ -1326,8 +1342,10 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     if (level > best) return PF_CPU_EUNSUPPORTED;
     pthread_once(&scale_once, init_scale);
 
-    pf_cpu *c = calloc(1, sizeof *c);
+    /* 64-byte aligned (C11: a size that is a multiple of it), for POOL_LINES (see struct pf_cpu) */
+    pf_cpu *c = aligned_alloc(ALIGN, (sizeof *c + ALIGN - 1) / ALIGN * ALIGN);
     if (!c) return PF_CPU_ENOMEM;
+    memset(c, 0, sizeof *c);
     c->level = level;
     c->threads = threads;
     atomic_init(&c->active, threads);
@@ -1434,7 +1452,7 @@ int pf_cpu_last_timing(pf_cpu *c, pf_cpu_timing *out) {
             out->published[p] = c->t_pub[p] - t0;
             out->completed[p] = c->t_done[p] ? c->t_done[p] - t0 : 0;
             for (int i = 0; i < c->threads; i++) {
-                uint64_t j = c->t_join[p][i];
+                uint64_t j = c->t_join[i].at[p];
                 if (!j) continue;
                 j -= t0;
                 if (!out->joined[p]++ || j < out->first_join[p]) out->first_join[p] = j;
