@@ -313,9 +313,12 @@ def test_level_from_environment(monkeypatch):
 
 
 @pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
-def test_c_stress_quick(tmp_path):
-    """native/stress/cpu_stress.c (the Makefile runs it under the sanitizers), built plainly."""
-    stress_programs.run_quick(tmp_path, "cpu_stress", ["pf_cpu.c", "pf_layer.c", "pf_relay.c", "pf_sched.c"])
+@pytest.mark.parametrize("defines", [(), ("POOL_LINES=1",)], ids=["library", "pool-lines"])
+def test_c_stress_quick(tmp_path, defines):
+    """native/stress/cpu_stress.c (the Makefile runs it under the sanitizers), built plainly; and
+    built as kernel_sweep.sh's POOL_LINES variant (the pool's words on cache lines of their own)."""
+    stress_programs.run_quick(tmp_path, "cpu_stress", ["pf_cpu.c", "pf_layer.c", "pf_relay.c", "pf_sched.c"],
+                              defines=defines)
 
 
 @pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
