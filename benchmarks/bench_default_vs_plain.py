@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     base = args.pdflash.split()
-    traces = Path(tempfile.mkdtemp(prefix="pdflash-traces-")) if args.trace else None
+    with tempfile.TemporaryDirectory(prefix="pdflash-traces-") as tmp:
+        return _run(args, base, extra, Path(tmp) if args.trace else None)
+
+
+def _run(args, base: list[str], extra: list[str], traces: Path | None) -> int:
+    """Every prompt and repeat, both arms; ``traces``: where the runs' --trace files go (removed after)."""
     rows = []
     for pi, prompt in enumerate(PROMPTS[: args.prompts]):
         for rep in range(args.repeats):
