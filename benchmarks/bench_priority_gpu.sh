@@ -30,7 +30,7 @@ PRESET="${PRESET:-gpt-oss-20b}"               # PRESET=tiny DRAFT_PRESET=tiny DE
 DRAFT_PRESET="${DRAFT_PRESET:-gpt-oss-20b-DFlash}"  # a CPU check of this script in seconds
 EXTRA="${EXTRA:-}"
 CKPT="$WORK/$PRESET-mxfp4"
-mkdir -p "$OUT" "$WORK"
+mkdir -p "$OUT" "$WORK" 2>/dev/null || { echo "Error: cannot make the output folders (OUT=$OUT, WORK=$WORK): give writable folder paths" >&2; exit 2; }
 cd "$ROOT"
 
 # pdflash importable with its native scheduler built (editable install compiles it)

@@ -52,7 +52,7 @@ for stage in "$@"; do
   for s in $STAGES; do [ "$stage" = "$s" ] && known=1; done
   [ "$known" -eq 1 ] || { echo "Error: unknown stage '$stage': use ${STAGES// /, }" >&2; exit 2; }
 done
-mkdir -p "$OUT"
+mkdir -p "$OUT" 2>/dev/null || { echo "Error: cannot make the output folders (OUT=$OUT): give writable folder paths" >&2; exit 2; }
 cd "$ROOT"
 fail=0
 

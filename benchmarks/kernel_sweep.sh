@@ -23,7 +23,7 @@ PY="${PYTHON:-python3}"
 VARIANTS="${VARIANTS:-base PREFETCH_ROWS=0 PREFETCH_ROWS=4 PREFETCH_ROWS=16 PREFETCH_ROWS=32 MX_SUPER=4 MX_SUPER=16 POOL_LINES=1}"
 THREADS="${THREADS:-12,14,16}"
 ARGS="${ARGS:-}"
-mkdir -p "$OUT"
+mkdir -p "$OUT" 2>/dev/null || { echo "Error: cannot make the output folders (OUT=$OUT): give writable folder paths" >&2; exit 2; }
 BIN="$(mktemp -d)"
 trap 'rm -rf "$BIN"' EXIT
 fail=0

@@ -38,7 +38,7 @@ BLOCKS="${BLOCKS:-1}"            # spec: fixed block lengths to run besides the 
 DTYPES="${DTYPES:-float32 bfloat16}"
 GUARD_ARM="${GUARD_ARM:-host}"   # hybrid: the pinned placement (host, model, all, off) or guard (no pin)
 COMMON=(--checkpoint-dir "$CKPT" --preset "$PRESET" --device "$DEVICE")
-mkdir -p "$OUT" "$WORK"
+mkdir -p "$OUT" "$WORK" 2>/dev/null || { echo "Error: cannot make the output folders (OUT=$OUT, WORK=$WORK): give writable folder paths" >&2; exit 2; }
 cd "$ROOT"
 export PYTHONUNBUFFERED=1
 fail=0

@@ -19,7 +19,7 @@ WORK="${WORK:-/tmp/pdflash-gpu-check}"
 PY="${PYTHON:-python3}"
 SMOKE_RUNS="${SMOKE_RUNS:-20}"
 TOKENS="${TOKENS:-32}"
-mkdir -p "$OUT" "$WORK"
+mkdir -p "$OUT" "$WORK" 2>/dev/null || { echo "Error: cannot make the output folders (OUT=$OUT, WORK=$WORK): give writable folder paths" >&2; exit 2; }
 cd "$ROOT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
