@@ -9,6 +9,7 @@ fields) -> ``_report`` (the JSON object) / ``_print_summary``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,13 +22,27 @@ from pdflash import GenerationInterrupted, Interrupted, PdflashError
 DEFAULT_DEVICE = "auto"
 
 
-def _open_trace(path: Path | None):
-    """The --trace file, open for writing (None without --trace); a path that cannot be written is
-    refused before anything loads."""
+def _check_trace(path: Path | None) -> None:
+    """Refuse, before anything loads, a --trace path that cannot be written, without touching the
+    file: a run that then fails (a wrong --model, a prompt too long) leaves an earlier trace as it was."""
     if path is None:
-        return None
+        return
     if path.is_dir():
         raise PdflashError(f"--trace {path} is a directory: give a file path, e.g. {path / 'trace.jsonl'}", exit_code=2)
+    parent = path.parent
+    if not parent.is_dir():
+        reason = f"no such directory {parent}"
+    elif not os.access(path if path.exists() else parent, os.W_OK):
+        reason = "permission denied"
+    else:
+        return
+    raise PdflashError(f"cannot write --trace {path}: {reason}; give a writable file path", exit_code=2)
+
+
+def _open_trace(path: Path | None):
+    """The --trace file, opened (truncated) for writing when decoding starts; None without --trace."""
+    if path is None:
+        return None
     try:
         return open(path, "w", encoding="utf-8")
     except OSError as exc:
@@ -437,7 +452,7 @@ def generate(
                                acceptance=draft_acceptance, temperature=temperature, lookup=prompt_lookup,
                                batch_invariant=batch_invariant)
     text = _read_prompt(prompt)
-    trace_file = _open_trace(trace)
+    _check_trace(trace)
     draw = live_enabled(live, json_out)
     opts = _load_options(
         device=device, dtype=dtype, expert_cache_mib=expert_cache_mib, expert_cache_experts=expert_cache_experts,
@@ -520,6 +535,7 @@ def generate(
                 fields.append(("ORACLE", f"P={spec['acceptance']}"))
             return fields
 
+        trace_file = _open_trace(trace)
         try:
             with LiveBandTable(rt.scheduler, status=status, enabled=draw):
                 res, extra = _run(rt, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,

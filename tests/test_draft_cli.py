@@ -200,3 +200,6 @@ def test_trace_writes_a_line_per_step(run, mx_pair, tmp_path):
     for bad, message in ((tmp_path, "is a directory"), (tmp_path / "missing" / "t.jsonl", "cannot write --trace")):
         code, out, err = _gen(run, mx_pair, "--trace", bad)
         assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    kept = path.read_text()  # a run that fails before decoding leaves an earlier trace as it was
+    code, out, err = _gen(run, mx_pair, "--trace", path, "--max-new-tokens", 10**6)
+    assert code != 0 and path.read_text() == kept
