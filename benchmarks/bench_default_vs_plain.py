@@ -104,13 +104,14 @@ def _run(args, base: list[str], extra: list[str], traces: Path | None) -> int:
                     cmd.append("--no-draft")
                 else:
                     cmd += args.default_args.split()
-                if traces is not None:
-                    cmd += ["--trace", str(traces / f"{pi}_{rep}_{arm}.jsonl")]
+                trace = traces / f"{pi}_{rep}_{arm}.jsonl" if traces is not None else None
+                if trace is not None:
+                    cmd += ["--trace", str(trace)]
                 t0 = time.perf_counter()
                 got[arm] = run(cmd)
                 got[arm]["wall_s"] = time.perf_counter() - t0
-                if traces is not None:
-                    lines = (traces / f"{pi}_{rep}_{arm}.jsonl").read_text().splitlines()
+                if trace is not None:
+                    lines = trace.read_text().splitlines()
                     got[arm]["steps"] = step_breakdown([json.loads(line) for line in lines])
             d, p = got["default"], got["no-draft"]
             row = {"prompt": prompt, "repeat": rep, "default_tps": d["tokens_per_second"],

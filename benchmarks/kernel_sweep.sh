@@ -78,7 +78,7 @@ for key in dict.fromkeys((r["variant"], r["threads"]) for r in rows):
     print(f"| {key[0]} | {key[1]} | {mean('dram_gbps'):.1f} | {mean('one_ms'):.3f} ({mean('one_gbps'):.1f}, "
           f"{100 * mean('one_of_dram'):.0f} %) | {mean('layer8_ms'):.3f} ({mean('layer8_gbps'):.1f}, "
           f"{100 * mean('layer8_of_dram'):.0f} %) |")
-parts = ("setup", "gate_up", "handoff", "down", "finish", "last_join_gate_up", "last_join_down")
+parts = list(next((r["one_us"] for r in rows if "one_us" in r), {}))  # kernel_sweep.c's PART_NAMES, in order
 print()
 print("One expert's call, median us: " + ", ".join(parts))
 print("| variant | threads | " + " | ".join(parts) + " |")
