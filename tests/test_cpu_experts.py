@@ -31,6 +31,7 @@ except NativeLibraryMissing:  # pragma: no cover - the build is part of the inst
     pytest.skip("native library not built", allow_module_level=True)
 
 ALPHA, LIMIT = 1.702, 7.0
+CPU_STRESS_SOURCES = ["pf_cpu.c", "pf_layer.c", "pf_relay.c", "pf_sched.c"]  # the library cpu_stress.c links
 
 
 def transformers_expert(w1, b1, w2, b2, x):
@@ -317,8 +318,7 @@ def test_level_from_environment(monkeypatch):
 def test_c_stress_quick(tmp_path, defines):
     """native/stress/cpu_stress.c (the Makefile runs it under the sanitizers), built plainly; and
     built as kernel_sweep.sh's POOL_LINES variant (the pool's words on cache lines of their own)."""
-    stress_programs.run_quick(tmp_path, "cpu_stress", ["pf_cpu.c", "pf_layer.c", "pf_relay.c", "pf_sched.c"],
-                              defines=defines)
+    stress_programs.run_quick(tmp_path, "cpu_stress", CPU_STRESS_SOURCES, defines=defines)
 
 
 @pytest.mark.skipif(stress_programs.COMPILER is None, reason="no C compiler")
@@ -329,7 +329,7 @@ def test_c_stress_quick_with_software_amx_tiles(tmp_path):
     calls there, as on an AMX host, so the checks that compare a batch with single calls bit for bit
     must hold the batch invariance steady between them (on an AMX host the pool phase once
     matched 36 of 40 jobs while another thread toggled it, the GPU check of session 34)."""
-    stress_programs.run_quick(tmp_path, "cpu_stress", ["pf_cpu.c", "pf_layer.c", "pf_relay.c", "pf_sched.c"],
+    stress_programs.run_quick(tmp_path, "cpu_stress", CPU_STRESS_SOURCES,
                               defines=("PF_AMX_EMULATE", "PF_AMX_EMULATE_CONTEXTS"))
 
 
