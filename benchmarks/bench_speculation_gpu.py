@@ -197,11 +197,12 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
             arms.append("plain-fetch")  # plain decoding with every miss fetched: the fetch-only reference
         for pi, prompt in enumerate(prompts):
             refs: dict[int, list[int]] = {}
-            # The verify path of the runs below: graphed on CUDA, with fixed rows in a 16-bit dtype
-            # (oracle mode: draft/offloaded.py verify_decoder), where one reference serves every block length.
+            # The verify path of the runs below: graphed on CUDA, in a 16-bit dtype with fixed rows where
+            # blocks round apart from single steps (oracle mode: draft/offloaded.py verify_decoder); with
+            # fixed rows, or where the check found them alike, one reference serves every block length.
             dec = verify_decoder(rt, draft, len(prompt) + n, 1.0, batch_invariant=args.batch_invariant, graphs=graphs,
-                                 at=len(prompt), blocks=range(1, trained + 1))
-            one = dec is not None and dec.rows is not None
+                                 at=len(prompt), blocks=range(1, trained + 1), probe=prompt)
+            one = dec is not None and (dec.rows is not None or dec.rows_check == "agree")
             for b in sorted(set(blocks) | {trained}, reverse=True):  # untimed: the reference of each block length
                 if one and refs:
                     refs[b] = refs[trained]
@@ -250,7 +251,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                     st = rt.stats()
                     row = {k: d.get(k) for k in ("tokens_per_second", "token_ids", "acceptance_length", "block_histogram",
                                                   "bytes_per_committed_token", "oracle_divergences", "oracle_refreshes",
-                                                  "acceptance_per_position", "draft_ms", "verify_ms", "verify_steps")}
+                                                  "acceptance_per_position", "draft_ms", "verify_ms", "verify_steps",
+                                                  "verify_rows", "verify_rows_check")}
                     row["hit_rate"] = st["cache"]["hit_rate"]
                     row["cpu_experts_per_token"] = st["experts_per_token"]["cpu"]
                     row["guard"] = (st.get("cpu_experts") or {}).get("guard")  # the hybrid guard's arm and medians
@@ -272,7 +274,8 @@ def run_dtype(args, dtype: str, trained: int) -> list[dict]:
                 results[arm] = row
                 _log(f"[{dtype}] prompt {pi} {arm}: {row['tokens_per_second'] or 0:.2f} tok/s"
                      + (f", accept {row['acceptance_length']:.2f}, blocks {row['block_histogram']}, "
-                        f"repairs {row['oracle_refreshes']}" if not arm.startswith("plain") else ""))
+                        f"repairs {row['oracle_refreshes']}, rows {row['verify_rows']} ({row['verify_rows_check']})"
+                        if not arm.startswith("plain") else ""))
             for arm, row in results.items():
                 row["same_tokens_as_plain"] = row.pop("token_ids") == plain_tokens
                 rows.append({"dtype": dtype, "prompt": pi, "arm": arm, **row})

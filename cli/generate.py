@@ -380,7 +380,9 @@ def _speculative_rows(report: dict) -> list[tuple[str, str]]:
     bpt = report.get("bytes_per_committed_token")
     rows += [
         ("block size", f"{report['block_size']} (up to {report['max_block_size']})"
-                       + (f"; every verify pass runs {report['verify_rows']} rows (batch-invariant)" if report.get("verify_rows") else "")),
+                       + (f"; every verify pass runs {report['verify_rows']} rows (batch-invariant)" if report.get("verify_rows") else "")
+                       + ("; verify blocks checked to round as single steps: no fixed rows"
+                          if report.get("verify_rows_check") == "agree" else "")),
         ("blocks (B:steps)", _histogram_text(report["block_histogram"])),
         ("bytes / committed token", "n/a" if bpt is None else f"{bpt / 1e6:.2f} MB"),
         ("acceptance length", f"{report['acceptance_length']:.2f} tokens per verify ({report['verify_steps']} verify passes)"),
@@ -415,7 +417,7 @@ def generate(
     route_ahead_predictor: Annotated[str, typer.Option(help="With --draft: how to predict the experts of each verify pass for prefetch: draft-router, previous, lookahead, a '+'-joined union, or none (the default: the prefetch measured slower than none under the block planner, docs/benchmarks.md).")] = "none",  # = draft.offloaded.DEFAULT_PREDICTOR (not imported here: the CLI starts light)
     draft_acceptance: Annotated[float | None, typer.Option(help="With --draft: oracle-acceptance benchmark mode; the draft still runs but its proposals become the target's greedy tokens with mismatches at rate 1-P.")] = None,
     prompt_lookup: Annotated[bool, typer.Option("--prompt-lookup/--no-prompt-lookup", help="With a draft, greedy: when the last 3 tokens occurred earlier, what followed them then leads the verify block where the draft proposes otherwise (output unchanged).")] = True,
-    batch_invariant: Annotated[bool | None, typer.Option("--batch-invariant/--no-batch-invariant", help="With a draft: run every verify pass with the draft's trained block length of rows, so a token's logits do not depend on the block it was verified in (output identical to plain decoding through the same rows, also in bf16). Default: on in --draft-acceptance mode in a 16-bit dtype, off otherwise.", show_default=False)] = None,
+    batch_invariant: Annotated[bool | None, typer.Option("--batch-invariant/--no-batch-invariant", help="With a draft: run every verify pass with the draft's trained block length of rows, so a token's logits do not depend on the block it was verified in (output identical to plain decoding through the same rows, also in bf16). Default: in --draft-acceptance mode in a 16-bit dtype, on where a check at the start finds this machine's verify blocks rounding apart from single-token steps; off otherwise.", show_default=False)] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode without a draft, also with the embedded default model.")] = False,
     cpu_experts: Annotated[str | None, typer.Option(help="Experts computed on the CPU by the native kernel from host memory: auto (on CUDA: decode steps and verify blocks try fetch-only, every routed expert on the CPU, the cost model's per-layer split and every missing expert on the CPU, and keep the fastest; on the CPU device: all, unless a cache size or --link-gbps is given), off, or all (every expert on the CPU: the fastest on a host whose DRAM outruns its link). Default: auto.", show_default=False)] = None,
     cpu_threads: Annotated[int | None, typer.Option(min=1, help="Threads of the native CPU expert kernel (default: the cores this process may use; beside a GPU every core but two, and while fetches may run one fewer per copy worker).")] = None,

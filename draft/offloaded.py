@@ -16,9 +16,10 @@ all-resident cache preloaded again), so the reported figures cover the speculati
 
 Batch-invariant verify (:func:`verify_decoder`): every verify forward, and the reference's, runs the
 draft's trained block length of rows (offload/graphs.py, fixed rows), so a position's logits do
-not depend on the block it was verified in. On by default in oracle mode in a 16-bit dtype: there
-the reference and the verify passes must round alike, or the oracle's draws are refused for
-rounding and its acceptance falls below P.
+not depend on the block it was verified in. In oracle mode in a 16-bit dtype the reference and the
+verify passes must round alike, or the oracle's draws are refused for rounding and its acceptance
+falls below P: there, by default, a check (:func:`rows_agree`) first runs blocks of every length
+against single steps, and the fixed rows are used only where they round apart on this machine.
 """
 
 from __future__ import annotations
@@ -162,26 +163,105 @@ def speculative_options(
 
 def verify_decoder(rt, draft: DFlashDraftModel, max_len: int, acceptance: float | None, *,
                    batch_invariant: bool | None = None, graphs: bool | None = None, at: int | None = None,
-                   blocks: Sequence[int] = ()):
+                   blocks: Sequence[int] = (), probe: Sequence[int] | None = None):
     """The ``GraphedDecoder`` verify passes (and the oracle's reference) go through, or None for
-    the library model's own forward: graphed on CUDA (``graphs``); with batch-invariant verify
-    (``batch_invariant``, by default on in oracle-acceptance mode in a 16-bit dtype) every step
-    runs ``draft``'s trained block length of rows (``decoder.rows``), eager where not graphed.
-    Shared per runtime, so a reference and the runs that follow it use one decoder. Graphs for
-    blocks of ``blocks`` tokens at ``at`` positions are captured now."""
+    the library model's own forward: graphed on CUDA (``graphs``). Shared per runtime, so a
+    reference and the runs that follow it use one decoder. Graphs for blocks of ``blocks`` tokens
+    (default: 1 .. the draft's trained block) at ``at`` positions are captured now.
+
+    Batch-invariant verify: ``batch_invariant`` True runs every step with ``draft``'s trained block
+    length of rows (``decoder.rows``), eager where not graphed; False never. None (the default)
+    asks for it in oracle-acceptance mode in a 16-bit dtype, and there first checks whether this
+    machine needs it (:func:`rows_agree`, on ``probe``, default a few fixed token ids): where the
+    unpadded decoder's blocks already round as its single steps, it serves, without the padding
+    rows' cost, its CPU experts' calls batch invariant. The outcome is ``decoder.rows_check``
+    ("agree", "differ"; None where nothing was checked). A check goes through the runtime's cache:
+    it is reset afterwards."""
     from pdflash.offload.graphs import GraphedDecoder
 
+    check = batch_invariant is None and acceptance is not None and rt.dtype in (torch.bfloat16, torch.float16)
     if batch_invariant is None:
-        batch_invariant = acceptance is not None and rt.dtype in (torch.bfloat16, torch.float16)
-    rows = int(draft.config.block_size) if batch_invariant else None
+        batch_invariant = check
     if graphs is None:
         graphs = rt.device.type == "cuda"
-    if not graphs and rows is None:
+    outcome = None
+    if check:  # every length the draft can verify, once per runtime: a reference and the runs after it agree
+        plain = GraphedDecoder.shared(rt, max_len, rows=None, graphs=graphs)
+        plain.invariant = True  # as it would serve: its CPU experts' calls batch invariant
+        outcome = "agree" if _rows_agree_once(rt, plain, probe, range(1, int(draft.config.block_size) + 1)) else "differ"
+        plain.invariant = False
+        if outcome == "agree":
+            batch_invariant = False
+    rows = int(draft.config.block_size) if batch_invariant else None
+    if not graphs and rows is None and outcome is None:
         return None
     dec = GraphedDecoder.shared(rt, max_len, rows=rows, graphs=graphs)
+    dec.invariant = rows is not None or outcome == "agree"
+    dec.rows_check = outcome
     if graphs and at is not None:
         dec.prepare(at, tokens=blocks)
     return dec
+
+
+def rows_agree(dec, prompt: Sequence[int], lengths: Sequence[int], tokens: Sequence[int] | None = None,
+               span: int | None = None) -> bool:
+    """Whether ``dec`` computes each position's logits to the same bits in blocks of every length
+    of ``lengths`` as in single-token steps. After ``prompt``, ``span`` tokens (default: twice the
+    longest length, at least 8; fewer where ``dec.max_len`` has no room) of ``tokens`` (default: the
+    decoder's own greedy continuation, what oracle mode's verify blocks hold) are fed one at a
+    time, then as blocks of each length L at every L-aligned start (each position checked at
+    several places in a block, against several key lengths); every logit of the vocabulary is
+    compared bit for bit. Whether blocks and steps round alike depends on the machine's kernels
+    for each row count (cuBLAS on an H100 at the gpt-oss-20b shape: alike for 1..8 rows,
+    benchmarks/probe_row_invariant_linear.py) and, where a step attends to just its keys (eager),
+    on the values summed: a check, not a proof; oracle mode counts any divergence that follows.
+    Leaves ``dec`` holding ``prompt``."""
+    prompt = [int(t) for t in prompt]
+    n = min(span or max(8, 2 * max(lengths)), dec.max_len - len(prompt))
+    wanted = [b for b in sorted(set(lengths)) if 2 <= b <= n]
+    if not prompt or not wanted:
+        return True
+    logits = dec.prefill(prompt)
+    at = dec.length
+    feed = [int(t) for t in tokens[:n]] if tokens is not None else [int(logits.argmax())]
+    singles = []
+    while len(singles) < n:
+        singles.append(dec.decode(feed[len(singles)]))
+        if len(feed) < n:
+            feed.append(int(singles[-1].argmax()))
+    singles = torch.cat(singles)  # [n, V]
+    for b in wanted:
+        for start in range(0, n - b + 1, b):
+            dec.truncate(at + start)
+            if not torch.equal(dec.forward(feed[start:start + b])[0], singles[start:start + b]):
+                dec.truncate(at)
+                return False
+    dec.truncate(at)
+    return True
+
+
+def _rows_agree_once(rt, dec, probe: Sequence[int] | None, lengths: Sequence[int]) -> bool:
+    """:func:`rows_agree` once per runtime, graphed or not: the kernels a row count gets do not
+    change within a process, and every run on the runtime must take the path its oracle reference
+    took. The check's fetches leave the cache as a fresh one (``fresh_cache``)."""
+    memo = rt.__dict__.setdefault("_rows_agree", {})
+    key = bool(dec.graphs)
+    if key not in memo:
+        if probe is None:
+            vocab = int(rt.config.vocab_size)
+            probe = [1 + (37 * i) % (vocab - 1) for i in range(8)]
+        memo[key] = rows_agree(dec, probe, lengths)
+        fresh_cache(rt)
+    return memo[key]
+
+
+def fresh_cache(rt) -> None:
+    """Empty the runtime's cache and statistics after untimed work; an all-resident cache starts
+    warm again, as after loading."""
+    rt.reset_cache()
+    fam = rt.family
+    if rt.cache.capacity >= fam.num_layers * fam.num_experts:
+        rt.preload()
 
 
 def prepare_draft(rt, draft: DFlashDraftModel, decoder, prompt_len: int, max_new_tokens: int, blocks) -> None:
@@ -255,7 +335,7 @@ def speculative_on_runtime(
         block = check_block_size(None if auto else block_size, draft.config.block_size)
         lengths = range(1, block + 1) if auto else sorted({1, block})
         decoder = verify_decoder(rt, draft, len(prompt) + max_new_tokens, acceptance, batch_invariant=batch_invariant,
-                                 graphs=graphs, at=len(prompt), blocks=lengths)
+                                 graphs=graphs, at=len(prompt), blocks=lengths, probe=prompt)
         if decoder is None:  # each verify length's first-call setup, before the prompt (as plain decoding warms its one)
             warm_linears([rt.model], lengths)
         prepare_draft(rt, draft, decoder, len(prompt), max_new_tokens, lengths)
@@ -263,10 +343,7 @@ def speculative_on_runtime(
         if acceptance is not None:
             if reference is None:
                 reference = oracle_reference(rt, prompt, max_new_tokens, block, decoder=decoder, eos_token_ids=eos)
-                rt.reset_cache()
-                fam = rt.family
-                if rt.cache.capacity >= fam.num_layers * fam.num_experts:
-                    rt.preload()  # an all-resident cache starts warm, as after loading
+                fresh_cache(rt)
             oracle = make_oracle(rt.model, prompt, max_new_tokens, acceptance, reference=reference,
                                  eos_token_ids=eos, seed=seed, refresh_window=4 * block)
         route_ahead = None
@@ -292,6 +369,7 @@ def speculative_on_runtime(
                 planner=planner, moved_bytes=moved_bytes, decoder=decoder, lookup=lookup,
             )
             res.verify_rows = decoder.rows if decoder is not None else None
+            res.verify_rows_check = decoder.rows_check if decoder is not None else None
             return res
         finally:
             if route_ahead is not None:
@@ -378,6 +456,7 @@ def generate_with_draft(
         "draft_pass": draft_pass_kind(draft),  # how the draft's passes ran at the end
         "draft_graphs_failure": draft._graphs.failure if draft.graphed else None,  # why graphs were given up
         "verify_rows": res.verify_rows,
+        "verify_rows_check": res.verify_rows_check,
     }
     if res.planner is not None:
         extra["planner"] = res.planner

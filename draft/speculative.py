@@ -423,6 +423,9 @@ class SpeculativeResult:
     oracle: dict[str, Any] | None = None  # present (with "oracle_acceptance") only in oracle mode
     planner: dict[str, Any] | None = None  # the block planner's report (--block-size auto)
     verify_rows: int | None = None  # fixed rows of every verify forward (batch-invariant verify), or None
+    # oracle mode's check whether verify blocks round as single steps (draft/offloaded.py rows_agree):
+    # "agree" (no fixed rows needed), "differ" (fixed rows), None (not checked)
+    verify_rows_check: str | None = None
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -433,6 +436,7 @@ class SpeculativeResult:
     def to_dict(self) -> dict[str, Any]:
         out = {"token_ids": self.token_ids, "tokens_per_second": self.tokens_per_second, **self.stats.to_dict()}
         out["verify_rows"] = self.verify_rows
+        out["verify_rows_check"] = self.verify_rows_check
         if self.route_ahead is not None:
             out["route_ahead"] = self.route_ahead
         if self.oracle is not None:

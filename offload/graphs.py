@@ -139,6 +139,11 @@ class GraphedDecoder:
         if rows is not None and int(rows) < 1:
             raise PdflashError(f"fixed rows must be at least 1, got {rows}")
         self.rows = None if rows is None else int(rows)  # every step's row count (fixed rows), or None
+        # whether decode steps and blocks ask the CPU experts for batch-invariant calls
+        # (OffloadedModel.set_batch_invariant): with fixed rows always; an unpadded decoder whose
+        # blocks round as its single steps do (draft/offloaded.py, rows_agree) asks in oracle mode
+        self.invariant = self.rows is not None
+        self.rows_check: str | None = None  # draft/offloaded.py verify_decoder: "agree", "differ" or None
         self.capacity = self.max_len + (self.rows - 1 if self.rows else 0)  # positions the cache holds
         hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         try:
@@ -500,7 +505,7 @@ class GraphedDecoder:
         """Feed one token; returns its next-token logits [1, V] (float32)."""
         if self.length >= self.max_len:
             raise PdflashError(f"the sequence reached {self.max_len} positions, the most this decoder holds")
-        self.rt.set_batch_invariant(self.rows is not None)
+        self.rt.set_batch_invariant(self.invariant)
         with torch.inference_mode():
             if self.graphs:
                 return self._step_graphed([int(token_id)])[0]
@@ -510,7 +515,7 @@ class GraphedDecoder:
         """Feed T tokens at the current length (a verify block); returns (logits [T, V] float32,
         ``tap_layers`` outputs [1, T, K*H] or None). Graphed when the decoder is, eager otherwise."""
         tokens = [int(t) for t in tokens]
-        self.rt.set_batch_invariant(self.rows is not None)  # the CPU experts too (fixed rows)
+        self.rt.set_batch_invariant(self.invariant)  # the CPU experts too (fixed rows, or oracle mode)
         with torch.inference_mode():
             if self.graphs:
                 return self._step_graphed(tokens)
