@@ -121,7 +121,8 @@ class _ModuleTarget:
             logits = chunked_prefill(run, torch.tensor([ids], device=device))
         return logits[0, -1], (torch.cat(feats, dim=1) if feats else None)
 
-    def verify(self, block: torch.Tensor, start: int, route_ahead: RouteAhead | None):
+    def verify(self, ids: list[int], start: int, route_ahead: RouteAhead | None):
+        block = torch.tensor([ids], device=_device_of(self.target))  # [1, b]
         with self._capture(), (route_ahead.verify() if route_ahead else nullcontext()):
             vlogits = target_forward(self.target, block, start, self.cache)[0]  # [b, V]
         return vlogits, self._take()
@@ -147,11 +148,11 @@ class _DecoderTarget:
             logits, features = self.decoder.prefill_with_features(ids)
         return logits[0], features
 
-    def verify(self, block: torch.Tensor, start: int, route_ahead: RouteAhead | None):
+    def verify(self, ids: list[int], start: int, route_ahead: RouteAhead | None):
         if start != self.decoder.length:
             raise RuntimeError(f"verify block at {start} but the decoder holds {self.decoder.length} positions")
         with (route_ahead.verify_on(self.decoder) if route_ahead else nullcontext()):
-            return self.decoder.forward(block[0].tolist())
+            return self.decoder.forward(ids)
 
     def commit(self, length: int) -> None:
         self.decoder.truncate(length)
@@ -218,7 +219,6 @@ def verify_sweep(
     if block_size < 1:
         raise PdflashError(f"block_size must be at least 1, got {block_size}")
     tgt = _ModuleTarget(target, []) if decoder is None else _DecoderTarget(decoder, [])
-    device = _device_of(target)
     eos = set(eos_token_ids)
     prompt = list(input_ids)
     try:
@@ -229,9 +229,8 @@ def verify_sweep(
             b = min(block_size, max_new_tokens - len(out))
             tail = list(guess[len(out): len(out) + b - 1])
             tail += [out[-1]] * (b - 1 - len(tail))
-            block = torch.tensor([[out[-1]] + tail], device=device)
-            vlogits, _ = tgt.verify(block, start, None)
-            n_acc, nxt = accept_greedy(block[0, 1:], vlogits)
+            vlogits, _ = tgt.verify([out[-1]] + tail, start, None)
+            n_acc, nxt = accept_greedy(tail, vlogits)
             new = tail[:n_acc] + [nxt]
             tgt.commit(start + len(new))
             for tok in new:
@@ -246,16 +245,18 @@ def verify_sweep(
 # -- acceptance rules ---------------------------------------------------------------------------
 
 
-def accept_greedy(proposals: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """proposals [n], target_logits [n+1, V] -> (accepted count, next token).
+def accept_greedy(proposals: torch.Tensor | Sequence[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """proposals [n] (token ids, a tensor or a list), target_logits [n+1, V] -> (accepted count, next token).
 
     Accept x_i while x_i == argmax(target_logits[i]); the next token is the target's argmax at the
-    first mismatch (or the bonus after all n).
+    first mismatch (or the bonus after all n). The argmaxes come to the host in one read.
     """
-    best = target_logits.float().argmax(-1)  # [n+1]; in float32: exact, and PyTorch's CPU argmax of bf16 is 2-3x slower
-    n = proposals.shape[0]
-    n_acc = int((proposals == best[:n]).long().cumprod(0).sum()) if n else 0
-    return n_acc, int(best[n_acc])
+    best = target_logits.float().argmax(-1).tolist()  # in float32: exact, and PyTorch's CPU argmax of bf16 is 2-3x slower
+    props = proposals.tolist() if isinstance(proposals, torch.Tensor) else list(proposals)
+    n_acc = 0
+    while n_acc < len(props) and props[n_acc] == best[n_acc]:
+        n_acc += 1
+    return n_acc, best[n_acc]
 
 
 def accept_sampling(
@@ -588,26 +589,28 @@ def speculative_generate(
                     else:
                         tail = checked[n:]
                     proposals = proposals[:n]
-            _sync(device)
+            if drafted > 1:
+                _sync(device)
             draft_s = time.perf_counter() - t_draft - ((oracle.refresh_seconds - refresh_before) if oracle else 0.0)
             if planner is not None and drafted > 1:
                 planner.after_draft(drafted, draft_s)
 
             # 2. verify
             t_verify = time.perf_counter()
-            block = torch.cat((torch.tensor([tokens[-1]], device=device), proposals))[None]  # [1, b]
+            guesses = proposals.tolist() if n else []  # [n]; a plain step reads nothing from the device
+            block = [tokens[-1]] + guesses  # [b]
             vlogits, features = tgt.verify(block, start, None if plain_step else route_ahead)  # [b, V], [1, b, K*H]
 
             # 3. accept
             if oracle is not None:
                 best = vlogits.float().argmax(-1).tolist()
-                oracle.observe(len(tokens), block[0].tolist(), best)
+                oracle.observe(len(tokens), block, best)
                 n_acc = 0
-                while n_acc < min(n, oracle.limit()) and int(proposals[n_acc]) == best[n_acc]:
+                while n_acc < min(n, oracle.limit()) and guesses[n_acc] == best[n_acc]:
                     n_acc += 1
                 nxt = best[n_acc]
             elif greedy:
-                n_acc, nxt = accept_greedy(proposals, vlogits)
+                n_acc, nxt = accept_greedy(guesses, vlogits)
             else:
                 if draft_probs is None:
                     draft_probs = vlogits.new_empty((0, vlogits.shape[-1]))
@@ -616,7 +619,7 @@ def speculative_generate(
             # 4. commit
             tgt.commit(start + n_acc + 1)
             pending.append(features[:, : n_acc + 1])
-            new = proposals[:n_acc].tolist() + [nxt]
+            new = guesses[:n_acc] + [nxt]
             _sync(device)
             verify_s = time.perf_counter() - t_verify
 
