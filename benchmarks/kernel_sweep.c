@@ -24,6 +24,50 @@
 #include "../native/pf_cpu.c"
 
 #include <stdio.h>
+#if HUGE_PAGES
+#include <sys/mman.h>
+#endif
+
+#ifndef HUGE_PAGES
+#define HUGE_PAGES 0 /* 1: the weights on transparent huge pages (2 MiB), asked for before they are first written */
+#endif
+
+/* The weights' buffer (free_weights). HUGE_PAGES 0: malloc, so 4 KiB
+ * pages where the kernel's transparent huge pages are "madvise" or "never", as for the host store
+ * (torch.empty); 1: an anonymous mapping advised MADV_HUGEPAGE before its first write. */
+static uint8_t *alloc_weights(size_t n) {
+#if HUGE_PAGES
+    const size_t huge = (size_t)2 << 20, len = (n + huge - 1) / huge * huge + huge;
+    uint8_t *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return NULL;
+    uint8_t *p = (uint8_t *)(((uintptr_t)m + huge - 1) & ~(uintptr_t)(huge - 1));
+    if (madvise(p, (n + huge - 1) / huge * huge, MADV_HUGEPAGE) != 0) fprintf(stderr, "kernel_sweep: madvise(MADV_HUGEPAGE) failed\n");
+    return p;
+#else
+    return malloc(n);
+#endif
+}
+
+/* The process's anonymous memory on transparent huge pages, MiB (AnonHugePages of
+ * /proc/self/smaps_rollup): whether HUGE_PAGES took effect; -1 where the file is not there. */
+static double anon_huge_mib(void) {
+    FILE *f = fopen("/proc/self/smaps_rollup", "r");
+    if (!f) return -1.0;
+    char line[256];
+    double kb = -1024.0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "AnonHugePages: %lf kB", &kb) == 1) break;
+    fclose(f);
+    return kb / 1024.0;
+}
+
+static void free_weights(uint8_t *p) {
+#if !HUGE_PAGES
+    free(p);
+#else
+    (void)p; /* the mapping ends with the process */
+#endif
+}
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ULL;
 static uint32_t rnd(void) {
@@ -139,7 +183,7 @@ int main(int argc, char **argv) {
     }
     const size_t gb = (size_t)2 * I * (H / 32) * 16, gs = (size_t)2 * I * (H / 32);
     const size_t db = (size_t)H * (I / 32) * 16, ds = (size_t)H * (I / 32), per = gb + gs + db + ds;
-    uint8_t *buf = malloc(per * (size_t)nexp); /* owned here: every expert's bytes, one after another */
+    uint8_t *buf = alloc_weights(per * (size_t)nexp); /* owned here: every expert's bytes, one after another */
     pf_cpu_weights *w = calloc((size_t)nexp, sizeof *w);
     uint16_t *x = malloc((size_t)H * sizeof *x);
     float *out = malloc((size_t)8 * H * sizeof *out), *ref = malloc((size_t)H * sizeof *ref);
@@ -204,18 +248,19 @@ int main(int argc, char **argv) {
         const double l4 = time_calls(c, w, nexp, 4, calls, x, out, H, lead_us, &failed, NULL);
         const double l8 = time_calls(c, w, nexp, 8, calls, x, out, H, lead_us, &failed, NULL);
         pf_cpu_destroy(c);
-        printf("{\"prefetch_rows\": %d, \"mx_super\": %d, \"pool_lines\": %d, \"level\": \"%s\", \"threads\": %d, \"expert_bytes\": %zu, "
+        printf("{\"prefetch_rows\": %d, \"mx_super\": %d, \"pool_lines\": %d, \"huge_pages\": %d, \"anon_huge_mib\": %.0f, "
+               "\"level\": \"%s\", \"threads\": %d, \"expert_bytes\": %zu, "
                "\"dram_gbps\": %.2f, \"one_ms\": %.4f, \"one_gbps\": %.2f, \"one_of_dram\": %.3f, "
                "\"layer4_ms\": %.4f, \"layer4_gbps\": %.2f, \"layer8_ms\": %.4f, \"layer8_gbps\": %.2f, "
                "\"layer8_of_dram\": %.3f, \"max_error\": %.3g, \"one_us\": {",
-               PREFETCH_ROWS, MX_SUPER, POOL_LINES, pf_cpu_level_name(level), threads[ti], per, dram, 1e3 * one,
+               PREFETCH_ROWS, MX_SUPER, POOL_LINES, HUGE_PAGES, anon_huge_mib(), pf_cpu_level_name(level), threads[ti], per, dram, 1e3 * one,
                (double)per / one / 1e9, (double)per / one / 1e9 / dram, 1e3 * l4, 4.0 * per / l4 / 1e9, 1e3 * l8,
                8.0 * per / l8 / 1e9, 8.0 * per / l8 / 1e9 / dram, worst);
         for (int k = 0; k < NPARTS; k++) printf("%s\"%s\": %.2f", k ? ", " : "", PART_NAMES[k], parts[k]);
         printf("}}\n");
         fflush(stdout);
     }
-    free(buf);
+    free_weights(buf);
     free(w);
     free(x);
     free(out);

@@ -7,9 +7,11 @@
 #
 # VARIANTS: space-separated, each "base" (the library's own values) or KNOB=VALUE[,KNOB=VALUE...]
 # with KNOB one of PREFETCH_ROWS (MXFP4 rows prefetched ahead, the library's 8), MX_SUPER (rows a
-# block of the AVX-512 kernels keeps in L1 for every token pair, the library's 8) and POOL_LINES
-# (1: the pool's shared words on cache lines of their own; the library's 0). Default: base,
-# PREFETCH_ROWS 0 / 4 / 16 / 32, MX_SUPER 4 / 16, POOL_LINES 1. THREADS (default 12,14,16), ARGS (more options of
+# block of the AVX-512 kernels keeps in L1 for every token pair, the library's 8), POOL_LINES
+# (1: the pool's shared words on cache lines of their own; the library's 0) and HUGE_PAGES (1: the
+# weights, and so the DRAM read too, on 2 MiB transparent huge pages; 0, as the host store is: 4 KiB
+# pages where THP is "madvise"). Default: base, PREFETCH_ROWS 0 / 4 / 16 / 32, MX_SUPER 4 / 16,
+# POOL_LINES 1, HUGE_PAGES 1. THREADS (default 12,14,16), ARGS (more options of
 # kernel_sweep.c, e.g. --experts, --hidden, --calls). Every variant runs twice, the second pass in
 # reverse order, so that drift on a shared machine falls on every variant alike. Writes
 # $OUT/kernel_sweep.jsonl (one object per variant, pass and thread count, with "variant" and
@@ -20,7 +22,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/out}"
 CC="${CC:-cc}"
 PY="${PYTHON:-python3}"
-VARIANTS="${VARIANTS:-base PREFETCH_ROWS=0 PREFETCH_ROWS=4 PREFETCH_ROWS=16 PREFETCH_ROWS=32 MX_SUPER=4 MX_SUPER=16 POOL_LINES=1}"
+VARIANTS="${VARIANTS:-base PREFETCH_ROWS=0 PREFETCH_ROWS=4 PREFETCH_ROWS=16 PREFETCH_ROWS=32 MX_SUPER=4 MX_SUPER=16 POOL_LINES=1 HUGE_PAGES=1}"
 THREADS="${THREADS:-12,14,16}"
 ARGS="${ARGS:-}"
 mkdir -p "$OUT" 2>/dev/null || { echo "Error: cannot make the output folders (OUT=$OUT): give writable folder paths" >&2; exit 2; }
@@ -32,8 +34,8 @@ for v in $VARIANTS; do
   defs=()
   if [ "$v" != base ]; then
     for kv in ${v//,/ }; do
-      if [[ ! "$kv" =~ ^(PREFETCH_ROWS|MX_SUPER|POOL_LINES)=[0-9]+$ ]]; then
-        echo "Error: variant '$v': use base or PREFETCH_ROWS=N / MX_SUPER=N / POOL_LINES=0|1, comma-separated" >&2
+      if [[ ! "$kv" =~ ^(PREFETCH_ROWS|MX_SUPER|POOL_LINES|HUGE_PAGES)=[0-9]+$ ]]; then
+        echo "Error: variant '$v': use base or PREFETCH_ROWS=N / MX_SUPER=N / POOL_LINES=0|1 / HUGE_PAGES=0|1, comma-separated" >&2
         exit 2
       fi
       defs+=("-D$kv")
