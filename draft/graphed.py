@@ -24,7 +24,8 @@ block's projections as separate products, so rows may round differently; proposa
 either way, so the output of speculative decoding does not depend on it. The cache is static:
 ``capacity`` positions, zeroed (masked keys must hold finite values), never reallocated while
 graphs read it. Keys are attended in buckets (``min_bucket`` doubling up to ``capacity``), so a
-short sequence in a cache sized for a long one does not pay for the whole cache every step.
+short sequence in a cache sized for a long one does not pay for the whole cache every step; with
+graphs, a cache of at most ``ONE_BUCKET`` positions is one bucket (fewer captures mid-run).
 
 Without CUDA (``graphs=False``) the same functions run eagerly: the CPU tests check them against
 the eager pass and an independent reference.
@@ -52,6 +53,11 @@ class DraftGraphs:
     """
 
     MIN_BUCKET = 256
+    # With graphs and no min_bucket given, a cache of at most this many positions is attended whole:
+    # one block graph per B instead of one per (bucket, B). Captured as a sequence crossed a bucket,
+    # they cost the embedded pair's default run on CUDA 10 captures, 0.50 s of a profiled 400-token
+    # decode (docs/benchmarks.md, session 36); masked keys cost the tiny draft little.
+    ONE_BUCKET = 1024
 
     def __init__(self, draft, max_len: int, *, graphs: bool | None = None, chunk: int | None = None,
                  min_bucket: int | None = None, before_capture=None):
@@ -67,6 +73,7 @@ class DraftGraphs:
         self.chunk = max(1, int(chunk or cfg.block_size))
         self.capacity = int(max_len) + self.chunk
         self.min_bucket = max(1, int(min_bucket or self.MIN_BUCKET))
+        self._whole = self.graphs and min_bucket is None and self.capacity <= self.ONE_BUCKET
         self.before_capture = before_capture
         try:
             self.cache = DraftKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.device,
@@ -120,6 +127,9 @@ class DraftGraphs:
         self.draft.cache = self.cache
 
     def bucket(self, n: int) -> int:
+        """Key length a pass reaching ``n`` positions attends to (see ``ONE_BUCKET``)."""
+        if self._whole:
+            return self.capacity
         b = self.min_bucket
         while b < n:
             b *= 2

@@ -198,3 +198,32 @@ def test_cuda_graphs_replay_what_the_static_passes_compute(pair, dtype):
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"step {step}: {m}")
     assert drafts[0]._graphs.graphs and len(drafts[0]._graphs._graphs) > 4
+
+
+@pytest.mark.gpu
+def test_cuda_a_short_cache_is_one_bucket(pair):
+    """With graphs and the default buckets, a cache of at most ONE_BUCKET positions is attended
+    whole: the blocks prepared before the run are the only block graphs, however far the run goes
+    (no capture when it passes MIN_BUCKET positions), and the rows are the eager passes'."""
+    target, _, root = pair
+    gpu_target = test_draft_model.tiny_target().to("cuda")
+    drafts = []
+    for graphs in (True, False):
+        d = load_draft(root / "draft", gpu_target, device="cuda")
+        assert d.use_graphs(400, graphs=graphs, at=0, blocks=[2, 3, 4])
+        drafts.append(d)
+    g = drafts[0]._graphs
+    assert g.capacity <= g.ONE_BUCKET and g.bucket(1) == g.bucket(300) == g.capacity
+    prepared = set(g._graphs)
+    torch.manual_seed(6)
+    feats = torch.randn(1, 400, 3 * 32, device="cuda")
+    at = 0
+    with torch.inference_mode():
+        for step in range(70):  # past 256 positions
+            b, n = (2, 3, 4)[step % 3], 4
+            block = drafts[0].block_ids(step, b, "cuda")
+            ctx = feats[:, at: at + n]
+            at += n
+            got, want = (d(block, start=at, context=ctx) for d in drafts)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
+    assert at > g.MIN_BUCKET and g.graphs and set(g._graphs) == prepared
