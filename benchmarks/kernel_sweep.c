@@ -35,11 +35,18 @@
 /* The weights' buffer (free_weights). HUGE_PAGES 0: malloc, so 4 KiB
  * pages where the kernel's transparent huge pages are "madvise" or "never", as for the host store
  * (torch.empty); 1: an anonymous mapping advised MADV_HUGEPAGE before its first write. */
+#if HUGE_PAGES
+static void *huge_map; /* the mapping alloc_weights made, and its length (free_weights unmaps it) */
+static size_t huge_len;
+#endif
+
 static uint8_t *alloc_weights(size_t n) {
 #if HUGE_PAGES
     const size_t huge = (size_t)2 << 20, len = (n + huge - 1) / huge * huge + huge;
     uint8_t *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) return NULL;
+    huge_map = m;
+    huge_len = len;
     uint8_t *p = (uint8_t *)(((uintptr_t)m + huge - 1) & ~(uintptr_t)(huge - 1));
     if (madvise(p, (n + huge - 1) / huge * huge, MADV_HUGEPAGE) != 0) fprintf(stderr, "kernel_sweep: madvise(MADV_HUGEPAGE) failed\n");
     return p;
@@ -62,10 +69,11 @@ static double anon_huge_mib(void) {
 }
 
 static void free_weights(uint8_t *p) {
-#if !HUGE_PAGES
-    free(p);
+#if HUGE_PAGES
+    (void)p; /* inside huge_map */
+    munmap(huge_map, huge_len);
 #else
-    (void)p; /* the mapping ends with the process */
+    free(p);
 #endif
 }
 

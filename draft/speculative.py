@@ -252,11 +252,17 @@ def accept_greedy(proposals: torch.Tensor | Sequence[int], target_logits: torch.
     first mismatch (or the bonus after all n). The argmaxes come to the host in one read.
     """
     best = target_logits.float().argmax(-1).tolist()  # in float32: exact, and PyTorch's CPU argmax of bf16 is 2-3x slower
-    props = proposals.tolist() if isinstance(proposals, torch.Tensor) else list(proposals)
-    n_acc = 0
-    while n_acc < len(props) and props[n_acc] == best[n_acc]:
-        n_acc += 1
+    props = proposals.tolist() if isinstance(proposals, torch.Tensor) else proposals
+    n_acc = matching_prefix(props, best)
     return n_acc, best[n_acc]
+
+
+def matching_prefix(guesses: Sequence[int], best: Sequence[int]) -> int:
+    """How many leading guesses equal the target's argmaxes ``best`` (greedy acceptance)."""
+    n = 0
+    while n < len(guesses) and guesses[n] == best[n]:
+        n += 1
+    return n
 
 
 def accept_sampling(
@@ -605,9 +611,7 @@ def speculative_generate(
             if oracle is not None:
                 best = vlogits.float().argmax(-1).tolist()
                 oracle.observe(len(tokens), block, best)
-                n_acc = 0
-                while n_acc < min(n, oracle.limit()) and guesses[n_acc] == best[n_acc]:
-                    n_acc += 1
+                n_acc = matching_prefix(guesses[: oracle.limit()], best)
                 nxt = best[n_acc]
             elif greedy:
                 n_acc, nxt = accept_greedy(guesses, vlogits)
