@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench-priority on one GPU (written for an H200 on PCIe Gen5): the gpt-oss-20b-shaped MXFP4
 # synthetic target with its gpt-oss-20b-DFlash-shaped synthetic draft, oracle-acceptance mode
-# P = 0.7 (random draft weights accept nothing; the draft still runs every step), expert cache
+# P = 0.7 by default (ACCEPT; random draft weights accept nothing; the draft still runs every step), expert cache
 # 25 % of all experts for the budget arms, all five arms, peers (transformers resident and
 # accelerate offload capped at pdflash's GPU budget) on the same prompts.
 #
@@ -25,6 +25,8 @@ PROMPTS="${PROMPTS:-3}"
 TOKENS="${TOKENS:-32}"
 ARMS="${ARMS:-flat,banded,on-demand,resident,oracle}"
 PEER_LIMIT="${PEER_LIMIT:-60}"
+PEERS="${PEERS:-1}"                           # 0: pdflash's arms only
+ACCEPT="${ACCEPT:-0.7}"                       # the oracle acceptance rate P
 DEVICE="${DEVICE:-cuda}"
 PRESET="${PRESET:-gpt-oss-20b}"               # PRESET=tiny DRAFT_PRESET=tiny DEVICE=cpu EXTRA="--link-gbps 0.05":
 DRAFT_PRESET="${DRAFT_PRESET:-gpt-oss-20b-DFlash}"  # a CPU check of this script in seconds
@@ -52,7 +54,7 @@ fi
 "$PY" -m pdflash.cli.main bench-priority \
   --model "$CKPT" --draft "$CKPT/draft" --device "$DEVICE" $EXTRA \
   --arms "$ARMS" --repetitions "$REPS" --prompts "$PROMPTS" --max-new-tokens "$TOKENS" \
-  --draft-acceptance 0.7 --expert-cache-fraction 0.25 --seed 0 --warmup 1 \
-  --peers --peer-time-limit "$PEER_LIMIT" \
+  --draft-acceptance "$ACCEPT" --expert-cache-fraction 0.25 --seed 0 --warmup 1 \
+  $([ "$PEERS" = 1 ] && echo --peers --peer-time-limit "$PEER_LIMIT") \
   --output "$OUT/bm3.json" 2> >(tee "$OUT/bm3.log" >&2) | tee "$OUT/bm3.txt"
 echo "total $(( $(date +%s) - t0 )) s" >&2

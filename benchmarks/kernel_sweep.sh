@@ -10,7 +10,9 @@
 # block of the AVX-512 kernels keeps in L1 for every token pair, the library's 8), POOL_LINES
 # (1: the pool's shared words on cache lines of their own; the library's 0) and HUGE_PAGES (1: the
 # weights, and so the DRAM read too, on 2 MiB transparent huge pages; 0, as the host store is: 4 KiB
-# pages where THP is "madvise"). Default: base, PREFETCH_ROWS 0 / 4 / 16 / 32, MX_SUPER 4 / 16,
+# pages where THP is "madvise"), GRAB_SHARE (a grab of a phase's units takes 1 / (GRAB_SHARE x threads) of
+# those left, the library's 2) and GRAB_STREAM (1: a grab prefetches its own first rows and nothing past
+# its last; the library's 0). Default: base, PREFETCH_ROWS 0 / 4 / 16 / 32, MX_SUPER 4 / 16,
 # POOL_LINES 1, HUGE_PAGES 1. THREADS (default 12,14,16), ARGS (more options of
 # kernel_sweep.c, e.g. --experts, --hidden, --calls). Every variant runs twice, the second pass in
 # reverse order, so that drift on a shared machine falls on every variant alike. Writes
@@ -34,8 +36,8 @@ for v in $VARIANTS; do
   defs=()
   if [ "$v" != base ]; then
     for kv in ${v//,/ }; do
-      if [[ ! "$kv" =~ ^(PREFETCH_ROWS|MX_SUPER|POOL_LINES|HUGE_PAGES)=[0-9]+$ ]]; then
-        echo "Error: variant '$v': use base or PREFETCH_ROWS=N / MX_SUPER=N / POOL_LINES=0|1 / HUGE_PAGES=0|1, comma-separated" >&2
+      if [[ ! "$kv" =~ ^(PREFETCH_ROWS|MX_SUPER|POOL_LINES|HUGE_PAGES|GRAB_SHARE|GRAB_STREAM)=[0-9]+$ ]]; then
+        echo "Error: variant '$v': use base or PREFETCH_ROWS=N / MX_SUPER=N / POOL_LINES=0|1 / HUGE_PAGES=0|1 / GRAB_SHARE=N / GRAB_STREAM=0|1, comma-separated" >&2
         exit 2
       fi
       defs+=("-D$kv")

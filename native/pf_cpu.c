@@ -56,6 +56,15 @@
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8 /* MXFP4 kernels: prefetch the rows this many rows ahead (measured best of 4, 8, 16) */
 #endif
+#ifndef GRAB_SHARE
+#define GRAB_SHARE 2 /* a grab takes 1 / (GRAB_SHARE x threads) of a phase's unclaimed units (grab_size) */
+#endif
+#ifndef GRAB_STREAM
+#define GRAB_STREAM 0 /* 1: each grab of MXFP4 rows is a prefetch stream of its own: its first PREFETCH_ROWS rows
+                       * are prefetched as it starts, and the bf16 kernel prefetches nothing past its last row
+                       * (0: a grab's first rows come on demand, its prefetches run on into the rows other threads
+                       * grab); a compile-time variant of benchmarks/kernel_sweep.sh */
+#endif
 
 static const float FP4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -370,6 +379,31 @@ T_512 INL __m512 chunk_scales512(uint32_t s4) {
     return _mm512_mask_mul_ps(v, m255, v, _mm512_set1_ps(2.0f));
 }
 
+/* every scale byte of rows [r, r + rows) in lo .. hi (64 bytes a compare: s - lo wraps the bytes
+ * below lo past hi - lo) */
+T_512 static int scales_within(const uint8_t *scales, int G, int r, int rows, int lo, int hi) {
+    const uint8_t *s = scales + (size_t)r * G;
+    const size_t n = (size_t)rows * G;
+    const __m512i low = _mm512_set1_epi8((char)lo), span = _mm512_set1_epi8((char)(hi - lo));
+    for (size_t i = 0; i < n; i += 64) {
+        const __mmask64 m = n - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (n - i)) - 1;
+        const __m512i v = _mm512_sub_epi8(_mm512_maskz_loadu_epi8(m, s + i), low);
+        if (_mm512_mask_cmpgt_epu8_mask(m, v, span)) return 0;
+    }
+    return 1;
+}
+
+/* chunk_scales512 for scales 1 .. 254 (each the float exponent as it is), read from p: a
+ * broadcast load, a byte shuffle (byte g into 128-bit lane g's dwords) and a shift; no scalar
+ * work, which chunk_scales512 spends on the two scales outside that range */
+T_512 INL __m512 chunk_scales_plain(const uint8_t *p) {
+    int32_t s4;
+    memcpy(&s4, p, 4);
+    const int g0 = (int)0x80808000, g1 = (int)0x80808001, g2 = (int)0x80808002, g3 = (int)0x80808003;
+    const __m512i pick = _mm512_set_epi32(g3, g3, g3, g3, g2, g2, g2, g2, g1, g1, g1, g1, g0, g0, g0, g0);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(s4), pick), 23));
+}
+
 /* R rows (clamped to the last) x TG tokens over rows in the chunked order: per chunk, each
  * lane's unscaled products are summed over its 8 nibbles, then scaled once (an exact power
  * of two) into the accumulator; the last in % 128 elements go group by group. */
@@ -458,6 +492,28 @@ T_512 static void mx_rows_512(const uint8_t *blocks, const uint8_t *scales, int 
     }
 }
 
+/* One chunk (64 bytes, 128 weights) of 4 rows: vv their bytes, sc their scales, x0 the tokens. */
+T_BF16 INL void bf16_chunk(__m512 acc[4][4], const __m512i vv[4], const __m512 sc[4], __m512i tab, const uint16_t *x0,
+                           int xs, int c, const int TG) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        __m512i v = vv[k];
+        __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v, tab);
+        __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
+        __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab);
+        __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab);
+#pragma GCC unroll 4
+        for (int t = 0; t < TG; t++) {
+            const uint16_t *xc = x0 + (size_t)t * xs + (size_t)c * 128;
+            __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512((const void *)xc));
+            p = _mm512_dpbf16_ps(p, w1, (__m512bh)_mm512_loadu_si512((const void *)(xc + 32)));
+            p = _mm512_dpbf16_ps(p, w2, (__m512bh)_mm512_loadu_si512((const void *)(xc + 64)));
+            p = _mm512_dpbf16_ps(p, w3, (__m512bh)_mm512_loadu_si512((const void *)(xc + 96)));
+            acc[k][t] = _mm512_fmadd_ps(p, sc[k], acc[k][t]);
+        }
+    }
+}
+
 /* bf16 dot products over whole 64-byte chunks (4 groups, 128 elements) of a row. The 16-bit
  * lane j of a chunk holds bytes 2j and 2j + 1, i.e. elements 4j .. 4j + 3, one nibble each;
  * vpermw looks a nibble up in a table of the 16 E2M1 values as bf16 (exact: at most 2
@@ -465,11 +521,15 @@ T_512 static void mx_rows_512(const uint8_t *blocks, const uint8_t *scales, int 
  * needed: lane j of w_k = element 4j + k. x is kept in the same order (mx_pos_bf16), zero
  * padded to whole chunks. Every 128-bit lane of a chunk is one group, so each float32 lane
  * of the dot products sums one group's unscaled products and is then scaled once (an exact
- * power of two) into the accumulator. R = 4 rows (clamped to the last) x TG tokens. */
+ * power of two) into the accumulator. R = 4 rows (clamped to the last) x TG tokens. The whole
+ * chunks run in one of two loops, chosen once per block of rows: scales 1 .. 254 as float
+ * exponents (chunk_scales_plain), or any scale (chunk_scales512); then a last chunk of 1 .. 3
+ * groups, if the row has one. */
 T_BF16 INL void mx_block_bf16(const uint8_t *blocks, const uint8_t *scales, int in, int r, int r_end,
                               const uint16_t *xp, int t0, const int TG, float *y, int ys) {
     const int G = in / 32, C = (in + 127) / 128, xs = C * 128;
     const int tail = G - 4 * (C - 1); /* groups in the last chunk, 1..4 */
+    const int full = tail == 4 ? C : C - 1;
     const __m512i tab = _mm512_loadu_si512((const void *)FP4_BF16);
     const uint8_t *bp[4], *sp[4];
     for (int k = 0; k < 4; k++) {
@@ -483,45 +543,42 @@ T_BF16 INL void mx_block_bf16(const uint8_t *blocks, const uint8_t *scales, int 
 #pragma GCC unroll 4
         for (int t = 0; t < TG; t++) acc[k][t] = _mm512_setzero_ps();
     const uint16_t *x0 = xp + (size_t)t0 * xs;
-    const size_t ahead = (size_t)PREFETCH_ROWS * G * 16;
-    for (int c = 0; c < C; c++) {
-        const int last = c == C - 1;
-        __m512i vv[4];
-        if (__builtin_expect(last && tail < 4, 0)) {
-            const __mmask64 m = ((__mmask64)1 << (16 * tail)) - 1;
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) vv[k] = _mm512_maskz_loadu_epi8(m, bp[k] + (size_t)c * 64);
-        } else {
+    const size_t ahead = !GRAB_STREAM || r + 4 + PREFETCH_ROWS <= r_end ? (size_t)PREFETCH_ROWS * G * 16 : 0;
+    __m512i vv[4];
+    __m512 sc[4];
+    if (scales_within(scales, G, r, r_end - r < 4 ? r_end - r : 4, 1, 254)) {
+        for (int c = 0; c < full; c++) {
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) vv[k] = _mm512_loadu_si512((const void *)(bp[k] + (size_t)c * 64));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) prefetch_ahead(bp[k] + (size_t)c * 64, ahead);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) sc[k] = chunk_scales_plain(sp[k] + (size_t)c * 4);
+            bf16_chunk(acc, vv, sc, tab, x0, xs, c, TG);
         }
+    } else {
+        for (int c = 0; c < full; c++) {
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) prefetch_ahead(bp[k] + (size_t)c * 64, ahead);
+            for (int k = 0; k < 4; k++) vv[k] = _mm512_loadu_si512((const void *)(bp[k] + (size_t)c * 64));
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            __m512i v = vv[k];
-            __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v, tab);
-            __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
-            __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab);
-            __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab);
-            uint32_t s4;
-            if (__builtin_expect(last && tail < 4, 0)) { /* groups past the row's end: scale 1 against zero weights */
-                s4 = 0x7f7f7f7fu;
-                for (int g = 0; g < tail; g++) s4 = (s4 & ~(0xffu << (8 * g))) | ((uint32_t)sp[k][c * 4 + g] << (8 * g));
-            } else {
+            for (int k = 0; k < 4; k++) prefetch_ahead(bp[k] + (size_t)c * 64, ahead);
+            for (int k = 0; k < 4; k++) {
+                uint32_t s4;
                 memcpy(&s4, sp[k] + (size_t)c * 4, 4);
+                sc[k] = chunk_scales512(s4);
             }
-            __m512 sc = chunk_scales512(s4);
-#pragma GCC unroll 4
-            for (int t = 0; t < TG; t++) {
-                const uint16_t *xc = x0 + (size_t)t * xs + (size_t)c * 128;
-                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512((const void *)xc));
-                p = _mm512_dpbf16_ps(p, w1, (__m512bh)_mm512_loadu_si512((const void *)(xc + 32)));
-                p = _mm512_dpbf16_ps(p, w2, (__m512bh)_mm512_loadu_si512((const void *)(xc + 64)));
-                p = _mm512_dpbf16_ps(p, w3, (__m512bh)_mm512_loadu_si512((const void *)(xc + 96)));
-                acc[k][t] = _mm512_fmadd_ps(p, sc, acc[k][t]);
-            }
+            bf16_chunk(acc, vv, sc, tab, x0, xs, c, TG);
         }
+    }
+    if (full < C) { /* groups past the row's end: zero weights, scale 1 */
+        const __mmask64 m = ((__mmask64)1 << (16 * tail)) - 1;
+        for (int k = 0; k < 4; k++) {
+            vv[k] = _mm512_maskz_loadu_epi8(m, bp[k] + (size_t)full * 64);
+            uint32_t s4 = 0x7f7f7f7fu;
+            for (int g = 0; g < tail; g++) s4 = (s4 & ~(0xffu << (8 * g))) | ((uint32_t)sp[k][full * 4 + g] << (8 * g));
+            sc[k] = chunk_scales512(s4);
+        }
+        bf16_chunk(acc, vv, sc, tab, x0, xs, full, TG);
     }
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) {
@@ -608,19 +665,8 @@ static inline void amx_zero_pad(uint16_t *xb, size_t in, size_t t) {
 }
 
 /* every scale byte of rows [r, r + rows) in 2 .. 252: a nonzero E2M1 value (bf16 exponent 126 ..
- * 129) times 2^(s - 127) keeps a normal exponent, so adding (s - 127) << 7 to its bits is the product
- * (64 bytes a compare: s - 2 wraps the two low bytes past 250) */
-T_512 static int rows_foldable(const uint8_t *scales, int G, int r, int rows) {
-    const uint8_t *s = scales + (size_t)r * G;
-    const size_t n = (size_t)rows * G;
-    const __m512i two = _mm512_set1_epi8(2), top = _mm512_set1_epi8((char)250);
-    for (size_t i = 0; i < n; i += 64) {
-        const __mmask64 m = n - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (n - i)) - 1;
-        const __m512i v = _mm512_sub_epi8(_mm512_maskz_loadu_epi8(m, s + i), two);
-        if (_mm512_mask_cmpgt_epu8_mask(m, v, top)) return 0;
-    }
-    return 1;
-}
+ * 129) times 2^(s - 127) keeps a normal exponent, so adding (s - 127) << 7 to its bits is the product */
+T_512 static int rows_foldable(const uint8_t *scales, int G, int r, int rows) { return scales_within(scales, G, r, rows, 2, 252); }
 
 /* (s_g - 127) << 7 in every 16-bit lane of 128-bit lane g (s4: the scale bytes, group 0 lowest) */
 T_512 INL __m512i chunk_exponents(uint32_t s4) {
@@ -1019,12 +1065,22 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
     }
 }
 
+/* GRAB_STREAM: the first PREFETCH_ROWS rows of MXFP4 rows [lo, hi) (rows of `in` elements),
+ * asked for as a grab starts */
+static void prefetch_grab(const void *blocks, int in, int lo, int hi) {
+    if (!GRAB_STREAM) return;
+    const size_t row = (size_t)in / 32 * 16, end = (size_t)(hi - lo < PREFETCH_ROWS ? hi - lo : PREFETCH_ROWS) * row;
+    const uint8_t *p = (const uint8_t *)blocks + (size_t)lo * row;
+    for (size_t o = 0; o < end; o += 64) prefetch_ahead(p, o);
+}
+
 /* phase 1 for one task: gate_up rows [lo, hi), bias, SwiGLU -> h */
 static void gate_up_part(pf_cpu *c, const task *tk, int lo, int hi) {
     const pf_cpu_weights *w = tk->w;
     const int H = w->hidden, I = w->inter, T = tk->T, mx = w->format == PF_CPU_MXFP4;
     float *gu = c->gu + tk->guo, *h = tk->bf16_h ? NULL : c->h + tk->ho;
     uint16_t *hb = tk->bf16_h ? c->hb + tk->ho : NULL;
+    if (mx) prefetch_grab(w->gate_up, H, lo, hi);
     if (tk->amx_x)
         c->mx_rows_amx((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xb + tk->xo, T, gu, 2 * I);
     else if (mx && tk->bf16_x)
@@ -1070,6 +1126,7 @@ static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
     const pf_cpu_weights *w = tk->w;
     const int H = w->hidden, I = w->inter, T = tk->T;
     float *y = c->y + tk->yo;
+    if (w->format == PF_CPU_MXFP4) prefetch_grab(w->down, I, lo, hi);
     if (tk->amx_h)
         c->mx_rows_amx((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->hb + tk->ho, T, y, H);
     else if (tk->bf16_h)
@@ -1201,7 +1258,7 @@ static void end_phase(pf_cpu *c, uint64_t st) {
 /* Units in the next grab when `left` are unclaimed: guided, a share of what is left (large
  * grabs first, so claims are few; small ones last, so threads finish together), 1..64 units. */
 static uint32_t grab_size(uint32_t left, uint32_t threads) {
-    uint32_t g = left / (2u * threads);
+    uint32_t g = left / ((uint32_t)GRAB_SHARE * threads);
     if (g < 1) g = 1;
     if (g > 64) g = 64;
     return g < left ? g : left;

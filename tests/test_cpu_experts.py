@@ -160,10 +160,12 @@ def test_many_tokens_are_sliced_and_rows_may_be_strided():
         assert x.shape[0] > MAX_TOKENS
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("level", LEVELS_HERE)
-def test_extreme_scales_follow_the_reference(level):
+def test_extreme_scales_follow_the_reference(level, x_dtype):
     """Scales 0 (weights 2^-127: subnormal) and 255 (2^128: inf) decode as transformers does;
-    the reference's inf / NaN pattern is reproduced (their sums do not depend on order)."""
+    the reference's inf / NaN pattern is reproduced (their sums do not depend on order). Blocks
+    of 4 rows with and without such scales, so that the bf16 kernel's two chunk loops both run."""
     H, I = 160, 160  # one 128-element chunk and one lone group per row
     g = torch.Generator().manual_seed(12)
     gb = torch.randint(0, 256, (2 * I, H // 32, 16), dtype=torch.uint8, generator=g)
@@ -181,8 +183,8 @@ def test_extreme_scales_follow_the_reference(level):
     w1, w2 = tf_dequant(gb, gs), tf_dequant(db, ds)
     assert torch.isinf(w2).any() and (w1.abs() < 2.0**-120).logical_and(w1 != 0).any()
     with CpuExperts(threads=2, level=level) as k:
-        x = torch.randn(3, H, generator=g)
-        y, ref = k.forward(w, x), transformers_expert(w1, None, w2, None, x)
+        x = torch.randn(3, H, generator=g).to(x_dtype)
+        y, ref = k.forward(w, x), transformers_expert(w1, None, w2, None, x.float())
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     assert torch.equal(torch.isposinf(y), torch.isposinf(ref)) and torch.equal(torch.isneginf(y), torch.isneginf(ref))
     fin = torch.isfinite(ref)
