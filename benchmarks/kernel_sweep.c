@@ -2,7 +2,7 @@
  * The CPU expert kernel (native/pf_cpu.c) built with other values of its compile-time knobs,
  * timed on the machine it runs on: what benchmarks/kernel_sweep.sh builds once per variant.
  *
- *   cc -std=c11 -O2 -pthread -Inative [-DPREFETCH_ROWS=N] [-DMX_SUPER=M] [-DGRAB_SHARE=S] [-DGRAB_STREAM=1] -o ks benchmarks/kernel_sweep.c -lm
+ *   cc -std=c11 -O2 -pthread -Inative [-DPREFETCH_ROWS=N] [-DMX_SUPER=M] [-DGRAB_SHARE=S] [-DGRAB_MAX=M] [-DGRAB_FIRST=P] [-DGRAB_STREAM=1] -o ks benchmarks/kernel_sweep.c -lm
  *   ./ks [--threads 12,14,16] [--experts 40] [--hidden 2880] [--inter 2880] [--calls 100] [--lead-us 200]
  *
  * Workload: --experts distinct MXFP4 experts (gpt-oss's layout: gate_up [2I][H/32][16] blocks and
@@ -257,12 +257,12 @@ int main(int argc, char **argv) {
         const double l8 = time_calls(c, w, nexp, 8, calls, x, out, H, lead_us, &failed, NULL);
         pf_cpu_destroy(c);
         printf("{\"prefetch_rows\": %d, \"mx_super\": %d, \"pool_lines\": %d, \"huge_pages\": %d, \"grab_share\": %d, "
-               "\"grab_stream\": %d, \"anon_huge_mib\": %.0f, "
+               "\"grab_max\": %d, \"grab_first\": %d, \"grab_stream\": %d, \"anon_huge_mib\": %.0f, "
                "\"level\": \"%s\", \"threads\": %d, \"expert_bytes\": %zu, "
                "\"dram_gbps\": %.2f, \"one_ms\": %.4f, \"one_gbps\": %.2f, \"one_of_dram\": %.3f, "
                "\"layer4_ms\": %.4f, \"layer4_gbps\": %.2f, \"layer8_ms\": %.4f, \"layer8_gbps\": %.2f, "
                "\"layer8_of_dram\": %.3f, \"max_error\": %.3g, \"one_us\": {",
-               PREFETCH_ROWS, MX_SUPER, POOL_LINES, HUGE_PAGES, GRAB_SHARE, GRAB_STREAM, anon_huge_mib(), pf_cpu_level_name(level), threads[ti], per, dram, 1e3 * one,
+               PREFETCH_ROWS, MX_SUPER, POOL_LINES, HUGE_PAGES, GRAB_SHARE, GRAB_MAX, GRAB_FIRST, GRAB_STREAM, anon_huge_mib(), pf_cpu_level_name(level), threads[ti], per, dram, 1e3 * one,
                (double)per / one / 1e9, (double)per / one / 1e9 / dram, 1e3 * l4, 4.0 * per / l4 / 1e9, 1e3 * l8,
                8.0 * per / l8 / 1e9, 8.0 * per / l8 / 1e9 / dram, worst);
         for (int k = 0; k < NPARTS; k++) printf("%s\"%s\": %.2f", k ? ", " : "", PART_NAMES[k], parts[k]);

@@ -11,7 +11,8 @@
 # (1: the pool's shared words on cache lines of their own; the library's 0) and HUGE_PAGES (1: the
 # weights, and so the DRAM read too, on 2 MiB transparent huge pages; 0, as the host store is: 4 KiB
 # pages where THP is "madvise"), GRAB_SHARE (a grab of a phase's units takes 1 / (GRAB_SHARE x threads) of
-# those left, the library's 2) and GRAB_STREAM (1: a grab prefetches its own first rows and nothing past
+# those left, the library's 2), GRAB_MAX (units a grab takes at most, the library's 64), GRAB_FIRST (percent
+# of a phase's units first handed out in one equal grab a thread, the library's 0) and GRAB_STREAM (1: a grab prefetches its own first rows and nothing past
 # its last; the library's 0). Default: base, PREFETCH_ROWS 0 / 4 / 16 / 32, MX_SUPER 4 / 16,
 # POOL_LINES 1, HUGE_PAGES 1. THREADS (default 12,14,16), ARGS (more options of
 # kernel_sweep.c, e.g. --experts, --hidden, --calls). Every variant runs twice, the second pass in
@@ -36,8 +37,8 @@ for v in $VARIANTS; do
   defs=()
   if [ "$v" != base ]; then
     for kv in ${v//,/ }; do
-      if [[ ! "$kv" =~ ^(PREFETCH_ROWS|MX_SUPER|POOL_LINES|HUGE_PAGES|GRAB_SHARE|GRAB_STREAM)=[0-9]+$ ]]; then
-        echo "Error: variant '$v': use base or PREFETCH_ROWS=N / MX_SUPER=N / POOL_LINES=0|1 / HUGE_PAGES=0|1 / GRAB_SHARE=N / GRAB_STREAM=0|1, comma-separated" >&2
+      if [[ ! "$kv" =~ ^(PREFETCH_ROWS|MX_SUPER|POOL_LINES|HUGE_PAGES|GRAB_SHARE|GRAB_MAX|GRAB_FIRST|GRAB_STREAM)=[0-9]+$ ]]; then
+        echo "Error: variant '$v': use base or PREFETCH_ROWS=N / MX_SUPER=N / POOL_LINES=0|1 / HUGE_PAGES=0|1 / GRAB_SHARE=N / GRAB_MAX=N / GRAB_FIRST=0..100 / GRAB_STREAM=0|1, comma-separated" >&2
         exit 2
       fi
       defs+=("-D$kv")

@@ -59,6 +59,12 @@
 #ifndef GRAB_SHARE
 #define GRAB_SHARE 2 /* a grab takes 1 / (GRAB_SHARE x threads) of a phase's unclaimed units (grab_size) */
 #endif
+#ifndef GRAB_MAX
+#define GRAB_MAX 64 /* units a guided grab takes at most */
+#endif
+#ifndef GRAB_FIRST
+#define GRAB_FIRST 0 /* percent of a phase's units handed out first in equal grabs, one a thread (0: every grab guided) */
+#endif
 #ifndef GRAB_STREAM
 #define GRAB_STREAM 0 /* 1: each grab of MXFP4 rows is a prefetch stream of its own: its first PREFETCH_ROWS rows
                        * are prefetched as it starts, and the bf16 kernel prefetches nothing past its last row
@@ -1255,12 +1261,20 @@ static void end_phase(pf_cpu *c, uint64_t st) {
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Units in the next grab when `left` are unclaimed: guided, a share of what is left (large
- * grabs first, so claims are few; small ones last, so threads finish together), 1..64 units. */
-static uint32_t grab_size(uint32_t left, uint32_t threads) {
-    uint32_t g = left / ((uint32_t)GRAB_SHARE * threads);
-    if (g < 1) g = 1;
-    if (g > 64) g = 64;
+/* Units in the next grab when `left` of the phase's `units` are unclaimed: guided, a share of
+ * what is left (large grabs first, so claims are few; small ones last, so threads finish
+ * together), 1..GRAB_MAX units; with GRAB_FIRST, the phase's first GRAB_FIRST percent goes in
+ * `threads` equal grabs before that (one contiguous stream a thread). */
+static uint32_t grab_size(uint32_t left, uint32_t units, uint32_t threads) {
+    uint32_t g;
+    const uint64_t first = (uint64_t)units * GRAB_FIRST / 100;
+    if (GRAB_FIRST && (uint64_t)(units - left) < first) {
+        g = (uint32_t)((first + threads - 1) / threads);
+    } else {
+        g = left / ((uint32_t)GRAB_SHARE * threads);
+        if (g < 1) g = 1;
+        if (g > GRAB_MAX) g = GRAB_MAX;
+    }
     return g < left ? g : left;
 }
 
@@ -1273,7 +1287,7 @@ static void work_phase(pf_cpu *c, int idx, uint64_t st) {
     uint64_t cl = atomic_load_explicit(&c->claim, memory_order_relaxed);
     for (;;) {
         if ((uint32_t)(cl >> 32) != seq || (uint32_t)cl >= units) return;
-        const uint32_t a = (uint32_t)cl, n = grab_size(units - a, (uint32_t)atomic_load_explicit(&c->active, memory_order_relaxed));
+        const uint32_t a = (uint32_t)cl, n = grab_size(units - a, units, (uint32_t)atomic_load_explicit(&c->active, memory_order_relaxed));
         if (!atomic_compare_exchange_weak_explicit(&c->claim, &cl, cl + n, memory_order_acquire, memory_order_relaxed))
             continue;
         if (!c->t_join[idx].at[phase]) c->t_join[idx].at[phase] = now_ns();
