@@ -11,9 +11,9 @@
 # (1: the pool's shared words on cache lines of their own; the library's 0) and HUGE_PAGES (1: the
 # weights, and so the DRAM read too, on 2 MiB transparent huge pages; 0, as the host store is: 4 KiB
 # pages where THP is "madvise"), GRAB_SHARE (a grab of a phase's units takes 1 / (GRAB_SHARE x threads) of
-# those left, the library's 2), GRAB_MAX (units a grab takes at most, the library's 64), GRAB_FIRST (percent
+# those left, the library's 1), GRAB_MAX (units a grab takes at most, the library's 64), GRAB_FIRST (percent
 # of a phase's units first handed out in one equal grab a thread, the library's 0) and GRAB_STREAM (1: a grab prefetches its own first rows and nothing past
-# its last; the library's 0). Default: base, PREFETCH_ROWS 0 / 4 / 16 / 32, MX_SUPER 4 / 16,
+# its last; the library's 1). Default: base, PREFETCH_ROWS 0 / 4 / 16 / 32, MX_SUPER 4 / 16,
 # POOL_LINES 1, HUGE_PAGES 1. THREADS (default 12,14,16), ARGS (more options of
 # kernel_sweep.c, e.g. --experts, --hidden, --calls). Every variant runs twice, the second pass in
 # reverse order, so that drift on a shared machine falls on every variant alike. Writes

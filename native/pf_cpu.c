@@ -57,7 +57,10 @@
 #define PREFETCH_ROWS 8 /* MXFP4 kernels: prefetch the rows this many rows ahead (measured best of 4, 8, 16) */
 #endif
 #ifndef GRAB_SHARE
-#define GRAB_SHARE 2 /* a grab takes 1 / (GRAB_SHARE x threads) of a phase's unclaimed units (grab_size) */
+#define GRAB_SHARE 1 /* a grab takes 1 / (GRAB_SHARE x threads) of a phase's unclaimed units (grab_size); with
+                      * GRAB_STREAM 1, one 13 MB expert at 16 threads took 0.155 / 0.177 ms against 2's 0.180 /
+                      * 0.210 in two runs (H100 hosts, benchmarks/kernel_sweep.sh), 4 experts 0.53 / 0.60 ms
+                      * against 0.53 / 0.63 */
 #endif
 #ifndef GRAB_MAX
 #define GRAB_MAX 64 /* units a guided grab takes at most */
@@ -66,10 +69,10 @@
 #define GRAB_FIRST 0 /* percent of a phase's units handed out first in equal grabs, one a thread (0: every grab guided) */
 #endif
 #ifndef GRAB_STREAM
-#define GRAB_STREAM 0 /* 1: each grab of MXFP4 rows is a prefetch stream of its own: its first PREFETCH_ROWS rows
+#define GRAB_STREAM 1 /* 1: each grab of MXFP4 rows is a prefetch stream of its own: its first PREFETCH_ROWS rows
                        * are prefetched as it starts, and the bf16 kernel prefetches nothing past its last row
                        * (0: a grab's first rows come on demand, its prefetches run on into the rows other threads
-                       * grab); a compile-time variant of benchmarks/kernel_sweep.sh */
+                       * grab) */
 #endif
 
 static const float FP4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,

@@ -24,17 +24,17 @@ def _run(tmp_path, variants: str, args: str = "--experts 8 --hidden 256 --inter 
 
 
 def test_every_variant_is_checked_and_timed_twice_per_thread_count(tmp_path):
-    done = _run(tmp_path, "base PREFETCH_ROWS=0 MX_SUPER=4,PREFETCH_ROWS=16,POOL_LINES=1 HUGE_PAGES=1 GRAB_FIRST=75,GRAB_MAX=16,GRAB_STREAM=1")
+    done = _run(tmp_path, "base PREFETCH_ROWS=0 MX_SUPER=4,PREFETCH_ROWS=16,POOL_LINES=1 HUGE_PAGES=1 GRAB_FIRST=75,GRAB_MAX=16,GRAB_STREAM=0")
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in (tmp_path / "kernel_sweep.jsonl").read_text().splitlines()]
     assert len(rows) == 5 * 2 * 2  # variants x passes x thread counts
     knobs = {(r["variant"], r["prefetch_rows"], r["mx_super"], r["pool_lines"], r["huge_pages"], r["grab_share"],
               r["grab_max"], r["grab_first"], r["grab_stream"]) for r in rows}
-    assert knobs == {("base", 8, 8, 0, 0, 2, 64, 0, 0), ("PREFETCH_ROWS=0", 0, 8, 0, 0, 2, 64, 0, 0),
-                     ("MX_SUPER=4,PREFETCH_ROWS=16,POOL_LINES=1", 16, 4, 1, 0, 2, 64, 0, 0),
-                     ("HUGE_PAGES=1", 8, 8, 0, 1, 2, 64, 0, 0), ("GRAB_FIRST=75,GRAB_MAX=16,GRAB_STREAM=1", 8, 8, 0, 0, 2, 16, 75, 1)}
+    assert knobs == {("base", 8, 8, 0, 0, 1, 64, 0, 1), ("PREFETCH_ROWS=0", 0, 8, 0, 0, 1, 64, 0, 1),
+                     ("MX_SUPER=4,PREFETCH_ROWS=16,POOL_LINES=1", 16, 4, 1, 0, 1, 64, 0, 1),
+                     ("HUGE_PAGES=1", 8, 8, 0, 1, 1, 64, 0, 1), ("GRAB_FIRST=75,GRAB_MAX=16,GRAB_STREAM=0", 8, 8, 0, 0, 1, 16, 75, 0)}
     assert [r["variant"] for r in rows if r["pass"] == 2 and r["threads"] == 1] == [
-        "GRAB_FIRST=75,GRAB_MAX=16,GRAB_STREAM=1", "HUGE_PAGES=1", "MX_SUPER=4,PREFETCH_ROWS=16,POOL_LINES=1", "PREFETCH_ROWS=0",
+        "GRAB_FIRST=75,GRAB_MAX=16,GRAB_STREAM=0", "HUGE_PAGES=1", "MX_SUPER=4,PREFETCH_ROWS=16,POOL_LINES=1", "PREFETCH_ROWS=0",
         "base"]  # the second pass in reverse
     assert all(isinstance(r["anon_huge_mib"], (int, float)) for r in rows)  # what the huge pages came to (-1: unknown)
     for r in rows:
