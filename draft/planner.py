@@ -411,7 +411,7 @@ class BlockPlanner:
     def on_routed(self, layer: int, experts: Sequence[int]) -> None:
         """A target layer routed to ``experts`` (the runtime's routing observer): collected for
         the step running now, which :meth:`end_step` files with the tokens it committed."""
-        self._current.setdefault(int(layer), set()).update(int(e) for e in experts)
+        self._current.setdefault(int(layer), set()).update(experts)
 
     def _bytes_now(self) -> tuple[float, float] | None:
         return self.link_counters() if self.link_counters is not None else None

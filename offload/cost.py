@@ -139,6 +139,9 @@ class CostModel:
         self._link = Ewma(alpha)
         self._last_link: tuple[float, float] | None = None  # cumulative (bytes, busy seconds)
         self._forward: dict[str, dict[int, RecentMedian]] = {k: {} for k in FORWARD_KINDS}
+        # kind -> token count -> estimate, in token order: read by every prediction (a planner prices
+        # 8 block lengths a step), rebuilt only after observe_forward changed that kind
+        self._forward_known: dict[str, dict[int, float]] = {}
         self._expert_compute: dict[int, Ewma] = {}  # tokens -> device seconds per expert
         self.cpu_expert_seconds: Callable[[int], float | None] | None = None  # hybrid execution's hook
         self.placement: Callable[[int], str] | None = None  # tokens -> the arm serving such a forward's misses
@@ -181,6 +184,7 @@ class CostModel:
         host = host_experts * (self.host_expert_seconds(tokens) or 0.0) if host_experts else 0.0
         served = max(link, host) if self.placement_of(tokens) == "model" else link + host
         self._forward[kind].setdefault(int(tokens), RecentMedian()).add(max(0.0, seconds - served))
+        self._forward_known.pop(kind, None)
 
     def observe_expert_compute(self, tokens: int, experts: int, seconds: float) -> None:
         """Device compute of ``experts`` experts over ``tokens`` tokens took ``seconds``."""
@@ -234,11 +238,18 @@ class CostModel:
         """Predicted time of a ``kind`` forward of ``tokens`` tokens with nothing to fetch: its
         recent median; before it is measured, interpolated between measured token counts (or the nearest),
         None before any."""
-        return _estimate(self._forward[kind], tokens)
+        return interpolate(self._known_forward(kind), tokens)
+
+    def _known_forward(self, kind: str) -> dict[int, float]:
+        known = self._forward_known.get(kind)
+        if known is None:
+            known = self._forward_known[kind] = {
+                t: e.value for t, e in sorted(self._forward[kind].items()) if e.value is not None}
+        return known
 
     def measured_forward(self, kind: str) -> dict[int, float]:
-        """Token count -> current estimate of each measured ``kind`` forward."""
-        return {t: e.value for t, e in sorted(self._forward[kind].items()) if e.value is not None}
+        """Token count -> current estimate of each measured ``kind`` forward (a copy)."""
+        return dict(self._known_forward(kind))
 
     # -- predictions -------------------------------------------------------------------
     def experts_to_fetch(self, experts: Iterable[tuple[int, int]], cache) -> tuple[int, int, int]:
