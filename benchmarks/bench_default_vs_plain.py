@@ -11,6 +11,10 @@ Arguments after ``--`` go to both commands (default: the `make demo` setting,
 the planner chose, acceptance, and whether both produced the same tokens; overall the median and
 geometric mean of the per-prompt ratios and the lowest one.
 
+``--warmup N`` (default 1) first runs each command N times on the first prompt, results discarded:
+the machine's first pdflash process pays for cold caches (on an H100 machine the first `generate`
+ran at 84-92 tok/s against about 600 later, 0.13-0.14x in the first pair of two calls).
+
 ``--trace`` runs both commands with ``generate --trace`` and takes each run's steps apart
 (``step_breakdown``): per block length of the default arm its steps' mean verify and draft time,
 the time between steps outside both (the loop's own work: the planner, acceptance, bookkeeping)
@@ -83,9 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pdflash", default=f"{sys.executable} -m pdflash.cli.main", help="How to run pdflash.")
     ap.add_argument("--default-args", default="", help="Extra arguments of the default (speculative) arm only, "
                     "e.g. '--route-ahead-predictor none'.")
+    ap.add_argument("--warmup", type=int, default=1, help="Untimed runs of each command on the first prompt first.")
     ap.add_argument("--trace", action="store_true", help="Take every run's steps apart (generate --trace).")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.warmup < 0:
+        ap.error("--warmup must be 0 or more")
     base = args.pdflash.split()
     with tempfile.TemporaryDirectory(prefix="pdflash-traces-") as tmp:
         return _run(args, base, extra, Path(tmp) if args.trace else None)
@@ -94,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, base: list[str], extra: list[str], traces: Path | None) -> int:
     """Every prompt and repeat, both arms; ``traces``: where the runs' --trace files go (removed after)."""
     rows = []
+    for _ in range(args.warmup):  # cold caches of a machine's first processes, left out
+        for arm_args in (["--no-draft"], args.default_args.split()):
+            run(base + ["generate", PROMPTS[0], "--max-new-tokens", str(args.max_new_tokens), "--json", *extra, *arm_args])
     for pi, prompt in enumerate(PROMPTS[: args.prompts]):
         for rep in range(args.repeats):
             arms = ["default", "no-draft"] if rep % 2 == 0 else ["no-draft", "default"]
@@ -147,6 +157,7 @@ def _run(args, base: list[str], extra: list[str], traces: Path | None) -> int:
                "geomean_ratio": math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
                "lowest_ratio": min(ratios), "all_same_tokens": all(v["same_tokens"] for v in per_prompt.values())}
     result = {"command_args": extra, "default_args": args.default_args.split(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "warmup": args.warmup,
               "per_prompt": per_prompt, "summary": summary, "runs": rows}
     print("| prompt | default tok/s | --no-draft tok/s | ratio |\n|---|---:|---:|---:|", file=sys.stderr)
     for prompt, v in per_prompt.items():

@@ -29,10 +29,35 @@ def test_step_breakdown_by_hand(dvp):
 
 def test_a_traced_run_of_both_arms(dvp, tmp_path):
     out = tmp_path / "dvp.json"
-    assert dvp.main(["--repeats", "1", "--prompts", "1", "--max-new-tokens", "12", "--trace", "--out", str(out)]) == 0
-    row = json.loads(out.read_text())["runs"][0]
+    assert dvp.main(["--repeats", "1", "--prompts", "1", "--max-new-tokens", "12", "--trace", "--warmup", "0",
+                     "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["warmup"] == 0 and len(result["runs"]) == 1
+    row = result["runs"][0]
     assert row["same_tokens"] and row["ratio"] > 0
     d, p = row["default_steps"], row["no_draft_steps"]
     assert p["steps"] == 12 and p["step_ms"] > 0
     assert d["steps"] == sum(row["block_histogram"].values()) and d["outside_ms"] >= 0
     assert sum(v["steps"] for v in d["per_block"].values()) == d["steps"] - 1
+
+
+def test_warm_up_runs_are_left_out(dvp, monkeypatch, tmp_path):
+    """--warmup N runs each command N times on the first prompt before the measured pairs, and
+    reports none of them."""
+    calls = []
+
+    def fake_run(cmd):
+        calls.append(cmd)
+        return {"tokens_per_second": 10.0 if "--no-draft" in cmd else 12.0, "token_ids": [1, 2], "acceptance_length": 1.5}
+
+    monkeypatch.setattr(dvp, "run", fake_run)
+    out = tmp_path / "dvp.json"
+    assert dvp.main(["--repeats", "1", "--prompts", "2", "--warmup", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["warmup"] == 2 and [r["prompt"] for r in result["runs"]] == list(dvp.PROMPTS[:2])
+    assert len(calls) == 2 * 2 + 2 * 2  # warm-ups: 2 of each arm; then 2 prompts x 2 arms
+    assert all(c[c.index("generate") + 1] == dvp.PROMPTS[0] for c in calls[:4])
+    assert sum("--no-draft" in c for c in calls[:4]) == 2
+    assert result["summary"]["median_ratio"] == 1.2
+    with pytest.raises(SystemExit):
+        dvp.main(["--warmup", "-1"])
