@@ -188,6 +188,7 @@ class AcceptanceModel:
         self.accepted = [0.0] * positions
         self.slow_reached = [0.0] * positions
         self.slow_accepted = [0.0] * positions
+        self.records = 0  # blocks recorded so far
 
     def _posterior(self, accepted: list[float], reached: list[float], means: list[float], w: float) -> list[float]:
         return [(a + w * m) / (r + w) for a, r, m in zip(accepted, reached, means)]
@@ -204,6 +205,7 @@ class AcceptanceModel:
 
     def record(self, drafted: int, accepted: int) -> None:
         """A block verified ``drafted`` proposals and accepted the first ``accepted``."""
+        self.records += 1
         if self.decay < 1.0:
             self.reached = [r * self.decay for r in self.reached]
             self.accepted = [a * self.decay for a in self.accepted]
@@ -321,6 +323,8 @@ class BlockPlanner:
         remeasure_plain_every: int = 24,
         remeasure_unless: float | None = 1.5,
         fresh_steps: int | None = 8,
+        recheck_below: float | None = 0.7,
+        recheck_every: int = 4,
         acceptance: AcceptanceModel | None = None,
         clock: Callable[[], float] | None = None,
         trace: bool = False,
@@ -397,6 +401,16 @@ class BlockPlanner:
         self._window: deque[tuple[int, float]] = deque(maxlen=floor_window)  # (committed, seconds) of drafted steps
         self._run: deque[tuple[int, float]] = deque(maxlen=floor_window)  # the same, of the incumbent's blocks since it began
         self._hold_plain = False  # the floor put plain decoding in: it stays until a probe pays
+        # Plain decoding far ahead: when the fastest drafted length was predicted below recheck_below
+        # times plain decoding's rate, the next recheck_every - 1 plain steps price B = 1 alone (no
+        # new acceptance came in meanwhile: any recorded block prices every length again). A plain
+        # step's own bookkeeping is then what it costs (None: every step prices every length).
+        if recheck_below is not None and not 0.0 < recheck_below <= 1.0:
+            raise ValueError(f"recheck_below must be in (0, 1] or None, got {recheck_below}")
+        if recheck_every < 1:
+            raise ValueError(f"recheck_every must be at least 1, got {recheck_every}")
+        self.recheck_below, self.recheck_every = recheck_below, recheck_every
+        self._recheck_at = 0  # the first step that prices every length again
         self._drafting = False  # stage 1 of the step running now ran the draft
         self._step_bytes0 = 0.0
         self._stage: Choice | None = None
@@ -563,6 +577,19 @@ class BlockPlanner:
     def _candidate(self, block: int) -> Choice:
         return self._candidates(block, block)[0]
 
+    def _plain_choice(self) -> Choice:
+        """``_candidate(1)``, pricing B = 1 alone once it is measured: its route-ahead set is the
+        latest step's experts (the first value of ``_route_missing`` does not depend on how far it
+        looks back), its fetch that plus B = 1's own correction, its time the steady plain step."""
+        known = self._known_extra()
+        if self.cache is None or 1 not in known or self._plain_steady.value is None:
+            return self._candidate(1)
+        route = self._route_missing(1)
+        by_route = max(0.0, route[0] + known[1])
+        by_mean = self._fetch_mean(1, self._fresh(self._missed_by))
+        fetch = by_mean if self._use_mean() and by_mean is not None else by_route
+        return Choice(1, 1.0, self._plain_steady.value, fetch, route[0], by_route, by_mean)
+
     @staticmethod
     def _rate(c: Choice) -> float | None:
         return None if not c.predicted_seconds else c.expected_tokens / c.predicted_seconds
@@ -584,6 +611,10 @@ class BlockPlanner:
         best = self._fastest(cands)
         if best is None or self._rate(current) is None:
             return current
+        if current.block == 1 and self.recheck_below is not None:
+            spec = self._fastest(cands[1:])
+            far = spec is None or self._rate(spec) < self.recheck_below * self._rate(current)
+            self._recheck_at = self._steps + self.recheck_every if far else 0
         if best.block == 1:
             margin = self.plain_margin
         else:
@@ -705,7 +736,7 @@ class BlockPlanner:
         measured = self.cost.measured_forward("verify")
         if limit <= 1 or self._forced_plain > 0 or 1 not in measured or self._plain_steady.value is None:
             self._forced_plain = max(0, self._forced_plain - 1)  # a re-measurement, or the cold start
-            best = self._candidate(1)
+            best = self._plain_choice()
         else:
             shadow_first = 0
             if self._incumbent is None:
@@ -726,7 +757,10 @@ class BlockPlanner:
             elif self._incumbent > 1 and self._losing():
                 self._set_incumbent(1)  # no hold: the predictions decide from here
                 self.report.retreats += 1
-            best = self._candidate(1) if self._hold_plain else self._decide(limit)
+            if self._hold_plain or (self._incumbent == 1 and self._trial is None and self._steps < self._recheck_at):
+                best = self._plain_choice()
+            else:
+                best = self._decide(limit)
             if best.block != min(self._incumbent, limit):
                 self._set_incumbent(best.block)
             shadow = can_shadow and self.shadow_probes and not self._hold_plain
@@ -856,6 +890,7 @@ class BlockPlanner:
         if self.clock is not None:
             seconds = self.clock() - self._t0
             draft_seconds = self._draft_clock
+        records = self.acceptance.records
         self.last_measured_seconds = seconds
         if self._drafting or block > 1:  # the step ran the draft
             self._window.append((committed, seconds))
@@ -907,6 +942,8 @@ class BlockPlanner:
             self._check_shadow(tokens)
         if self._repeat_probe:  # repetition that the draft did not follow: trust the hint less
             self._repeat_gap = self.min_repeat_gap if accepted else min(64, 2 * self._repeat_gap)
+        if self.acceptance.records != records:
+            self._recheck_at = 0  # new acceptance: every length is priced again
         self._history.append((committed, block, self._current))
         self._current = {}
         if self.trace is not None:

@@ -857,3 +857,60 @@ def test_parse_variant_reads_blockplanner_keyword_arguments():
                      ('a={"fast": 1}', "fast"), ('a={"max_block": 4}', "max_block"), ('a={"self": 1}', "self")):
         with pytest.raises(ValueError, match=why):
             parse_variant(bad)
+
+
+def _route_history(p, rng, steps=12):
+    """Steps with routed experts (some resident), as the runtime's routing observer reports them."""
+    import random
+    r = random.Random(rng)
+    for _ in range(steps):
+        p.begin_step()
+        b = p.plan_draft(8)
+        for layer in range(L):
+            p.on_routed(layer, sorted(r.sample(range(E), K * b if K * b <= E else E)))
+        if r.random() < 0.5:
+            p.cache.resident.add((r.randrange(L), r.randrange(E)))
+        acc = r.randrange(b)
+        p.end_step(b, acc, acc + 1, 0.01 + 0.002 * b, draft_seconds=0.001 if b > 1 else 0.0)
+
+
+@pytest.mark.parametrize("link_gbps, accept_rate", [(0.1, 0.2), (1000, 0.95), (2, 0.6)])
+def test_b1_alone_is_priced_as_among_every_length(link_gbps, accept_rate):
+    """_plain_choice (B = 1 priced alone) is exactly the B = 1 of _candidates over every length."""
+    p = planner(link_gbps=link_gbps)
+    teach(p, accept_rate=accept_rate, steps=6)
+    for seed in range(4):
+        _route_history(p, seed)
+        assert p._plain_choice() == p._candidates(1, 8)[0]
+
+
+def test_plain_decoding_far_ahead_prices_every_length_every_few_steps():
+    """Far ahead of every drafted length, plain steps price only B = 1 between rechecks; a block
+    recorded in the acceptance (here a shadow probe's) prices every length at the next step."""
+    def full_pricings(p, steps):
+        seen = []
+        real = p._candidates
+        p._candidates = lambda low, limit: (seen.append(limit), real(low, limit))[1]
+        for _ in range(steps):
+            assert step(p) == 1
+        del p._candidates
+        return sum(1 for limit in seen if limit > 1)
+
+    lazy = planner(link_gbps=0.1, shadow_probes=False, probe_every=10_000, max_probe_interval=10_000)
+    teach(lazy, accept_rate=0.2)
+    eager = copy.deepcopy(lazy)
+    eager.recheck_below = None
+    assert full_pricings(eager, 12) == 12
+    assert full_pricings(lazy, 12) == 4  # the cold start (a drafted incumbent at first), then steps 2, 6, 10
+    before = lazy.acceptance.records
+    lazy._recheck_at = lazy._steps + 100
+    lazy.begin_step()
+    assert lazy.plan_draft(8, can_shadow=True) == 1
+    lazy.shadow_proposals([10, 11, 12])  # as if a shadow probe ran: its first proposal is refused below
+    lazy.end_step(1, 0, 1, 0.01, tokens=[99])
+    assert lazy.acceptance.records == before + 1 and lazy._recheck_at == 0
+    assert full_pricings(lazy, 1) == 1
+    with pytest.raises(ValueError):
+        planner(link_gbps=1, recheck_below=1.5)
+    with pytest.raises(ValueError):
+        planner(link_gbps=1, recheck_every=0)
