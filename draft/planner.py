@@ -553,9 +553,13 @@ class BlockPlanner:
     def _candidates(self, low: int, limit: int) -> list[Choice]:
         """Choices for B = low .. limit with the acceptance expected now and the predicted step
         times (B = 1: steady plain decoding once measured; B > 1: draft + verify + fetches)."""
-        probs = self.acceptance.conditional()
+        probs = self.acceptance.conditional() if limit > 1 else []  # B = 1 commits its one token
         known = self._known_extra()
-        route = self._route_missing(max([limit, *known])) if self.cache is not None else [0.0] * limit
+        # an unmeasured B is priced from the measured lengths' routes: look back as far as the longest
+        # of them; lengths that are all measured need only their own (the route's first values do not
+        # depend on how far it looks back), so pricing B = 1 alone walks just the latest step
+        back = limit if all(b in known for b in range(low, limit + 1)) else max([limit, *known])
+        route = self._route_missing(back) if self.cache is not None else [0.0] * limit
         means = self._fresh(self._missed_by)
         use_mean = self._use_mean()
         out = []
@@ -576,19 +580,6 @@ class BlockPlanner:
 
     def _candidate(self, block: int) -> Choice:
         return self._candidates(block, block)[0]
-
-    def _plain_choice(self) -> Choice:
-        """``_candidate(1)``, pricing B = 1 alone once it is measured: its route-ahead set is the
-        latest step's experts (the first value of ``_route_missing`` does not depend on how far it
-        looks back), its fetch that plus B = 1's own correction, its time the steady plain step."""
-        known = self._known_extra()
-        if self.cache is None or 1 not in known or self._plain_steady.value is None:
-            return self._candidate(1)
-        route = self._route_missing(1)
-        by_route = max(0.0, route[0] + known[1])
-        by_mean = self._fetch_mean(1, self._fresh(self._missed_by))
-        fetch = by_mean if self._use_mean() and by_mean is not None else by_route
-        return Choice(1, 1.0, self._plain_steady.value, fetch, route[0], by_route, by_mean)
 
     @staticmethod
     def _rate(c: Choice) -> float | None:
@@ -736,7 +727,7 @@ class BlockPlanner:
         measured = self.cost.measured_forward("verify")
         if limit <= 1 or self._forced_plain > 0 or 1 not in measured or self._plain_steady.value is None:
             self._forced_plain = max(0, self._forced_plain - 1)  # a re-measurement, or the cold start
-            best = self._plain_choice()
+            best = self._candidate(1)
         else:
             shadow_first = 0
             if self._incumbent is None:
@@ -758,7 +749,7 @@ class BlockPlanner:
                 self._set_incumbent(1)  # no hold: the predictions decide from here
                 self.report.retreats += 1
             if self._hold_plain or (self._incumbent == 1 and self._trial is None and self._steps < self._recheck_at):
-                best = self._plain_choice()
+                best = self._candidate(1)
             else:
                 best = self._decide(limit)
             if best.block != min(self._incumbent, limit):

@@ -876,12 +876,13 @@ def _route_history(p, rng, steps=12):
 
 @pytest.mark.parametrize("link_gbps, accept_rate", [(0.1, 0.2), (1000, 0.95), (2, 0.6)])
 def test_b1_alone_is_priced_as_among_every_length(link_gbps, accept_rate):
-    """_plain_choice (B = 1 priced alone) is exactly the B = 1 of _candidates over every length."""
+    """B = 1 priced alone (_candidate(1), its route the latest step's) is exactly the B = 1 of
+    _candidates over every length."""
     p = planner(link_gbps=link_gbps)
     teach(p, accept_rate=accept_rate, steps=6)
     for seed in range(4):
         _route_history(p, seed)
-        assert p._plain_choice() == p._candidates(1, 8)[0]
+        assert p._candidate(1) == p._candidates(1, 8)[0]
 
 
 def test_plain_decoding_far_ahead_prices_every_length_every_few_steps():
