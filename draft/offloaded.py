@@ -77,6 +77,9 @@ def make_planner(rt, max_block: int, **options):
     # ratio to --no-draft in 4 of 4 alternating pairs of runs (docs/benchmarks.md).
     # misses the host computed instead of fetching them (hybrid execution): cumulative, read per step
     host_counter = (lambda: rt.cache.stats.cpu) if rt.placer is not None else None
+    # the hybrid guard's kept arm: plain steps while it first tries its arms, then a fresh start
+    guard = rt.placer.guard if rt.placer is not None else None
+    options.setdefault("placement", (lambda: guard.kept) if guard is not None else None)
     planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
                            top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals,
                            host_counter=host_counter, **options)

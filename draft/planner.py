@@ -116,6 +116,13 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   a plain step's experts, which a probe at low acceptance pays for and a shadow probe does not.
   Probes on a repetition hint and while the floor holds plain decoding stay real: the first is
   likely to pay at once, the second must show a block that pays, not an acceptance.
+- The hybrid placement (``placement``: the runtime guard's :attr:`~pdflash.offload.cpu_compute.HybridGuard.kept`):
+  while the guard's first check still tries its arms, every step is plain (its arms' step times
+  differ by up to 4x: a step of the "off" arm measured 4-12 ms against 1.2 ms for the kept one on
+  the embedded pair on an H100, and blocks priced against plain steps of another arm kept blocks
+  of 4 that ran at 0.89x plain decoding, docs/benchmarks.md, session 38). When the guard keeps an
+  arm (again), the measured step times of plain decoding and of the blocks' runs are dropped and the
+  next steps start as the first ones do.
 - Overdraft: where shadow checks are possible, a verified block of B drafts ``overdraft`` times B
   positions (up to ``max_block``, :attr:`BlockPlanner.draft_block`) and verifies B. When the whole
   block is accepted, the extra proposals (``end_step(..., tail=...)``) are checked against the
@@ -135,6 +142,7 @@ import inspect
 import json
 import math
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -241,6 +249,8 @@ class PlannerReport:
     retreats: int = 0  # times a speculative incumbent that measurably lost handed over to plain decoding
     trials: int = 0  # lengths run for trial_blocks blocks against the speculative incumbent's realized rate
     trials_kept: int = 0  # of those, the ones that realized more and stayed
+    placing_steps: int = 0  # plain steps run while the hybrid placement was being chosen
+    placement_restarts: int = 0  # times another kept placement dropped the measured step times
     predicted_seconds: float = 0.0  # summed over steps that had a prediction
     measured_seconds: float = 0.0  # the same steps, measured
     predicted_steps: int = 0
@@ -260,6 +270,8 @@ class PlannerReport:
             "retreats": self.retreats,
             "trials": self.trials,
             "trials_kept": self.trials_kept,
+            "placing_steps": self.placing_steps,
+            "placement_restarts": self.placement_restarts,
             "predicted_step_ms": 1e3 * self.predicted_seconds / n if n else None,
             "measured_step_ms": 1e3 * self.measured_seconds / n if n else None,
             "step_time_abs_error_ms": 1e3 * self.abs_error_seconds / n if n else None,
@@ -325,6 +337,7 @@ class BlockPlanner:
         fresh_steps: int | None = 8,
         recheck_below: float | None = 0.7,
         recheck_every: int = 4,
+        placement: Callable[[], int | None] | None = None,
         acceptance: AcceptanceModel | None = None,
         clock: Callable[[], float] | None = None,
         trace: bool = False,
@@ -385,8 +398,8 @@ class BlockPlanner:
         self._incumbent: int | None = None  # the block length being run (None during the cold start)
         self._spec_run = 0  # speculative steps in a row
         self._plain_run = 0  # plain steps in a row since the last drafted one (a shadow probe counts as drafted)
-        self._history: deque[tuple[int, int, dict[int, set[int]]]] = deque(maxlen=max_block)  # (committed, routed, layer -> experts) per step
-        self._current: dict[int, set[int]] = {}
+        self._history: deque[tuple[int, int, set[tuple[int, int]]]] = deque(maxlen=max_block)  # (committed, routed, (layer, expert)s) per step
+        self._current: set[tuple[int, int]] = set()
         self._extra: dict[int, Ewma] = {}  # B -> EWMA(fetched - predicted missing)
         self._measured_at: dict[int, int] = {}  # B -> the step that last measured it (its correction and mean)
         self._missed_by: dict[int, Ewma] = {}  # B -> EWMA of the experts its steps missed
@@ -411,6 +424,11 @@ class BlockPlanner:
             raise ValueError(f"recheck_every must be at least 1, got {recheck_every}")
         self.recheck_below, self.recheck_every = recheck_below, recheck_every
         self._recheck_at = 0  # the first step that prices every length again
+        # The hybrid placement (see the module docstring): None while it is being chosen, then the
+        # count of choices made; a new count restarts the step-time measurements.
+        self.placement = placement
+        self._placement_seen: int | None = None
+        self._placing = False  # this step runs while the placement is being chosen: plain
         self._drafting = False  # stage 1 of the step running now ran the draft
         self._step_bytes0 = 0.0
         self._stage: Choice | None = None
@@ -425,7 +443,7 @@ class BlockPlanner:
     def on_routed(self, layer: int, experts: Sequence[int]) -> None:
         """A target layer routed to ``experts`` (the runtime's routing observer): collected for
         the step running now, which :meth:`end_step` files with the tokens it committed."""
-        self._current.setdefault(int(layer), set()).update(experts)
+        self._current.update(zip(repeat(int(layer)), experts))
 
     def _bytes_now(self) -> tuple[float, float] | None:
         return self.link_counters() if self.link_counters is not None else None
@@ -441,20 +459,16 @@ class BlockPlanner:
         priced the next block of 2 with the experts of 4 tokens (on an H100: 250-390 predicted for
         150-230 fetched)."""
         out: list[float] = []
-        seen: dict[int, set[int]] = {}  # layer -> experts counted
-        state_of = self.cache.state_of
+        seen: set[tuple[int, int]] = set()  # (layer, expert) counted
+        resident, arriving = self.cache.held()
         in_flight = missing = covered = 0
         before = 0.0  # the value of the steps before the one being added
         for tokens, routed, experts in reversed(self._history):
-            for layer, es in experts.items():
-                done = seen.setdefault(layer, set())
-                for e in es - done:
-                    state = state_of(layer, e)
-                    if state == "arriving":
-                        in_flight += 1
-                    elif state != "resident":
-                        missing += 1
-                done |= es
+            new = experts - seen  # set operations: a step of the 20b shape routes ~100 experts
+            seen |= new
+            coming = len(new & arriving)
+            in_flight += coming
+            missing += len(new) - coming - len(new & resident)
             value = self.cost.fetch_equivalents(in_flight, missing)
             whole = distinct_experts(routed, self.num_experts, self.top_k)
             while len(out) < min(covered + tokens, limit):
@@ -702,13 +716,36 @@ class BlockPlanner:
 
     # -- the step ------------------------------------------------------------------------
     def begin_step(self) -> None:
-        self._current = {}
+        if self.placement is not None:
+            kept = self.placement()
+            self._placing = kept is None
+            if kept is not None and kept != self._placement_seen:
+                if self._placement_seen is not None or self._steps:
+                    self._restart_times()
+                self._placement_seen = kept
+        self._current = set()
         self._draft_clock = 0.0
         if self.clock is not None:
             self._t0 = self.clock()
         c = self._bytes_now()
         self._step_bytes0 = c[0] if c is not None else 0.0
         self._step_host0 = self.host_counter() if self.host_counter is not None else 0
+
+    def _restart_times(self) -> None:
+        """Another hybrid placement runs from now on: the step times measured under the earlier
+        ones (plain decoding's, the drafted steps' realized rates, a trial's base) are dropped and
+        the next steps start as a run's first ones do (plain until measured, then the cold start's
+        choice). Acceptance, fetch corrections and the cost model's estimates stay."""
+        self._plain_steady = RecentMedian()
+        self._prev_block = None  # the next plain step follows a step of another placement: not steady
+        self._window.clear()
+        self._run.clear()
+        self._trial = None
+        self._hold_plain = False
+        self._first_look = False
+        self._incumbent = None
+        self._recheck_at = 0
+        self.report.placement_restarts += 1
 
     def plan_draft(self, limit: int, repeating: bool = False, can_shadow: bool = False) -> int:
         """The block length to draft and verify now (<= ``limit`` <= max_block), or 1 for a
@@ -725,8 +762,10 @@ class BlockPlanner:
         self.draft_block = 0
         self._can_shadow = can_shadow
         measured = self.cost.measured_forward("verify")
-        if limit <= 1 or self._forced_plain > 0 or 1 not in measured or self._plain_steady.value is None:
+        if (limit <= 1 or self._forced_plain > 0 or self._placing or 1 not in measured
+                or self._plain_steady.value is None):
             self._forced_plain = max(0, self._forced_plain - 1)  # a re-measurement, or the cold start
+            self.report.placing_steps += self._placing
             best = self._candidate(1)
         else:
             shadow_first = 0
@@ -936,7 +975,7 @@ class BlockPlanner:
         if self.acceptance.records != records:
             self._recheck_at = 0  # new acceptance: every length is priced again
         self._history.append((committed, block, self._current))
-        self._current = {}
+        self._current = set()
         if self.trace is not None:
             self.trace.append({
                 "block": block, "incumbent": self._incumbent, "accepted": accepted, "committed": committed,

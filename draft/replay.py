@@ -29,15 +29,15 @@ MAX_BLOCK = 8
 
 class RecentCache:
     """Each layer keeps its ``keep`` most recently used experts; ``use`` returns how many of a
-    step's experts were missing. Answers ``state_of`` as the runtime's cache does."""
+    step's experts were missing. Answers ``held`` as the runtime's cache does."""
 
     def __init__(self, keep: int = 8):
         self.keep = keep
         self.capacity = LAYERS * keep
         self.recent: dict[int, list[int]] = {}
 
-    def state_of(self, layer: int, expert: int):
-        return "resident" if expert in self.recent.get(layer, ()) else None
+    def held(self) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+        return {(layer, e) for layer, es in self.recent.items() for e in es}, set()
 
     def use(self, layer: int, experts) -> int:
         recent = self.recent.setdefault(layer, [])

@@ -137,6 +137,8 @@ class ExpertCache:
         self._deferred: set[int] = set()
         self._tick = 0
         self._held = [0] * self.num_layers  # slots (arriving or resident) holding each layer's experts
+        self._resident_keys: set[tuple[int, int]] = set()  # (layer, expert) of every resident slot
+        self._arriving_keys: set[tuple[int, int]] = set()  # (layer, expert) of every slot on its way
         self._at = 0  # the layer a forward looked up or requested last (balanced eviction)
         self.stats = FetchStats(self.num_layers)
         self.version = getattr(self, "version", 0) + 1  # changes whenever the resident set may have
@@ -153,6 +155,12 @@ class ExpertCache:
     def state_of(self, layer: int, expert: int) -> str | None:
         s = self._table.get((layer, expert))
         return None if s is None else _STATE_NAMES[self._slot[s].state]
+
+    def held(self) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+        """((layer, expert) resident, (layer, expert) on the way) now: the cache's own sets, kept
+        as slots change state, for callers that count many experts at once (the block planner,
+        with set operations); read them, never change them."""
+        return self._resident_keys, self._arriving_keys
 
     def resident_slots(self) -> list[tuple[int, int, int]]:
         """(layer, expert, slot) of every resident expert (see ``version``)."""
@@ -373,6 +381,7 @@ class ExpertCache:
         slot.prefetched = False
         self._table[key] = s
         self._held[key[0]] += 1
+        self._arriving_keys.add(key)
         self._arriving.add(s)
 
     def _resubmit(self, s: int) -> None:
@@ -386,6 +395,8 @@ class ExpertCache:
             slot.state = SlotState.RESIDENT
             self.version += 1
             self._arriving.discard(s)
+            self._arriving_keys.discard(slot.key)
+            self._resident_keys.add(slot.key)
             self._lru[s] = None
             self._layer_lru[slot.key[0]][s] = None
 
@@ -415,6 +426,8 @@ class ExpertCache:
             del self._table[slot.key]
             self._held[slot.key[0]] -= 1
             self._layer_lru[slot.key[0]].pop(s, None)
+            self._arriving_keys.discard(slot.key)
+            self._resident_keys.discard(slot.key)
         self._arriving.discard(s)
         self._slot[s] = _Slot()
         self._free.append(s)

@@ -504,6 +504,16 @@ class HybridGuard:
         """This sequence runs the first arm unchecked (:meth:`on_sequence`)."""
         return self._short
 
+    @property
+    def kept(self) -> int | None:
+        """None while the first check runs (no arm kept yet, the arms take turns); else the checks
+        that have kept an arm so far (0 for a pinned guard or a short sequence's unchecked arm).
+        A new value: the steps from now on run another kept arm (the block planner measures its
+        step times afresh)."""
+        if self._pinned or self._short:
+            return 0
+        return self.checks or None
+
     def arm_for(self, tokens: int) -> str:
         """The placement of a forward of ``tokens`` tokens: the kept (or tried) arm where the
         guard's measurements speak for it, the cost model's split ("model") for longer ones

@@ -566,3 +566,18 @@ def test_route_ahead_window_is_the_gap_between_split_steps_host_nodes():
     fs.add_host_step("split", {"gaps": 0.008})
     fs.add_host_step("split", {"gaps": 0.012})
     assert HostSteps.gap_seconds(steps) == pytest.approx(0.0025)  # the split steps' alone
+
+
+def test_kept_is_none_until_the_first_check_keeps_an_arm_then_counts_checks():
+    clock = Clock()
+    g = HybridGuard(window=2, rounds=1, hold=4, max_hold=16, recheck=1.0, arms=("off", "model"), clock=clock)
+    seen = []
+    for _ in range(1 + 4 + 4 + 4 + 2):
+        seen.append(g.kept)
+        g.on_forward(1)
+        clock.t += 0.04 if g.arm == "off" else 0.05
+    # the first check's 1 + 4 forwards, the hold's 4, the re-check's 4 (its arms take turns: still 1)
+    assert seen[:5] == [None] * 5 and seen[5:13] == [1] * 8 and seen[13:] == [2, 2]  # it kept "off" again
+    pinned = HybridGuard(arms=("off", "model"))
+    pinned.pin("model")
+    assert pinned.kept == 0

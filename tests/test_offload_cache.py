@@ -240,3 +240,31 @@ def test_eviction_benchmark_replays_and_rejects_bad_arguments(tmp_path, load_scr
     four = {r["policy"]: r["copies_per_layer"] for r in rows if r["block"] == 4}
     assert four["balanced"] < four["lru"]
     assert bench.main(["--shapes", "nope"]) == 2 and bench.main(["--blocks", "x"]) == 2
+
+
+def _held_by_state(cache):
+    """held()'s sets rebuilt the slow way, from state_of over every expert."""
+    keys = [(layer, e) for layer in range(LAYERS) for e in range(EXPERTS)]
+    return ({k for k in keys if cache.state_of(*k) == "resident"}, {k for k in keys if cache.state_of(*k) == "arriving"})
+
+
+def test_held_sets_follow_every_state_change(store):
+    """Fetches, landings, prefetches taken back, evictions and a reset: held() answers as state_of does."""
+    import random
+
+    rng = random.Random(0)
+    with Scheduler(backend="memcpy", workers=1, link_gbps=0.001) as slow:  # 1 MB/s: prefetches stay on their way a while
+        cache = ExpertCache(store, slow, torch.device("cpu"), n_slots=5)
+        for i in range(120):
+            layer, e = rng.randrange(LAYERS), rng.randrange(EXPERTS)
+            if i % 3:
+                cache.prefetch(layer, e, Band.BACKGROUND)
+            else:
+                _fetch(cache, layer, e)
+                cache.end_layer()
+            if i == 80:
+                cache.reset()
+            resident, arriving = cache.held()
+            assert (resident, arriving) == _held_by_state(cache), i
+        cache.drain()
+        assert cache.held() == _held_by_state(cache) and not cache.held()[1]

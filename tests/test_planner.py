@@ -20,8 +20,8 @@ class FakeCache:
     def __init__(self):
         self.resident = set()
 
-    def state_of(self, layer, expert):
-        return "resident" if (layer, expert) in self.resident else None
+    def held(self):
+        return set(self.resident), set()
 
 
 def planner(link_gbps, max_block=8, **kw):
@@ -915,3 +915,40 @@ def test_plain_decoding_far_ahead_prices_every_length_every_few_steps():
         planner(link_gbps=1, recheck_below=1.5)
     with pytest.raises(ValueError):
         planner(link_gbps=1, recheck_every=0)
+
+
+def test_steps_are_plain_while_the_hybrid_placement_is_first_chosen():
+    """The guard's first check tries its arms in turn: every step is plain (blocks would be priced
+    against plain steps of other arms); once it keeps an arm, the run starts as a first one does."""
+    kept = [None]
+    p = planner(link_gbps=1000, placement=lambda: kept[0])
+    teach(p, accept_rate=0.95)  # blocks of 8 would pay
+    assert [step(p) for _ in range(5)] == [1] * 5
+    assert p.report.placing_steps == 5 and p.report.placement_restarts == 0
+    kept[0] = 1  # the check kept an arm: what was measured before is dropped
+    chosen = [step(p, seconds=lambda b: 0.02 if b == 1 else 0.006) for _ in range(4)]
+    assert chosen[:2] == [1, 1] and chosen[2] > 1, chosen  # plain until measured, then the cold start's block
+    assert p.report.placement_restarts == 1 and p._plain_steady.count >= 1
+
+
+def test_a_newly_kept_placement_drops_the_step_times_measured_under_the_last():
+    """Plain steps measured slow under the last kept arm made blocks look ahead; under the new arm
+    plain decoding is measured again before a length is chosen, and wins."""
+    kept = [1]
+    p = planner(link_gbps=1000, placement=lambda: kept[0], remeasure_plain_every=64)
+    teach(p, accept_rate=0.3)
+    for _ in range(8):
+        p._plain_steady.add(0.05)  # plain steps of a slow arm
+    assert [step(p, accepted=0, seconds=lambda b: 0.012 if b > 1 else 0.05) for _ in range(3)][-1] > 1
+    assert p._incumbent > 1
+    kept[0] = 2
+    chosen = [step(p, accepted=0, seconds=lambda b: 0.012 if b > 1 else 0.005) for _ in range(2)]
+    assert chosen == [1, 1] and p._plain_steady.value == pytest.approx(0.005) and p._incumbent is None
+    assert p.report.placement_restarts == 1 and not p._window and not p._run
+    assert p._candidate(1).predicted_seconds == pytest.approx(0.005)  # the new arm's plain steps price B = 1
+
+
+def test_without_a_placement_callback_nothing_is_held_plain():
+    p = planner(link_gbps=1000)
+    teach(p, accept_rate=0.95)
+    assert step(p) == 8 and p.report.placing_steps == 0
