@@ -58,14 +58,17 @@ def step_breakdown(lines: list[dict]) -> dict:
     """One run's ``generate --trace`` lines taken apart. The first line has no step time (nothing
     before it is a step) and is left out of the means. Speculative runs (lines with a block):
     steps, shadow probes, per block length B its steps and mean verify / draft ms, and the mean time
-    per step outside draft and verify; plain runs: steps and mean step ms."""
+    per step outside draft and verify; plain runs: steps and mean step ms. Medians beside the means (verify per B, plain steps): the
+    hybrid guard's first check runs some steps under arms several times slower, which move a mean."""
     timed = [r for r in lines if r.get("step_ms") is not None]
     if not lines or "block" not in lines[0]:
-        return {"steps": len(lines), "step_ms": statistics.mean(r["step_ms"] for r in timed) if timed else None}
+        return {"steps": len(lines), "step_ms": statistics.mean(r["step_ms"] for r in timed) if timed else None,
+                "step_median_ms": statistics.median(r["step_ms"] for r in timed) if timed else None}
     per_block: dict[str, dict] = {}
     for b in sorted({r["block"] for r in timed}):
         rs = [r for r in timed if r["block"] == b]
         per_block[str(b)] = {"steps": len(rs), "verify_ms": statistics.mean(r["verify_ms"] for r in rs),
+                             "verify_median_ms": statistics.median(r["verify_ms"] for r in rs),
                              "draft_ms": statistics.mean(r["draft_ms"] for r in rs),
                              "step_ms": statistics.mean(r["step_ms"] for r in rs)}
     return {"steps": len(lines), "shadow_probes": sum(1 for r in lines if r.get("shadow")),
@@ -122,7 +125,8 @@ def _run(args, base: list[str], extra: list[str], traces: Path | None) -> int:
                 got[arm]["wall_s"] = time.perf_counter() - t0
                 if trace is not None:
                     lines = trace.read_text().splitlines()
-                    got[arm]["steps"] = step_breakdown([json.loads(line) for line in lines])
+                    got[arm]["trace"] = [json.loads(line) for line in lines]
+                    got[arm]["steps"] = step_breakdown(got[arm]["trace"])
             d, p = got["default"], got["no-draft"]
             row = {"prompt": prompt, "repeat": rep, "default_tps": d["tokens_per_second"],
                    "no_draft_tps": p["tokens_per_second"], "ratio": d["tokens_per_second"] / p["tokens_per_second"],
@@ -135,15 +139,17 @@ def _run(args, base: list[str], extra: list[str], traces: Path | None) -> int:
                    "no_draft_bytes_per_token": p.get("bytes_per_token")}
             if traces is not None:
                 row["default_steps"], row["no_draft_steps"] = d["steps"], p["steps"]
+                row["default_trace"], row["no_draft_trace"] = d["trace"], p["trace"]  # every step, for a later look
             rows.append(row)
             print(f"{prompt!r} rep {rep}: default {row['default_tps']:.1f} tok/s, --no-draft {row['no_draft_tps']:.1f}, "
                   f"ratio {row['ratio']:.2f}, blocks {row['block_histogram']}, accept {row['acceptance_length']:.2f}, "
                   f"same tokens {row['same_tokens']}", file=sys.stderr, flush=True)
             if traces is not None:
                 ds, ps = d["steps"], p["steps"]
-                blocks = ", ".join(f"B{b} x{v['steps']}: verify {v['verify_ms']:.2f} draft {v['draft_ms']:.2f}"
-                                   for b, v in ds["per_block"].items())
-                print(f"    steps ms: --no-draft {ps['step_ms']:.2f}; default {blocks}; outside {ds['outside_ms']:.2f} "
+                blocks = ", ".join(f"B{b} x{v['steps']}: verify {v['verify_ms']:.2f} (median {v['verify_median_ms']:.2f}) "
+                                   f"draft {v['draft_ms']:.2f}" for b, v in ds["per_block"].items())
+                print(f"    steps ms: --no-draft {ps['step_ms']:.2f} (median {ps['step_median_ms']:.2f}); default {blocks}; "
+                      f"outside {ds['outside_ms']:.2f} "
                       f"a step; {ds['shadow_probes']} shadow probes", file=sys.stderr, flush=True)
     per_prompt = {}
     for prompt in dict.fromkeys(r["prompt"] for r in rows):

@@ -20,11 +20,11 @@ def test_step_breakdown_by_hand(dvp):
     got = dvp.step_breakdown(spec)
     assert got["steps"] == 4 and got["shadow_probes"] == 1 and got["step_ms"] == pytest.approx(8.0)
     assert got["outside_ms"] == pytest.approx((0.5 + 0.5 + 0.5) / 3)  # the untimed first step left out
-    assert got["per_block"] == {"1": {"steps": 1, "verify_ms": 5.0, "draft_ms": 1.5, "step_ms": 7.0},
-                                "4": {"steps": 2, "verify_ms": 7.0, "draft_ms": 1.0, "step_ms": 8.5}}
+    assert got["per_block"] == {"1": {"steps": 1, "verify_ms": 5.0, "verify_median_ms": 5.0, "draft_ms": 1.5, "step_ms": 7.0},
+                                "4": {"steps": 2, "verify_ms": 7.0, "verify_median_ms": 7.0, "draft_ms": 1.0, "step_ms": 8.5}}
     plain = [{"step": 0, "token": 3, "step_ms": None}, {"step": 1, "token": 4, "step_ms": 2.0},
-             {"step": 2, "token": 5, "step_ms": 4.0}]
-    assert dvp.step_breakdown(plain) == {"steps": 3, "step_ms": 3.0}
+             {"step": 2, "token": 5, "step_ms": 4.0}, {"step": 3, "token": 6, "step_ms": 12.0}]
+    assert dvp.step_breakdown(plain) == {"steps": 4, "step_ms": 6.0, "step_median_ms": 4.0}  # one slow step moves the mean
 
 
 def test_a_traced_run_of_both_arms(dvp, tmp_path):
