@@ -335,7 +335,7 @@ class BlockPlanner:
         remeasure_plain_every: int = 24,
         remeasure_unless: float | None = 1.5,
         fresh_steps: int | None = 8,
-        recheck_below: float | None = 0.7,
+        recheck_below: float | None = 1.0,
         recheck_every: int = 4,
         placement: Callable[[], int | None] | None = None,
         acceptance: AcceptanceModel | None = None,
@@ -414,10 +414,13 @@ class BlockPlanner:
         self._window: deque[tuple[int, float]] = deque(maxlen=floor_window)  # (committed, seconds) of drafted steps
         self._run: deque[tuple[int, float]] = deque(maxlen=floor_window)  # the same, of the incumbent's blocks since it began
         self._hold_plain = False  # the floor put plain decoding in: it stays until a probe pays
-        # Plain decoding far ahead: when the fastest drafted length was predicted below recheck_below
+        # Plain decoding ahead: when the fastest drafted length was predicted below recheck_below
         # times plain decoding's rate, the next recheck_every - 1 plain steps price B = 1 alone (no
         # new acceptance came in meanwhile: any recorded block prices every length again). A plain
-        # step's own bookkeeping is then what it costs (None: every step prices every length).
+        # step's own bookkeeping is then what it costs (None: every step prices every length). At
+        # 1.0 (below plain decoding's own rate; a switch needs the trial margin, 1.05, or more) the
+        # replay's rates move by at most 0.01 tok/s against 0.7; on the embedded pair on an H100 a
+        # plain step's planner work is a sixth of the step (docs/benchmarks.md, session 38).
         if recheck_below is not None and not 0.0 < recheck_below <= 1.0:
             raise ValueError(f"recheck_below must be in (0, 1] or None, got {recheck_below}")
         if recheck_every < 1:
