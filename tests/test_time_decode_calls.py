@@ -1,0 +1,33 @@
+"""benchmarks/time_decode_calls.py: arms run in-process with the named calls timed, then unwrapped."""
+
+import json
+
+import pytest
+
+
+@pytest.fixture
+def tdc(load_script):
+    return load_script("benchmarks/time_decode_calls.py")
+
+
+def test_arms_are_timed_per_call_and_the_wrappers_come_off(tdc, tmp_path, capsys):
+    from pdflash.draft.planner import BlockPlanner
+
+    plan_draft = BlockPlanner.plan_draft
+    out = tmp_path / "t.json"
+    assert tdc.main(["--max-new-tokens", "4", "--repeats", "1", "--arms", "nd,auto", "--out", str(out),
+                     "--calls", "planner.BlockPlanner.plan_draft,runtime.OffloadedModel.forward,nothing.Here"]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["arm"] for r in runs] == ["nd", "auto"]
+    calls = {r["arm"]: {c["call"]: c["count"] for c in r["calls"]} for r in runs}
+    assert calls["nd"]["runtime.OffloadedModel.forward"] >= 3 and "planner.BlockPlanner.plan_draft" not in calls["nd"]
+    assert calls["auto"]["planner.BlockPlanner.plan_draft"] >= 1
+    assert BlockPlanner.plan_draft is plan_draft  # unwrapped after the runs
+    assert "not found (not wrapped): nothing.Here" in capsys.readouterr().err
+
+
+def test_an_unknown_arm_is_refused(tdc):
+    with pytest.raises(SystemExit) as exc:
+        tdc.main(["--arms", "nd,fast"])
+    assert exc.value.code == 2
+    assert tdc.arm_args("auto_off") == ["--cpu-experts", "off"]
