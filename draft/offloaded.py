@@ -24,6 +24,7 @@ against single steps, and the fixed rows are used only where they round apart on
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -61,11 +62,30 @@ def draft_block_size(draft_dir: str | Path, block_size: int | str | None) -> int
     return check_block_size(None if block_size == AUTO else block_size, trained)
 
 
+PLANNER_ENV = "PDFLASH_PLANNER"  # a JSON object of BlockPlanner keyword arguments (benchmarks' A/B of a fresh process)
+
+
+def planner_variant() -> dict:
+    """The BlockPlanner keyword arguments in ``PDFLASH_PLANNER`` ({} when unset); PdflashError
+    naming what is wrong otherwise."""
+    from pdflash.draft.planner import parse_variant
+
+    text = os.environ.get(PLANNER_ENV, "").strip()
+    if not text:
+        return {}
+    try:
+        return parse_variant(f"{PLANNER_ENV}={text}")[1]
+    except ValueError as exc:
+        raise PdflashError(f"{exc}; set it to a JSON object of BlockPlanner keyword arguments, e.g. "
+                           f"{PLANNER_ENV}='{{\"plain_while_placing\": false}}', or unset it") from None
+
+
 def make_planner(rt, max_block: int, **options):
     """A :class:`~pdflash.draft.planner.BlockPlanner` over the runtime's cache, scheduler counters
     and shared cost model (``rt.cost``); remove its routing observer after the run
     (``rt.remove_routing_observer(planner.on_routed)``). ``options``: BlockPlanner keyword
-    arguments (benchmarks; e.g. ``home_block``)."""
+    arguments (benchmarks; e.g. ``home_block``), over those of ``PDFLASH_PLANNER`` (a fresh
+    process's A/B, recorded as the planner's ``variant`` in --json)."""
     from pdflash.draft.planner import BlockPlanner
 
     fam = rt.family
@@ -80,9 +100,16 @@ def make_planner(rt, max_block: int, **options):
     # the hybrid guard's kept arm: plain steps while it first tries its arms, then a fresh start
     guard = rt.placer.guard if rt.placer is not None else None
     options.setdefault("placement", (lambda: guard.kept) if guard is not None else None)
-    planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
-                           top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals,
-                           host_counter=host_counter, **options)
+    variant = planner_variant()
+    try:
+        planner = BlockPlanner(max_block, rt.cost, num_layers=fam.num_layers, num_experts=fam.num_experts,
+                               top_k=fam.top_k, cache=rt.cache, link_counters=rt.scheduler.link_totals,
+                               host_counter=host_counter, **{**variant, **options})
+    except (TypeError, ValueError) as exc:
+        if not variant:
+            raise
+        raise PdflashError(f"{PLANNER_ENV}: {exc}; fix or unset it") from None
+    planner.variant = variant
     rt.add_routing_observer(planner.on_routed)
     return planner
 

@@ -120,7 +120,9 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   while the guard's first check still tries its arms, every step is plain (its arms' step times
   differ by up to 4x: a step of the "off" arm measured 4-12 ms against 1.2 ms for the kept one on
   the embedded pair on an H100, and blocks priced against plain steps of another arm kept blocks
-  of 4 that ran at 0.89x plain decoding, docs/benchmarks.md, session 38). When the guard keeps an
+  of 4 that ran at 0.89x plain decoding, docs/benchmarks.md, session 38; ``plain_while_placing``
+  False plans them as any other, for an A/B: it cost "import os", where the draft is right, its
+  first ~25 steps' speculation). When the guard keeps an
   arm (again), the measured step times of plain decoding and of the blocks' runs are dropped and the
   next steps start as the first ones do.
 - Overdraft: where shadow checks are possible, a verified block of B drafts ``overdraft`` times B
@@ -338,6 +340,7 @@ class BlockPlanner:
         recheck_below: float | None = 1.0,
         recheck_every: int = 4,
         placement: Callable[[], int | None] | None = None,
+        plain_while_placing: bool = True,
         acceptance: AcceptanceModel | None = None,
         clock: Callable[[], float] | None = None,
         trace: bool = False,
@@ -432,6 +435,8 @@ class BlockPlanner:
         self.placement = placement
         self._placement_seen: int | None = None
         self._placing = False  # this step runs while the placement is being chosen: plain
+        self.plain_while_placing = plain_while_placing  # False: the steps of the first check are planned as any
+        self.variant: dict = {}  # keyword arguments a benchmark set through PDFLASH_PLANNER (make_planner)
         self._drafting = False  # stage 1 of the step running now ran the draft
         self._step_bytes0 = 0.0
         self._stage: Choice | None = None
@@ -721,7 +726,7 @@ class BlockPlanner:
     def begin_step(self) -> None:
         if self.placement is not None:
             kept = self.placement()
-            self._placing = kept is None
+            self._placing = kept is None and self.plain_while_placing
             if kept is not None and kept != self._placement_seen:
                 if self._placement_seen is not None or self._steps:
                     self._restart_times()
@@ -1011,6 +1016,7 @@ class BlockPlanner:
                 "plain_step_ms": None if plain is None else 1e3 * plain,
                 "realized_vs_plain": self._realized_ratio(),
                 "home_block": self.home_block, "cost": self.cost.to_dict(),
+                **({"variant": self.variant} if self.variant else {}),
                 # which fetch prediction prices blocks now, and both recent absolute errors (experts per step)
                 "fetch_prediction": {"mode": self.fetch_prediction, "in_use": "mean" if self._use_mean() else "route",
                                      "route_error": self._err_route.value, "mean_error": self._err_mean.value},

@@ -952,3 +952,23 @@ def test_without_a_placement_callback_nothing_is_held_plain():
     p = planner(link_gbps=1000)
     teach(p, accept_rate=0.95)
     assert step(p) == 8 and p.report.placing_steps == 0
+
+
+def test_plain_while_placing_off_plans_the_checks_steps_as_any_other():
+    p = planner(link_gbps=1000, placement=lambda: None, plain_while_placing=False)
+    teach(p, accept_rate=0.95)
+    assert step(p) == 8 and p.report.placing_steps == 0
+
+
+def test_the_planner_environment_variable_is_read_and_refused_when_wrong(monkeypatch):
+    from pdflash import PdflashError
+    from pdflash.draft.offloaded import planner_variant
+
+    monkeypatch.delenv("PDFLASH_PLANNER", raising=False)
+    assert planner_variant() == {}
+    monkeypatch.setenv("PDFLASH_PLANNER", '{"plain_while_placing": false, "recheck_every": 2}')
+    assert planner_variant() == {"plain_while_placing": False, "recheck_every": 2}
+    for bad, says in (("{not json", "not JSON"), ('{"no_such": 1}', "no_such"), ("[1]", "JSON object")):
+        monkeypatch.setenv("PDFLASH_PLANNER", bad)
+        with pytest.raises(PdflashError, match=says):
+            planner_variant()
