@@ -58,8 +58,9 @@ def step_breakdown(lines: list[dict]) -> dict:
     """One run's ``generate --trace`` lines taken apart. The first line has no step time (nothing
     before it is a step) and is left out of the means. Speculative runs (lines with a block):
     steps, shadow probes, per block length B its steps and mean verify / draft ms, and the mean time
-    per step outside draft and verify; plain runs: steps and mean step ms. Medians beside the means (verify per B, plain steps): the
-    hybrid guard's first check runs some steps under arms several times slower, which move a mean."""
+    per step outside draft and verify; plain runs: steps and mean step ms. Medians beside the
+    means (verify per B, plain steps): the hybrid guard's first check runs some steps under arms
+    several times slower, which move a mean."""
     timed = [r for r in lines if r.get("step_ms") is not None]
     if not lines or "block" not in lines[0]:
         return {"steps": len(lines), "step_ms": statistics.mean(r["step_ms"] for r in timed) if timed else None,

@@ -118,7 +118,7 @@ block: measured, verifying fewer proposals when it was low lost to verifying the
   likely to pay at once, the second must show a block that pays, not an acceptance.
 - The hybrid placement (``placement``: the runtime guard's :attr:`~pdflash.offload.cpu_compute.HybridGuard.kept`):
   while the guard's first check still tries its arms, every step is plain (its arms' step times
-  differ by up to 4x: a step of the "off" arm measured 4-12 ms against 1.2 ms for the kept one on
+  differ several-fold: a step of the "off" arm measured 4-12 ms against 1.2 ms for the kept one on
   the embedded pair on an H100, and blocks priced against plain steps of another arm kept blocks
   of 4 that ran at 0.89x plain decoding, docs/benchmarks.md, session 38; ``plain_while_placing``
   False plans them as any other, for an A/B: it cost "import os", where the draft is right, its
