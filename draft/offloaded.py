@@ -77,7 +77,7 @@ def planner_variant() -> dict:
         return parse_variant(f"{PLANNER_ENV}={text}")[1]
     except ValueError as exc:
         raise PdflashError(f"{exc}; set it to a JSON object of BlockPlanner keyword arguments, e.g. "
-                           f"{PLANNER_ENV}='{{\"plain_while_placing\": false}}', or unset it") from None
+                           f"{PLANNER_ENV}='{{\"plain_while_placing\": false}}', or unset it", exit_code=2) from None
 
 
 def make_planner(rt, max_block: int, **options):
@@ -108,7 +108,7 @@ def make_planner(rt, max_block: int, **options):
     except (TypeError, ValueError) as exc:
         if not variant:
             raise
-        raise PdflashError(f"{PLANNER_ENV}: {exc}; fix or unset it") from None
+        raise PdflashError(f"{PLANNER_ENV}: {exc}; fix or unset it", exit_code=2) from None
     planner.variant = variant
     rt.add_routing_observer(planner.on_routed)
     return planner
@@ -186,6 +186,8 @@ def speculative_options(
         if temperature > 0:
             raise PdflashError("--draft-acceptance (oracle-acceptance mode) needs greedy decoding: drop --temperature",
                                exit_code=2)
+    if block_size in (None, AUTO):
+        planner_variant()  # a malformed PDFLASH_PLANNER is refused before the model loads
     return {"draft_dir": Path(draft_dir), "block_size": draft_block_size(draft_dir, block_size),
             "auto": block_size in (None, AUTO), "predictor": predictor, "acceptance": acceptance, "lookup": lookup,
             "batch_invariant": batch_invariant}

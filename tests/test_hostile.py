@@ -119,6 +119,16 @@ def test_bad_usage_is_one_line_and_exit_2(run, pair, tmp_path, args, message):
     assert not (tmp_path / "new").exists() and not (tmp_path / "bm3.json").exists()
 
 
+@pytest.mark.parametrize("value, message", [("{bad", "not JSON"), ('{"no_such_knob": 1}', "no_such_knob")])
+def test_a_malformed_planner_variable_is_refused_before_the_model_loads(run, pair, monkeypatch, value, message):
+    from pdflash.offload.runtime import OffloadedModel
+
+    monkeypatch.setenv("PDFLASH_PLANNER", value)
+    monkeypatch.setattr(OffloadedModel, "load", lambda *a, **k: pytest.fail("loaded the model"))
+    line = one_error_line(*run(*GEN[:3], pair / "target", "--draft", pair / "draft")[::2], 2)
+    assert line.startswith("Error: PDFLASH_PLANNER") and message in line and "unset it" in line
+
+
 # -- errors found while running: exit 1, one line ----------------------------------------------------
 def test_prompt_longer_than_the_context_fails_before_any_forward(run, pair, monkeypatch):
     from pdflash.offload.runtime import OffloadedModel
