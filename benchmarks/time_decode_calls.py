@@ -1,6 +1,8 @@
 """Where a `pdflash generate` run's decode time goes, per Python call: each arm runs in this
 process with chosen methods wrapped in a timer, and every wrapped call's count and inclusive
-wall time is reported (a call inside another wrapped call is counted in both).
+wall time is reported (a call inside another wrapped call is counted in both). The calls of
+SPLITS are also reported per label of their arguments (``graphs.GraphedDecoder._step_host[T=1,host]``:
+the steps of one token in host mode).
 
     python benchmarks/time_decode_calls.py --device cuda --prompt "class Parser:" --prompt "Hello, my name is"
     python benchmarks/time_decode_calls.py --arms nd,bs1,auto,nd_off,auto_off --calls planner.BlockPlanner.plan_draft,...
@@ -46,6 +48,16 @@ CALLS = (
     "planner.BlockPlanner.on_routed",
 )
 ARMS = {"nd": ["--no-draft"], "bs1": ["--block-size", "1"], "auto": []}
+# Calls also timed per label of their arguments (a step's token count and host mode): a wrapped
+# call adds its time to "name" and to "name[label]".
+SPLITS = {
+    "graphs.GraphedDecoder.forward": lambda a, k: f"T={len(a[1])}",
+    "graphs.GraphedDecoder._step_graphed": lambda a, k: f"T={len(a[1])}",
+    "graphs.GraphedDecoder._step_host": lambda a, k: f"T={a[3]},{a[4] if len(a) > 4 else k.get('mode', 'all')}",
+    "host_graph.HostSteps.before_step": lambda a, k: f"{a[1]},T={a[3]}",
+    "speculative._DecoderTarget.verify": lambda a, k: f"T={len(a[1])}",
+    "speculative._ModuleTarget.verify": lambda a, k: f"T={len(a[1])}",
+}
 
 
 class CallTimer:
@@ -73,6 +85,7 @@ class CallTimer:
 
     def _wrap(self, owner, attr, fn, key):
         totals = self.totals
+        split = SPLITS.get(key)
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
@@ -80,9 +93,11 @@ class CallTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                entry = totals.setdefault(key, [0, 0.0])
-                entry[0] += 1
-                entry[1] += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                for name in (key, f"{key}[{split(args, kwargs)}]") if split else (key,):
+                    entry = totals.setdefault(name, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += seconds
 
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, fn))
@@ -158,10 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                            "generated_tokens": got["generated_tokens"], "guard_arm": guard.get("arm"),
                            "block_histogram": planner.get("block_histogram"),
                            "placing_steps": planner.get("placing_steps"),
+                           "experts_per_token": got.get("experts_per_token"),
+                           "cache_hit_rate": (got.get("cache") or {}).get("hit_rate"),
                            "calls": [{"call": k, "count": n, "ms": 1e3 * s, "ms_per_call": 1e3 * s / n} for k, n, s in calls]}
                     runs.append(run)
+                    per = run["experts_per_token"] or {}
                     print(f"{prompt[:24]!r} {name} rep {rep}: {run['tokens_per_second']:.1f} tok/s, guard arm "
-                          f"{run['guard_arm']}, blocks {run['block_histogram']}", flush=True)
+                          f"{run['guard_arm']}, blocks {run['block_histogram']}, experts a token "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in per.items() if v is not None), flush=True)
                     for c in run["calls"][: args.show]:
                         print(f"    {c['call']:48s} {c['count']:5d} x {c['ms_per_call']:.4f} ms = {c['ms']:.2f} ms", flush=True)
     finally:

@@ -16,12 +16,17 @@ def test_arms_are_timed_per_call_and_the_wrappers_come_off(tdc, tmp_path, capsys
     plan_draft = BlockPlanner.plan_draft
     out = tmp_path / "t.json"
     assert tdc.main(["--max-new-tokens", "4", "--repeats", "1", "--arms", "nd,auto", "--out", str(out),
-                     "--calls", "planner.BlockPlanner.plan_draft,runtime.OffloadedModel.forward,nothing.Here"]) == 0
+                     "--calls", "planner.BlockPlanner.plan_draft,runtime.OffloadedModel.forward,nothing.Here,"
+                     "speculative._ModuleTarget.verify,speculative._DecoderTarget.verify"]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["arm"] for r in runs] == ["nd", "auto"]
     calls = {r["arm"]: {c["call"]: c["count"] for c in r["calls"]} for r in runs}
     assert calls["nd"]["runtime.OffloadedModel.forward"] >= 3 and "planner.BlockPlanner.plan_draft" not in calls["nd"]
     assert calls["auto"]["planner.BlockPlanner.plan_draft"] >= 1
+    verify = {k: n for k, n in calls["auto"].items() if k.startswith("speculative._") and k.endswith("Target.verify")}
+    per_length = {k: n for k, n in calls["auto"].items() if k.startswith("speculative._") and "Target.verify[T=" in k}
+    assert len(verify) == 1 and per_length and sum(per_length.values()) == sum(verify.values())  # split by block length
+    assert all(r["experts_per_token"]["cache"] > 0 for r in runs)
     assert BlockPlanner.plan_draft is plan_draft  # unwrapped after the runs
     assert "not found (not wrapped): nothing.Here" in capsys.readouterr().err
 
