@@ -108,6 +108,33 @@ class CallTimer:
         self._undo.clear()
 
 
+def apply_sets(items: list[str]) -> list[tuple]:
+    """``module.Class.attr=value`` (module as in CALLS, value a Python literal) set on the class for
+    every arm of this run -> [(class, attr, old value)] to restore. Every item is checked before
+    any is set. For a variant's A/B in two runs of this script."""
+    import ast
+
+    todo = []
+    for item in items:
+        name, eq, value = item.partition("=")
+        parts = name.split(".")
+        if not eq or len(parts) != 3:
+            raise ValueError(f"--set {item!r}: give module.Class.attr=value")
+        mod = next((m for m in MODULES if m.rsplit(".", 1)[1] == parts[0]), None)
+        owner = getattr(importlib.import_module(mod), parts[1], None) if mod else None
+        if owner is None or not hasattr(owner, parts[2]):
+            raise ValueError(f"--set {item!r}: no {parts[1]}.{parts[2]} in a module of {', '.join(MODULES)}")
+        try:
+            todo.append((owner, parts[2], ast.literal_eval(value)))
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--set {item!r}: the value is not a Python literal") from None
+    undo = []
+    for owner, attr, new in todo:
+        undo.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, new)
+    return undo
+
+
 def arm_args(name: str) -> list[str]:
     base, _, off = name.partition("_")
     if base not in ARMS or off not in ("", "off"):
@@ -133,25 +160,8 @@ def generate(argv: list[str]) -> dict:
     return json.loads(out.getvalue())
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt", action="append", default=None, help="Repeatable (default: 'class Parser:').")
-    ap.add_argument("--arms", default="nd,bs1,auto")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--calls", default=",".join(CALLS), help="Comma-separated calls to wrap.")
-    ap.add_argument("--setting", default="--expert-cache-experts 64 --link-gbps 2",
-                    help="generate's options for every arm (default: the `make demo` setting).")
-    ap.add_argument("--show", type=int, default=12, help="Calls printed per run (by inclusive time).")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    try:
-        arms = {name: arm_args(name) for name in args.arms.split(",")}
-    except ValueError as exc:
-        ap.error(str(exc))
-    if args.repeats < 1:
-        ap.error("--repeats must be at least 1")
+def _runs(args, arms: dict[str, list[str]]) -> list[dict]:
+    """Every arm once untimed, then every prompt x repeat x arm with the calls timed."""
     prompts = args.prompt or ["class Parser:"]
     common = ["--max-new-tokens", str(args.max_new_tokens), "--device", args.device, *args.setting.split()]
     for extra in arms.values():  # untimed: captures and caches
@@ -185,6 +195,39 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"    {c['call']:48s} {c['count']:5d} x {c['ms_per_call']:.4f} ms = {c['ms']:.2f} ms", flush=True)
     finally:
         timer.close()
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", action="append", default=None, help="Repeatable (default: 'class Parser:').")
+    ap.add_argument("--arms", default="nd,bs1,auto")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--calls", default=",".join(CALLS), help="Comma-separated calls to wrap.")
+    ap.add_argument("--setting", default="--expert-cache-experts 64 --link-gbps 2",
+                    help="generate's options for every arm (default: the `make demo` setting).")
+    ap.add_argument("--set", action="append", default=[], metavar="module.Class.attr=value",
+                    help="Repeatable: a class attribute set for every arm (e.g. cpu_compute.CpuExpertRunner.prewake_us=2000).")
+    ap.add_argument("--show", type=int, default=12, help="Calls printed per run (by inclusive time).")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    try:
+        arms = {name: arm_args(name) for name in args.arms.split(",")}
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    try:
+        undo = apply_sets(args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
+    try:
+        runs = _runs(args, arms)
+    finally:
+        for owner, attr, old in reversed(undo):
+            setattr(owner, attr, old)
     if args.out is not None:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "runs": runs}, indent=1))
     return 0

@@ -36,3 +36,34 @@ def test_an_unknown_arm_is_refused(tdc):
         tdc.main(["--arms", "nd,fast"])
     assert exc.value.code == 2
     assert tdc.arm_args("auto_off") == ["--cpu-experts", "off"]
+
+
+def test_set_changes_a_class_attribute_for_the_run_and_restores_it(tdc, tmp_path, monkeypatch):
+    from pdflash.draft.planner import BlockPlanner
+
+    seen = []
+    real = tdc.generate
+
+    def spy(argv):
+        seen.append(BlockPlanner.shadow_every_probe)
+        return real(argv)
+
+    monkeypatch.setattr(BlockPlanner, "shadow_every_probe", 3, raising=False)
+    monkeypatch.setattr(tdc, "generate", spy)
+    assert tdc.main(["--max-new-tokens", "2", "--repeats", "1", "--arms", "nd",
+                     "--set", "planner.BlockPlanner.shadow_every_probe=7", "--calls", ""]) == 0
+    assert seen and all(v == 7 for v in seen)  # the warm-up's run and the timed one
+    assert BlockPlanner.shadow_every_probe == 3  # restored
+
+
+@pytest.mark.parametrize("item", ["planner.BlockPlanner.no_such_attr=1", "planner.BlockPlanner=1",
+                                  "nowhere.X.y=1", "planner.BlockPlanner.shadow_every_probe=not a literal"])
+def test_a_wrong_set_is_refused_before_anything_runs(tdc, item, monkeypatch):
+    from pdflash.draft.planner import BlockPlanner
+
+    monkeypatch.setattr(BlockPlanner, "shadow_every_probe", 3, raising=False)
+    monkeypatch.setattr(tdc, "generate", lambda argv: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as exc:
+        tdc.main(["--arms", "nd", "--set", "planner.BlockPlanner.shadow_every_probe=5", "--set", item])
+    assert exc.value.code == 2
+    assert BlockPlanner.shadow_every_probe == 3  # nothing set
