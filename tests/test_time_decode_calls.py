@@ -42,11 +42,10 @@ def test_set_changes_a_class_attribute_for_the_run_and_restores_it(tdc, tmp_path
     from pdflash.draft.planner import BlockPlanner
 
     seen = []
-    real = tdc.generate
 
-    def spy(argv):
+    def spy(argv):  # what generate's JSON needs to hold for the report
         seen.append(BlockPlanner.shadow_every_probe)
-        return real(argv)
+        return {"tokens_per_second": 1.0, "generated_tokens": 2}
 
     monkeypatch.setattr(BlockPlanner, "shadow_every_probe", 3, raising=False)
     monkeypatch.setattr(tdc, "generate", spy)
