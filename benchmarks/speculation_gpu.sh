@@ -17,12 +17,19 @@
 #                                                            # --no-draft (bench_default_vs_plain.py --trace, the `make
 #                                                            # demo` setting on DEVICE, REPEATS each, default 2): every
 #                                                            # run's steps taken apart; needs no checkpoint
+#   OUT=/some/dir bash benchmarks/speculation_gpu.sh calls   # the embedded pair's decode loop per function
+#                                                            # (time_decode_calls.py: --no-draft, --block-size 1 and
+#                                                            # the default, each step split by block length and host
+#                                                            # mode), then --no-draft and the default again with SETS
+#                                                            # (class attributes, default the pool's linger 2 ms);
+#                                                            # REPEATS each (default 2), CALL_TOKENS (default 64);
+#                                                            # needs no checkpoint
 #
 # Every result lands in $OUT as JSON with a .log of its progress; the checkpoints in $WORK.
 # A CPU check of this script in a minute: PRESET=tiny DEVICE=cpu EXTRA="--link-gbps 2" TOKENS=12.
 set -uo pipefail
 STAGE="${1:-}"
-case "$STAGE" in draft|spec|plain|hybrid|embedded) ;; *) echo "Error: stage must be draft, spec, plain, hybrid or embedded, got '$STAGE'" >&2; exit 2 ;; esac
+case "$STAGE" in draft|spec|plain|hybrid|embedded|calls) ;; *) echo "Error: stage must be draft, spec, plain, hybrid, embedded or calls, got '$STAGE'" >&2; exit 2 ;; esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/out}"
 WORK="${WORK:-/tmp/spec}"
@@ -37,6 +44,7 @@ ACCEPT="${ACCEPT:-0.9,0.7,0.3}"  # spec: oracle acceptance rates
 BLOCKS="${BLOCKS:-1}"            # spec: fixed block lengths to run besides the planner (1: none)
 DTYPES="${DTYPES:-float32 bfloat16}"
 GUARD_ARM="${GUARD_ARM:-host}"   # hybrid: the pinned placement (host, model, all, off) or guard (no pin)
+SETS="${SETS:-cpu_compute.CpuExpertRunner.prewake_us=2000}"  # calls: space-separated module.Class.attr=value
 COMMON=(--checkpoint-dir "$CKPT" --preset "$PRESET" --device "$DEVICE")
 mkdir -p "$OUT" "$WORK" 2>/dev/null || { echo "Error: cannot make the output folders (OUT=$OUT, WORK=$WORK): give writable folder paths" >&2; exit 2; }
 cd "$ROOT"
@@ -71,6 +79,17 @@ case "$STAGE" in
   embedded)
     run default_vs_plain "$PY" benchmarks/bench_default_vs_plain.py --repeats "${REPEATS:-2}" --trace \
       --out "$OUT/default_vs_plain.json" -- --expert-cache-experts 64 --link-gbps 2 --device "$DEVICE" ;;
+  calls)
+    prompts=(--prompt "The river flows" --prompt "Hello, my name is")
+    per=(--repeats "${REPEATS:-2}" --max-new-tokens "${CALL_TOKENS:-64}" --show 40)
+    run calls "$PY" benchmarks/time_decode_calls.py --device "$DEVICE" "${prompts[@]}" --arms nd,bs1,auto "${per[@]}" \
+      --setting "--expert-cache-experts 64 --link-gbps 2 $EXTRA" --out "$OUT/calls.json"
+    if [ -n "$SETS" ]; then
+      sets=()
+      for kv in $SETS; do sets+=(--set "$kv"); done
+      run calls_sets "$PY" benchmarks/time_decode_calls.py --device "$DEVICE" "${prompts[@]}" --arms nd,auto "${per[@]}" \
+        --setting "--expert-cache-experts 64 --link-gbps 2 $EXTRA" "${sets[@]}" --out "$OUT/calls_sets.json"
+    fi ;;
   plain)
     for dt in $DTYPES; do
       run "plain_step_$dt" "$PY" benchmarks/bench_plain_step.py "${COMMON[@]}" $EXTRA --dtype "$dt" --profile \

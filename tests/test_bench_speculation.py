@@ -224,6 +224,24 @@ def test_the_gpu_stage_script_runs_its_hybrid_stage_on_the_cpu(tmp_path):
     assert bad.returncode == 2 and "stage must be" in bad.stderr
 
 
+def test_the_gpu_stage_script_times_the_embedded_loop_per_call_on_the_cpu(tmp_path):
+    """benchmarks/speculation_gpu.sh calls (CPU check, the embedded pair): time_decode_calls.py's
+    arms, then --no-draft and the default with SETS applied, one JSON each."""
+    import os
+    import subprocess
+    import sys
+
+    script = SCRIPT.parent / "speculation_gpu.sh"
+    env = {**os.environ, "DEVICE": "cpu", "REPEATS": "1", "CALL_TOKENS": "3", "PYTHON": sys.executable,
+           "SETS": "cpu_compute.CpuExpertRunner.prewake_us=1000", "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work")}
+    done = subprocess.run(["bash", str(script), "calls"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    runs = json.loads((tmp_path / "out" / "calls.json").read_text())["runs"]
+    assert sorted({r["arm"] for r in runs}) == ["auto", "bs1", "nd"] and len(runs) == 6  # 2 prompts x 3 arms
+    sets = json.loads((tmp_path / "out" / "calls_sets.json").read_text())
+    assert sets["args"]["set"] == ["cpu_compute.CpuExpertRunner.prewake_us=1000"] and len(sets["runs"]) == 4
+
+
 def test_the_hybrid_gpu_script_runs_a_stage_on_the_cpu(tmp_path):
     """benchmarks/hybrid_gpu.sh 20b (CPU check: tiny preset in memory): the stage's JSON and log
     land under $OUT/20b, its status in $OUT/status.txt; the threads stage runs once per count
