@@ -87,6 +87,12 @@ class CallTimer:
         totals = self.totals
         split = SPLITS.get(key)
 
+        def label(args, kwargs) -> str:  # a call made another way than SPLITS expects is still timed
+            try:
+                return split(args, kwargs)
+            except (IndexError, TypeError, AttributeError):
+                return "?"
+
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -94,7 +100,7 @@ class CallTimer:
                 return fn(*args, **kwargs)
             finally:
                 seconds = time.perf_counter() - t0
-                for name in (key, f"{key}[{split(args, kwargs)}]") if split else (key,):
+                for name in (key, f"{key}[{label(args, kwargs)}]") if split else (key,):
                     entry = totals.setdefault(name, [0, 0.0])
                     entry[0] += 1
                     entry[1] += seconds
