@@ -80,15 +80,14 @@ case "$STAGE" in
     run default_vs_plain "$PY" benchmarks/bench_default_vs_plain.py --repeats "${REPEATS:-2}" --trace \
       --out "$OUT/default_vs_plain.json" -- --expert-cache-experts 64 --link-gbps 2 --device "$DEVICE" ;;
   calls)
-    prompts=(--prompt "The river flows" --prompt "Hello, my name is")
-    per=(--repeats "${REPEATS:-2}" --max-new-tokens "${CALL_TOKENS:-64}" --show 40)
-    run calls "$PY" benchmarks/time_decode_calls.py --device "$DEVICE" "${prompts[@]}" --arms nd,bs1,auto "${per[@]}" \
-      --setting "--expert-cache-experts 64 --link-gbps 2 $EXTRA" --out "$OUT/calls.json"
+    tdc=("$PY" benchmarks/time_decode_calls.py --device "$DEVICE" --prompt "The river flows" --prompt "Hello, my name is"
+         --repeats "${REPEATS:-2}" --max-new-tokens "${CALL_TOKENS:-64}" --show 40
+         --setting "--expert-cache-experts 64 --link-gbps 2 $EXTRA")
+    run calls "${tdc[@]}" --arms nd,bs1,auto --out "$OUT/calls.json"
     if [ -n "$SETS" ]; then
       sets=()
       for kv in $SETS; do sets+=(--set "$kv"); done
-      run calls_sets "$PY" benchmarks/time_decode_calls.py --device "$DEVICE" "${prompts[@]}" --arms nd,auto "${per[@]}" \
-        --setting "--expert-cache-experts 64 --link-gbps 2 $EXTRA" "${sets[@]}" --out "$OUT/calls_sets.json"
+      run calls_sets "${tdc[@]}" --arms nd,auto "${sets[@]}" --out "$OUT/calls_sets.json"
     fi ;;
   plain)
     for dt in $DTYPES; do

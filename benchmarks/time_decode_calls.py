@@ -36,6 +36,7 @@ import_pdflash()
 
 MODULES = ("pdflash.draft.planner", "pdflash.draft.speculative", "pdflash.offload.graphs", "pdflash.offload.host_graph",
            "pdflash.offload.cpu_compute", "pdflash.offload.runtime", "pdflash.offload.cache", "pdflash.offload.cost")
+SHORT = {m.rsplit(".", 1)[1]: m for m in MODULES}  # the names' first part (``planner``) -> its module
 CALLS = (
     "speculative._DecoderTarget.verify", "speculative._ModuleTarget.verify", "speculative.accept_greedy",
     "speculative._sync", "speculative.RepeatIndex.repeating",
@@ -68,9 +69,8 @@ class CallTimer:
         self.totals: dict[str, list] = {}
         self._undo = []
         found = set()
-        for modname in MODULES:
+        for short, modname in SHORT.items():
             mod = importlib.import_module(modname)
-            short = modname.rsplit(".", 1)[1]
             for name, obj in list(vars(mod).items()):
                 if inspect.isclass(obj) and obj.__module__ == modname:
                     for meth, fn in list(vars(obj).items()):
@@ -126,7 +126,7 @@ def apply_sets(items: list[str]) -> list[tuple]:
         parts = name.split(".")
         if not eq or len(parts) != 3:
             raise ValueError(f"--set {item!r}: give module.Class.attr=value")
-        mod = next((m for m in MODULES if m.rsplit(".", 1)[1] == parts[0]), None)
+        mod = SHORT.get(parts[0])
         owner = getattr(importlib.import_module(mod), parts[1], None) if mod else None
         if owner is None or not hasattr(owner, parts[2]):
             raise ValueError(f"--set {item!r}: no {parts[1]}.{parts[2]} in a module of {', '.join(MODULES)}")
