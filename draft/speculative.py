@@ -298,6 +298,28 @@ def accept_sampling(
     return n_acc, nxt
 
 
+def _accept(guesses: list[int], drafted, vlogits: torch.Tensor, tokens: list[int], oracle, greedy: bool,
+            temperature: float, generator) -> tuple[int, int]:
+    """A verify block's outcome: (accepted proposals, next token). ``guesses``: the block's
+    proposals as ids; ``drafted``: (the proposals' tensor [n], their draft probabilities [n, V] or
+    None) when sampling; ``tokens``: the sequence before the block (the oracle records what the
+    target chose there). Reads the outcome to the host: the device is synchronised after it."""
+    block = [tokens[-1]] + guesses
+    if oracle is not None:
+        best = vlogits.float().argmax(-1).tolist()
+        oracle.observe(len(tokens), block, best)
+        n_acc = matching_prefix(guesses[: oracle.limit()], best)
+        return n_acc, best[n_acc]
+    if greedy:
+        return accept_greedy(guesses, vlogits)
+    proposals, draft_probs = drafted if drafted is not None else (None, None)
+    if proposals is None:
+        proposals = torch.empty(0, dtype=torch.long, device=vlogits.device)
+    if draft_probs is None:
+        draft_probs = vlogits.new_empty((0, vlogits.shape[-1]))
+    return accept_sampling(proposals, draft_probs, _probs(vlogits, temperature), generator)
+
+
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
@@ -545,11 +567,35 @@ def speculative_generate(
         while not done and len(generated) < max_new_tokens:
             start = len(tokens) - 1
             limit = min(b_max, max_new_tokens - len(generated))  # one verify commits at most b tokens
+            # The repetition hint says a draft that reads the text would follow it; the oracle's
+            # proposals ignore the text (their acceptance is P wherever it repeats).
+            repeating = planner is not None and oracle is None and repeats.repeating(tokens)
+            if planner is not None and planner.decide_plain(limit, repeating):
+                # A plain step decided ahead (nothing to price, no probe due): run as plain decoding
+                # runs, one forward and its token; the planner files it in one call.
+                t_verify = time.perf_counter()
+                vlogits, features = tgt.verify([tokens[-1]], start, None)  # [1, V], [1, 1, K*H]
+                _, nxt = _accept([], None, vlogits, tokens, oracle, greedy, temperature, generator)  # synchronises
+                tgt.commit(start + 1)
+                pending.append(features)
+                verify_s = time.perf_counter() - t_verify
+                stats.record(0, 0)
+                stats.verify_seconds += verify_s
+                planner.end_plain_step(verify_s, [nxt])
+                done = nxt in eos
+                tokens.append(nxt)
+                generated.append(nxt)
+                step += 1
+                if on_step is not None:
+                    on_step(StepInfo(
+                        step=step, block_size=1, accepted=0, committed=[nxt], generated=len(generated),
+                        draft_seconds=0.0, verify_seconds=verify_s, route_ahead_submitted=0,
+                        predicted_seconds=None, planner_measured_seconds=planner.last_measured_seconds,
+                        shadow_block=0,
+                    ))
+                continue
             if planner is not None:
                 planner.begin_step()
-                # The repetition hint says a draft that reads the text would follow it; the
-                # oracle's proposals ignore the text (their acceptance is P wherever it repeats).
-                repeating = oracle is None and repeats.repeating(tokens)
                 b = planner.plan_draft(limit, repeating, can_shadow=greedy)
             else:
                 b = limit
@@ -608,17 +654,8 @@ def speculative_generate(
             vlogits, features = tgt.verify(block, start, None if plain_step else route_ahead)  # [b, V], [1, b, K*H]
 
             # 3. accept
-            if oracle is not None:
-                best = vlogits.float().argmax(-1).tolist()
-                oracle.observe(len(tokens), block, best)
-                n_acc = matching_prefix(guesses[: oracle.limit()], best)
-                nxt = best[n_acc]
-            elif greedy:
-                n_acc, nxt = accept_greedy(guesses, vlogits)
-            else:
-                if draft_probs is None:
-                    draft_probs = vlogits.new_empty((0, vlogits.shape[-1]))
-                n_acc, nxt = accept_sampling(proposals, draft_probs, _probs(vlogits, temperature), generator)
+            n_acc, nxt = _accept(guesses, (proposals, draft_probs), vlogits, tokens, oracle, greedy, temperature,
+                                 generator)
 
             # 4. commit
             tgt.commit(start + n_acc + 1)

@@ -972,3 +972,77 @@ def test_the_planner_environment_variable_is_read_and_refused_when_wrong(monkeyp
         monkeypatch.setenv("PDFLASH_PLANNER", bad)
         with pytest.raises(PdflashError, match=says):
             planner_variant()
+
+
+def test_a_plain_step_decided_ahead_is_the_one_plan_draft_would_choose_without_pricing(monkeypatch):
+    """Whenever ``decide_plain`` lets the loop run a step as plain decoding (filed with
+    ``end_plain_step``), ``begin_step`` and ``plan_draft`` on a copy of the planner taken before it
+    choose a plain step too, with no shadow probe, no probe, no length but B = 1 priced, and leave
+    the planner as decide_plain left it: the lean step changes no decision."""
+    checked = []
+    real = BlockPlanner.decide_plain
+
+    def decide_plain(self, limit, repeating=False):
+        twin = copy.deepcopy(self)
+        decided = real(self, limit, repeating)
+        if decided:
+            twin._decide = lambda *a: pytest.fail("a step decided ahead priced every length")
+            twin.begin_step()
+            assert twin.plan_draft(limit, repeating, can_shadow=True) == 1
+            assert (twin.shadow_block, twin.draft_block, twin._probe) == (0, 0, False)
+            checked.append(self._steps)
+        for name in ("_stage", "_plain_run", "_spec_run", "_forced_plain", "_incumbent", "_recheck_at",
+                     "_probe_interval", "_trial", "_placing"):  # (False: decide_plain changed nothing)
+            assert getattr(twin, name) == getattr(self, name), name
+        assert twin.report.to_dict() == self.report.to_dict()
+        return decided
+
+    monkeypatch.setattr(BlockPlanner, "decide_plain", decide_plain)
+    for p_accept, seed in [(0.3, 0), (0.3, 1), (0.7, 2), (0.9, 3)]:
+        link_bound_run(p_accept, seed, horizon=96)
+    assert len(checked) > 40  # at P = 0.3 most plain steps are decided ahead
+
+
+def test_the_replay_decides_the_same_with_plain_steps_decided_ahead():
+    """The replayed regime runs the same blocks, probes and times whether its plain steps go
+    through decide_plain / end_plain_step or begin_step / plan_draft / end_step."""
+    for p_accept in (0.9, 0.7, 0.3):
+        for seed in range(6):
+            lean = link_bound_run(p_accept, seed, horizon=64)
+            full = link_bound_run(p_accept, seed, horizon=64, decided_ahead=False)
+            assert lean.steps == full.steps and lean.seconds == pytest.approx(full.seconds)
+            assert lean.planner.report.to_dict() == full.planner.report.to_dict()
+
+
+def test_a_plain_step_decided_ahead_is_filed_as_a_plain_step():
+    """``end_plain_step`` counts the step, its committed token, its time as steady plain decoding
+    and its misses, as end_step does for a plain step the planner chose."""
+    import random
+
+    moved = [0.0, 0.0]
+    p = planner(25.0, link_counters=lambda: tuple(moved))
+    for _ in range(2):
+        assert p.decide_plain(8)  # the cold start: plain until plain decoding is measured
+        route_block(p, random.Random(0), 1)
+        moved[0] += 3 * EXPERT_BYTES
+        moved[1] += 0.001
+        p.end_plain_step(0.004, [7])
+    assert p.report.histogram == {1: 2} and p.report.committed_tokens == 2
+    assert p._plain_steady.value == pytest.approx(0.004)  # the second followed a plain step
+    assert p.report.fetched_experts == pytest.approx(6.0)
+    assert p._plain_run == 2 and p._steps == 2 and len(p._history) == 2
+
+
+def test_a_new_hybrid_placement_ends_the_plain_steps_decided_ahead():
+    """While the guard's first check runs every step is plain and decided ahead; the step at which
+    the guard keeps an arm goes through begin_step (which restarts the step-time measurements)."""
+    kept = [None]
+    p = planner(25.0, placement=lambda: kept[0])
+    step(p)  # placing
+    assert p._placing and p.decide_plain(8)
+    p.end_plain_step(0.004, [1])
+    assert p.report.placing_steps == 2
+    kept[0] = "host"
+    assert not p.decide_plain(8)
+    step(p)
+    assert p.report.placement_restarts == 1

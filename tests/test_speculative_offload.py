@@ -75,7 +75,14 @@ def test_lossless_on_the_offloaded_runtime(checkpoint, slots):
 
 
 @pytest.mark.parametrize("slots", cache_sizes())
-def test_auto_block_size_is_lossless(checkpoint, slots):
+def test_auto_block_size_is_lossless(checkpoint, slots, monkeypatch):
+    """Lossless with route-ahead, in oracle mode and with the draft's own proposals; the plain steps
+    the planner decides ahead (the cold start's among them) run as plain decoding runs."""
+    from pdflash.draft.planner import BlockPlanner
+
+    lean = []
+    filed = BlockPlanner.end_plain_step
+    monkeypatch.setattr(BlockPlanner, "end_plain_step", lambda self, *a, **k: (lean.append(1), filed(self, *a, **k)))
     with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=slots, block_tokens=BLOCK) as rt:
         want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
         draft = load_draft(checkpoint / "draft", rt.model)
@@ -90,6 +97,8 @@ def test_auto_block_size_is_lossless(checkpoint, slots):
             assert all(1 <= int(b) <= BLOCK for b in hist)
             assert rep["bytes_per_committed_token"] is not None and rep["planner"]["predicted_steps"] > 0
             assert not rt.stats()["errors"]
+            assert lean, "no plain step was decided ahead"
+            lean.clear()
 
 
 def test_shadow_probes_are_lossless_and_measure_what_the_draws_accept(tmp_path):
