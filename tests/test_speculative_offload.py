@@ -119,7 +119,7 @@ def test_shadow_probes_are_lossless_and_measure_what_the_draws_accept(tmp_path):
         for acceptance in (0.0, 1.0, None):
             rt.reset_cache()
             steps = []
-            ticks = itertools.count(0.0, 0.0005)  # begin_step and end_step each read it once
+            ticks = itertools.count(0.0, 0.0005)  # a step is one tick: its start and its end read it
             opts = {"probe_every": 2, "max_probe_interval": 2, "min_repeat_gap": 10**6, "clock": lambda: next(ticks)}
             res = speculative_on_runtime(rt, draft, PROMPT, NEW, block_size="auto", predictor="none",
                                          acceptance=acceptance, reference=want, eos_token_ids=[],
@@ -232,8 +232,9 @@ def test_oracle_mode_gives_the_planner_no_repetition_hint(tmp_path, monkeypatch)
             rt.reset_cache()
             planner = make_planner(rt, BLOCK)
             seen = []
-            plan = planner.plan_draft
+            plan, decide = planner.plan_draft, planner.decide_plain
             planner.plan_draft = lambda limit, repeating=False, **kw: seen.append(repeating) or plan(limit, repeating, **kw)
+            planner.decide_plain = lambda limit, repeating=False: seen.append(repeating) or decide(limit, repeating)
             oracle = make_oracle(rt.model, PROMPT, 16, 0.5, reference=want) if mode == "oracle" else None
             try:
                 res = speculative_generate(rt.model, draft, PROMPT, 16, planner=planner, oracle=oracle, eos_token_ids=[])

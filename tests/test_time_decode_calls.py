@@ -13,21 +13,21 @@ def tdc(load_script):
 def test_arms_are_timed_per_call_and_the_wrappers_come_off(tdc, tmp_path, capsys):
     from pdflash.draft.planner import BlockPlanner
 
-    plan_draft = BlockPlanner.plan_draft
+    decide_plain = BlockPlanner.decide_plain
     out = tmp_path / "t.json"
     assert tdc.main(["--max-new-tokens", "4", "--repeats", "1", "--arms", "nd,auto", "--out", str(out),
-                     "--calls", "planner.BlockPlanner.plan_draft,runtime.OffloadedModel.forward,nothing.Here,"
+                     "--calls", "planner.BlockPlanner.decide_plain,runtime.OffloadedModel.forward,nothing.Here,"
                      "speculative._ModuleTarget.verify,speculative._DecoderTarget.verify"]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["arm"] for r in runs] == ["nd", "auto"]
     calls = {r["arm"]: {c["call"]: c["count"] for c in r["calls"]} for r in runs}
-    assert calls["nd"]["runtime.OffloadedModel.forward"] >= 3 and "planner.BlockPlanner.plan_draft" not in calls["nd"]
-    assert calls["auto"]["planner.BlockPlanner.plan_draft"] >= 1
+    assert calls["nd"]["runtime.OffloadedModel.forward"] >= 3 and "planner.BlockPlanner.decide_plain" not in calls["nd"]
+    assert calls["auto"]["planner.BlockPlanner.decide_plain"] >= 1  # asked before every step
     verify = {k: n for k, n in calls["auto"].items() if k.startswith("speculative._") and k.endswith("Target.verify")}
     per_length = {k: n for k, n in calls["auto"].items() if k.startswith("speculative._") and "Target.verify[T=" in k}
     assert len(verify) == 1 and per_length and sum(per_length.values()) == sum(verify.values())  # split by block length
     assert all(r["experts_per_token"]["cache"] > 0 for r in runs)
-    assert BlockPlanner.plan_draft is plan_draft  # unwrapped after the runs
+    assert BlockPlanner.decide_plain is decide_plain  # unwrapped after the runs
     assert "not found (not wrapped): nothing.Here" in capsys.readouterr().err
 
 
