@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from pdflash import PdflashError
+from pdflash.offload.graphs import no_collection
 
 # A context append of more rows than this (the prompt's, on the first step) runs as the eager
 # pass does, once, instead of as many chunk replays.
@@ -232,7 +233,7 @@ class DraftGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
+        with no_collection(), torch.inference_mode(), torch.cuda.stream(stream):
             fn()  # warm-up outside the graph (allocations, lazy inits)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool, stream=stream, capture_error_mode="thread_local"):

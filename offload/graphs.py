@@ -58,6 +58,7 @@ prompt). The cache holds ``max_len + R - 1`` positions for the padding rows.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import time
@@ -69,6 +70,24 @@ from torch import nn
 from pdflash import PdflashError
 from pdflash.offload.host_graph import HostSteps, host_steps_enabled
 from pdflash.offload.prompt import chunked_prefill
+
+
+
+@contextmanager
+def no_collection():
+    """No cyclic garbage collection until the block ends (graph captures). A collection inside a
+    capture can free an earlier runtime's decoder (it holds its runtime, which holds it: a cycle)
+    and with it CUDA graphs, whose destruction is not permitted while a stream captures: the
+    capture fails ("operation failed due to a previous error during capture"; seen on an H100 in
+    the fourth generate of one process, session 40). PyTorch's graph context no longer collects on
+    entry unless configured to; the garbage is collected after the block instead."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class StaticKV:
@@ -285,7 +304,8 @@ class GraphedDecoder:
         """Graph capture on a side stream into one memory pool: yields ``capture(fn) -> (graph,
         fn's result)``, which runs fn once eagerly first (allocations, lazy inits). The
         scheduler's copy threads use CUDA too: nothing of theirs is in flight during the capture,
-        and only this thread's calls capture errors ("thread_local")."""
+        and only this thread's calls capture errors ("thread_local"). No cyclic garbage collection
+        runs inside (:func:`no_collection`)."""
         self.rt.cache.drain()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
@@ -298,7 +318,7 @@ class GraphedDecoder:
                 res = fn()
             return g, res
 
-        with torch.inference_mode(), torch.cuda.stream(stream):
+        with no_collection(), torch.inference_mode(), torch.cuda.stream(stream):
             yield capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
 

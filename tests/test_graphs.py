@@ -268,3 +268,55 @@ def test_cuda_graphed_speculative_decoding_is_lossless(tmp_path_factory, block_s
         assert res.token_ids == want and res.oracle["oracle_divergences"] == 0
         assert not rt.stats()["errors"]
         assert draft.graphed and draft._graphs.graphs and draft._graphs.replays > 0  # the draft's passes: graphs too
+
+
+def test_no_cyclic_collection_runs_inside_a_capture_block():
+    """Graph captures run with the cyclic collector off (a collection there may destroy another
+    decoder's CUDA graphs, which fails the capture); it is back on after, also after an error, and
+    stays off where the caller had it off."""
+    import gc
+
+    from pdflash.offload.graphs import no_collection
+
+    assert gc.isenabled()
+    with no_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), no_collection():
+        raise ValueError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.gpu
+def test_a_capture_survives_an_earlier_decoders_graphs_becoming_garbage(ckpt):
+    """An earlier decoder whose captured graphs are only reachable through a reference cycle (as a
+    closed runtime's shared decoders are), and a collector set to run at almost every allocation:
+    the next decoder's captures still succeed and replay what the segments compute."""
+    import gc
+
+    with OffloadedModel.load(ckpt, device="cuda", expert_cache_experts=TINY.num_experts_per_tok) as rt:
+        old = GraphedDecoder(rt, max_len=40, graphs=True)
+        old.prepare(len(PROMPT), tokens=(1, 2))
+        old.cycle = old  # garbage only the cyclic collector frees
+        del old
+        thresholds = gc.get_threshold()
+        gc.set_threshold(1, 1, 1)
+        try:
+            dec = GraphedDecoder(rt, max_len=40, graphs=True)
+            dec.prepare(len(PROMPT), tokens=(1, 2))
+            got = [dec.prefill(PROMPT)]
+            got.append(dec.decode(int(got[-1].argmax())))
+        finally:
+            gc.set_threshold(*thresholds)
+        rt.reset_cache()
+        eager = GraphedDecoder(rt, max_len=40, graphs=False)
+        want = [eager.prefill(PROMPT)]
+        want.append(eager.decode(int(want[-1].argmax())))
+        assert torch.cat(got).argmax(-1).tolist() == torch.cat(want).argmax(-1).tolist()
