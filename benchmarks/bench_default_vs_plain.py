@@ -54,6 +54,19 @@ def run(cmd: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
+def guard_summary(report: dict) -> dict | None:
+    """What auto's hybrid guard did in one run (``generate --json``): the arm it ran each of its
+    first traced steps under, the arm it ended on, its completed checks, and the CPU kernel's
+    calibrated rate against the link's, which set the order the arms are tried in
+    (``cpu_compute.guard_order``); None without a guard."""
+    ce = report.get("cpu_experts") or {}
+    guard = ce.get("guard")
+    if not guard:
+        return None
+    return {"arms": [t["arm"] for t in guard.get("trace", [])], "arm": guard.get("arm"), "checks": guard.get("checks"),
+            "cpu_gbps": ce.get("gbps"), "link_gbps": report.get("link_gbps")}
+
+
 def step_breakdown(lines: list[dict]) -> dict:
     """One run's ``generate --trace`` lines taken apart. The first line has no step time (nothing
     before it is a step) and is left out of the means. Speculative runs (lines with a block):
@@ -137,7 +150,8 @@ def _run(args, base: list[str], extra: list[str], traces: Path | None) -> int:
                    "predicted_step_ms": (d.get("planner") or {}).get("predicted_step_ms"),
                    "measured_step_ms": (d.get("planner") or {}).get("measured_step_ms"),
                    "bytes_per_committed_token": d.get("bytes_per_committed_token"),
-                   "no_draft_bytes_per_token": p.get("bytes_per_token")}
+                   "no_draft_bytes_per_token": p.get("bytes_per_token"),
+                   "default_guard": guard_summary(d), "no_draft_guard": guard_summary(p)}
             if traces is not None:
                 row["default_steps"], row["no_draft_steps"] = d["steps"], p["steps"]
                 row["default_trace"], row["no_draft_trace"] = d["trace"], p["trace"]  # every step, for a later look
@@ -145,6 +159,13 @@ def _run(args, base: list[str], extra: list[str], traces: Path | None) -> int:
             print(f"{prompt!r} rep {rep}: default {row['default_tps']:.1f} tok/s, --no-draft {row['no_draft_tps']:.1f}, "
                   f"ratio {row['ratio']:.2f}, blocks {row['block_histogram']}, accept {row['acceptance_length']:.2f}, "
                   f"same tokens {row['same_tokens']}", file=sys.stderr, flush=True)
+            for arm in ("default", "no_draft"):
+                g = row[f"{arm}_guard"]
+                if g:
+                    first = g["arms"][0] if g["arms"] else None
+                    print(f"    guard ({arm}): first arm {first}, ended on {g['arm']} after {g['checks']} check(s); "
+                          f"CPU kernel {g['cpu_gbps'] or 0:.2f} GB/s, link {g['link_gbps'] or 0:.2f} GB/s",
+                          file=sys.stderr, flush=True)
             if traces is not None:
                 ds, ps = d["steps"], p["steps"]
                 blocks = ", ".join(f"B{b} x{v['steps']}: verify {v['verify_ms']:.2f} (median {v['verify_median_ms']:.2f}) "

@@ -61,3 +61,12 @@ def test_warm_up_runs_are_left_out(dvp, monkeypatch, tmp_path):
     assert result["summary"]["median_ratio"] == 1.2
     with pytest.raises(SystemExit):
         dvp.main(["--warmup", "-1"])
+
+
+def test_guard_summary_reads_the_arms_and_the_rates_that_ordered_them(dvp):
+    report = {"link_gbps": 2.0, "cpu_experts": {"gbps": 1.9, "guard": {
+        "arm": "host", "checks": 1, "trace": [{"arm": "off", "tokens": 1, "ms": 4.8, "counted": "settling"},
+                                              {"arm": "all", "tokens": 1, "ms": 1.4, "counted": "switch"}]}}}
+    assert dvp.guard_summary(report) == {"arms": ["off", "all"], "arm": "host", "checks": 1, "cpu_gbps": 1.9,
+                                         "link_gbps": 2.0}
+    assert dvp.guard_summary({"cpu_experts": {"guard": None}}) is None and dvp.guard_summary({}) is None
