@@ -72,7 +72,6 @@ from pdflash.offload.host_graph import HostSteps, host_steps_enabled
 from pdflash.offload.prompt import chunked_prefill
 
 
-
 @contextmanager
 def no_collection():
     """No cyclic garbage collection until the block ends (graph captures). A collection inside a
