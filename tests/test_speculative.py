@@ -262,9 +262,15 @@ def test_speculative_sampling_rule_reproduces_target_distribution(rule, should_p
     assert (stat < _chi2_critical(df)) == should_pass, (stat, _chi2_critical(df))
 
 
-def test_end_to_end_sampling_matches_target_distribution(tmp_path):
+@pytest.mark.parametrize("planned", [False, True], ids=["block-3", "planner"])
+def test_end_to_end_sampling_matches_target_distribution(tmp_path, planned):
     """Tokens 2 and 3 after the prompt come from verify passes (accepted proposals, residual draws
-    and bonus tokens); their joint frequency must match the target's exact joint distribution."""
+    and bonus tokens), or with a block planner from its cold start's plain steps, which the loop
+    runs as plain decoding (decided ahead); their joint frequency must match the target's exact
+    joint distribution."""
+    from pdflash.draft.planner import BlockPlanner
+    from pdflash.offload.cost import CostModel
+
     target, draft = make_pair(tmp_path, vocab=4, logit_scale=10.0)
     prompt, temp, n = [1, 2, 3, 0, 1], 1.0, 500
     with torch.no_grad():
@@ -280,12 +286,18 @@ def test_end_to_end_sampling_matches_target_distribution(tmp_path):
     gen = torch.Generator().manual_seed(11)
     counts: dict = {}
     accepted = 0
+    cfg = target.config
     for _ in range(n):
-        r = speculative_generate(target, draft, prompt, 3, block_size=3, temperature=temp, generator=gen)
+        planner = BlockPlanner(3, CostModel(1_000_000), num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts,
+                               top_k=cfg.num_experts_per_tok) if planned else None
+        r = speculative_generate(target, draft, prompt, 3, block_size=3, temperature=temp, generator=gen, planner=planner)
         key = tuple(r.token_ids[1:3])
         counts[key] = counts.get(key, 0) + 1
         accepted += sum(r.stats.accepted_per_position)
-    assert 0.1 * n < accepted < 0.9 * n  # both acceptance and rejection were exercised
+        if planned:
+            assert r.planner["block_histogram"] == {"1": 2}  # both steps plain, decided ahead
+    if not planned:
+        assert 0.1 * n < accepted < 0.9 * n  # both acceptance and rejection were exercised
     probs = {k: v for k, v in probs.items() if v * n >= 5}  # pool the rare cells
     counts = {k: counts.get(k, 0) for k in probs} | {"rest": n - sum(counts.get(k, 0) for k in probs)}
     rest = 1.0 - sum(probs.values())
