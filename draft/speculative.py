@@ -581,6 +581,7 @@ def speculative_generate(
                 verify_s = time.perf_counter() - t_verify
                 stats.record(0, 0)
                 stats.verify_seconds += verify_s
+                choice = planner.current()  # B = 1 as plan_draft priced it
                 planner.end_plain_step(verify_s, [nxt])
                 done = nxt in eos
                 tokens.append(nxt)
@@ -590,8 +591,8 @@ def speculative_generate(
                     on_step(StepInfo(
                         step=step, block_size=1, accepted=0, committed=[nxt], generated=len(generated),
                         draft_seconds=0.0, verify_seconds=verify_s, route_ahead_submitted=0,
-                        predicted_seconds=None, planner_measured_seconds=planner.last_measured_seconds,
-                        shadow_block=0,
+                        predicted_seconds=choice.predicted_seconds if choice is not None else None,
+                        planner_measured_seconds=planner.last_measured_seconds, shadow_block=0,
                     ))
                 continue
             if planner is not None:

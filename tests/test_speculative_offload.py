@@ -88,8 +88,9 @@ def test_auto_block_size_is_lossless(checkpoint, slots, monkeypatch):
         draft = load_draft(checkpoint / "draft", rt.model)
         for predictor, acceptance in (("previous", None), ("none", 0.9), ("draft-router", 0.5)):
             rt.reset_cache()
+            steps = []
             res = speculative_on_runtime(rt, draft, PROMPT, NEW, block_size="auto", predictor=predictor,
-                                         acceptance=acceptance, reference=want, eos_token_ids=[])
+                                         acceptance=acceptance, reference=want, eos_token_ids=[], on_step=steps.append)
             assert res.token_ids == want, (slots, predictor)
             rep = res.to_dict()
             hist = rep["planner"]["block_histogram"]
@@ -98,6 +99,8 @@ def test_auto_block_size_is_lossless(checkpoint, slots, monkeypatch):
             assert rep["bytes_per_committed_token"] is not None and rep["planner"]["predicted_steps"] > 0
             assert not rt.stats()["errors"]
             assert lean, "no plain step was decided ahead"
+            # every step's prediction reaches the caller (the live table), those decided ahead too
+            assert sum(st.predicted_seconds is not None for st in steps) == rep["planner"]["predicted_steps"]
             lean.clear()
 
 
