@@ -46,7 +46,7 @@ CALLS = (
     "cpu_compute.CpuExpertRunner.prewake", "cpu_compute.CpuExpertRunner.use_threads", "cpu_compute.HybridGuard.on_forward",
     "runtime.OffloadedModel._on_routed", "runtime.OffloadedModel.begin_forward", "runtime.OffloadedModel.forward",
     "planner.BlockPlanner.begin_step", "planner.BlockPlanner.plan_draft", "planner.BlockPlanner.end_step",
-    "planner.BlockPlanner.on_routed", "planner.BlockPlanner.decide_plain", "planner.BlockPlanner.end_plain_step",
+    "planner.BlockPlanner.on_routed", "planner.BlockPlanner.decide_plain",
 )
 ARMS = {"nd": ["--no-draft"], "bs1": ["--block-size", "1"], "auto": []}
 # Calls also timed per label of their arguments (a step's token count and host mode): a wrapped

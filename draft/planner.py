@@ -763,18 +763,9 @@ class BlockPlanner:
         doubling after each such probe that accepted nothing). ``can_shadow``: the caller passes
         the committed tokens to :meth:`end_step` and a plain step may draft
         :attr:`shadow_block` positions (greedy decoding), see the module's docstring."""
-        self._stage = None
-        self._rates = []
-        self._probe = self._repeat_probe = self._drafting = False
-        self.shadow_block = 0
-        self.draft_block = 0
-        self._can_shadow = can_shadow
-        measured = self.cost.measured_forward("verify")
-        if (limit <= 1 or self._forced_plain > 0 or self._placing or 1 not in measured
-                or self._plain_steady.value is None):
-            self._forced_plain = max(0, self._forced_plain - 1)  # a re-measurement, or the cold start
-            self.report.placing_steps += self._placing
-            best = self._candidate(1)
+        self._new_stage(can_shadow)
+        if self._plain_unpriced(limit):
+            best = self._plain_unpriced_choice()
         else:
             shadow_first = 0
             if self._incumbent is None:
@@ -838,17 +829,37 @@ class BlockPlanner:
         self.draft_block = min(limit, self.drafted_for(best.block))  # no proposals past the last token
         return best.block
 
+    def _new_stage(self, can_shadow: bool) -> None:
+        """A step is being planned: nothing chosen, drafted or probed yet."""
+        self._stage = None
+        self._rates = []
+        self._probe = self._repeat_probe = self._drafting = False
+        self.shadow_block = 0
+        self.draft_block = 0
+        self._can_shadow = can_shadow
+
+    def _plain_unpriced(self, limit: int) -> bool:
+        """The step is plain whatever the other lengths would price at: one token left, a
+        re-measurement, the guard's first check, or the cold start (plain decoding unmeasured)."""
+        return (limit <= 1 or self._forced_plain > 0 or self._placing or self._plain_steady.value is None
+                or 1 not in self.cost.measured_forward("verify"))
+
+    def _plain_unpriced_choice(self) -> Choice:
+        self._forced_plain = max(0, self._forced_plain - 1)  # a re-measurement, or the cold start
+        self.report.placing_steps += self._placing
+        return self._candidate(1)
+
     def decide_plain(self, limit: int, repeating: bool = False) -> bool:
         """Decide the next step plain, and return True, where :meth:`plan_draft` would choose a
         plain step without pricing any other length and without a probe: the cold start's, a
         re-measurement's or the guard's first check's plain steps, a plain incumbent between two
         rechecks, plain decoding held by the floor; with no shadow probe or overdraft still being
         checked and the hybrid placement unchanged. Otherwise False, and nothing changes. After
-        True the caller runs the step as plain decoding runs and files it with
-        :meth:`end_plain_step`, in place of begin_step, plan_draft and end_step: on the embedded
-        pair on an H100 those and the loop's work around them took 0.5 ms of a 1.6 ms plain step
-        (session 40). B = 1 is priced as plan_draft prices it, so every decision stays the same.
-        ``limit`` and ``repeating`` as for :meth:`plan_draft`."""
+        True the caller runs the step as plain decoding runs (nothing drafted) and files it with
+        :meth:`end_step`, in place of begin_step and plan_draft: on the embedded pair on an H100
+        those and the loop's work around them took 0.5 ms of a 1.6 ms plain step (session 40). B =
+        1 is priced as plan_draft prices it, so every decision stays the same. ``limit`` and
+        ``repeating`` as for :meth:`plan_draft`."""
         if self.placement is not None:
             kept = self.placement()
             if (kept is None and self.plain_while_placing) != self._placing or (
@@ -856,9 +867,8 @@ class BlockPlanner:
                 return False  # begin_step files the change
         if self._shadow or self._tails:
             return False  # their checks may record acceptance, after which every length is priced
-        cold = (limit <= 1 or self._forced_plain > 0 or self._placing or self._plain_steady.value is None
-                or 1 not in self.cost.measured_forward("verify"))
-        if not cold:
+        unpriced = self._plain_unpriced(limit)
+        if not unpriced:
             if self._incumbent != 1 or self._trial is not None or self._first_look:
                 return False
             if not self._hold_plain and self._steps >= self._recheck_at:
@@ -867,23 +877,14 @@ class BlockPlanner:
                 return False  # a probe is due
             if repeating and self._plain_run + 1 >= self._repeat_gap:
                 return False  # the text repeats itself: a probe
-        self._forced_plain = max(0, self._forced_plain - 1)
-        self.report.placing_steps += self._placing
-        self._current = set()  # (begin_step's part: the step's counters and clock start where the last step ended)
+        # begin_step's part: the step's counters and clock start where the last step ended (end_step)
+        self._current = set()
         self._draft_clock = 0.0
-        self._rates = []
-        self._probe = self._repeat_probe = self._drafting = False
-        self.shadow_block = self.draft_block = 0
-        self._stage = self._candidate(1)
+        self._new_stage(self._can_shadow)
+        self._stage = self._plain_unpriced_choice() if unpriced else self._candidate(1)
         self._plain_run += 1
         self._spec_run = 0
         return True
-
-    def end_plain_step(self, seconds: float, tokens: Sequence[int]) -> None:
-        """The step :meth:`decide_plain` decided committed ``tokens`` (its one token) in
-        ``seconds`` (the planner's clock replaces it where it has one): :meth:`end_step` of a
-        plain step."""
-        self.end_step(1, 0, len(tokens), seconds, tokens=tokens)
 
     def _set_incumbent(self, block: int) -> None:
         """Run ``block`` from now on; a new incumbent's own blocks are counted afresh (retreat); a
@@ -997,7 +998,7 @@ class BlockPlanner:
         fetched = 0.0
         host_now = self.host_counter() if self.host_counter is not None else 0
         host = max(0, host_now - self._step_host0)
-        self._step_host0 = host_now  # where a step decided ahead (no begin_step) starts
+        self._step_host0 = host_now  # where a step decide_plain decides (no begin_step) starts
         if counters is not None:
             fetched = max(0.0, counters[0] - self._step_bytes0) / self.cost.expert_bytes
             self._step_bytes0 = counters[0]
@@ -1048,7 +1049,7 @@ class BlockPlanner:
                 "rates": [None if r is None else round(r, 2) for r in self._rates],  # tokens/s of B = 1 .. as decided
             })
         if self.clock is not None:
-            self._t0 = self.clock()  # where a step decided ahead starts
+            self._t0 = self.clock()  # where a step decide_plain decides starts
         r = self.report
         r.histogram[block] = r.histogram.get(block, 0) + 1
         r.fetched_experts += fetched

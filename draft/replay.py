@@ -76,8 +76,8 @@ def link_bound_run(p_accept: float, seed: int, *, steps: int | None = None, hori
                    fixed: int | None = None, decided_ahead: bool = True, **planner_kw) -> Replay:
     """Decode ``steps`` steps, or until ``horizon`` tokens are committed, with the planner
     (``planner_kw``: BlockPlanner keyword arguments) choosing each block, or every block of
-    length ``fixed``. ``decided_ahead``: a step the planner already decided plain
-    (``decide_plain``) is filed with ``end_plain_step``, as the decode loop does."""
+    length ``fixed``. ``decided_ahead``: a step ``decide_plain`` decides plain skips begin_step
+    and plan_draft, as the decode loop does."""
     if (steps is None) == (horizon is None):
         raise ValueError("give steps or horizon")
     rng = random.Random(seed)  # routes
@@ -92,18 +92,10 @@ def link_bound_run(p_accept: float, seed: int, *, steps: int | None = None, hori
     pos = 0
     while (len(out.steps) < steps) if steps is not None else (out.tokens < horizon):
         if decided_ahead and not fixed and p.decide_plain(MAX_BLOCK):
-            misses = route_block(p, rng, 1, cache=cache)
-            moved[0] += misses * EXPERT_BYTES
-            moved[1] += misses * EXPERT_S
-            seconds = FORWARD_S + misses * EXPERT_S
-            out.steps.append((1, 0, False))
-            p.end_plain_step(seconds, [pos + 1])
-            pos += 1
-            out.tokens += 1
-            out.seconds += seconds
-            continue
-        p.begin_step()
-        b = p.plan_draft(MAX_BLOCK, can_shadow=True)
+            b = 1  # decided ahead: no begin_step, plan_draft or draft
+        else:
+            p.begin_step()
+            b = p.plan_draft(MAX_BLOCK, can_shadow=True)
         if fixed:
             b = fixed
             p.shadow_block, p.draft_block = 0, (b if b > 1 else 0)

@@ -298,12 +298,14 @@ def accept_sampling(
     return n_acc, nxt
 
 
-def _accept(guesses: list[int], drafted, vlogits: torch.Tensor, tokens: list[int], oracle, greedy: bool,
-            temperature: float, generator) -> tuple[int, int]:
+def _accept(guesses: list[int], proposals: torch.Tensor | None, draft_probs: torch.Tensor | None,
+            vlogits: torch.Tensor, tokens: list[int], oracle, greedy: bool, temperature: float,
+            generator) -> tuple[int, int]:
     """A verify block's outcome: (accepted proposals, next token). ``guesses``: the block's
-    proposals as ids; ``drafted``: (the proposals' tensor [n], their draft probabilities [n, V] or
-    None) when sampling; ``tokens``: the sequence before the block (the oracle records what the
-    target chose there). Reads the outcome to the host: the device is synchronised after it."""
+    proposals as ids; ``proposals`` [n] and ``draft_probs`` [n, V]: the same on the device and
+    their draft probabilities (sampling; None where nothing was drafted); ``tokens``: the sequence
+    before the block (the oracle records what the target chose there). Reads the outcome to the
+    host: the device is synchronised after it."""
     block = [tokens[-1]] + guesses
     if oracle is not None:
         best = vlogits.float().argmax(-1).tolist()
@@ -312,7 +314,6 @@ def _accept(guesses: list[int], drafted, vlogits: torch.Tensor, tokens: list[int
         return n_acc, best[n_acc]
     if greedy:
         return accept_greedy(guesses, vlogits)
-    proposals, draft_probs = drafted if drafted is not None else (None, None)
     if proposals is None:
         proposals = torch.empty(0, dtype=torch.long, device=vlogits.device)
     if draft_probs is None:
@@ -571,31 +572,8 @@ def speculative_generate(
             # proposals ignore the text (their acceptance is P wherever it repeats).
             repeating = planner is not None and oracle is None and repeats.repeating(tokens)
             if planner is not None and planner.decide_plain(limit, repeating):
-                # A plain step decided ahead (nothing to price, no probe due): run as plain decoding
-                # runs, one forward and its token; the planner files it in one call.
-                t_verify = time.perf_counter()
-                vlogits, features = tgt.verify([tokens[-1]], start, None)  # [1, V], [1, 1, K*H]
-                _, nxt = _accept([], None, vlogits, tokens, oracle, greedy, temperature, generator)  # synchronises
-                tgt.commit(start + 1)
-                pending.append(features)
-                verify_s = time.perf_counter() - t_verify
-                stats.record(0, 0)
-                stats.verify_seconds += verify_s
-                choice = planner.current()  # B = 1 as plan_draft priced it
-                planner.end_plain_step(verify_s, [nxt])
-                done = nxt in eos
-                tokens.append(nxt)
-                generated.append(nxt)
-                step += 1
-                if on_step is not None:
-                    on_step(StepInfo(
-                        step=step, block_size=1, accepted=0, committed=[nxt], generated=len(generated),
-                        draft_seconds=0.0, verify_seconds=verify_s, route_ahead_submitted=0,
-                        predicted_seconds=choice.predicted_seconds if choice is not None else None,
-                        planner_measured_seconds=planner.last_measured_seconds, shadow_block=0,
-                    ))
-                continue
-            if planner is not None:
+                b = 1  # a plain step decided ahead: nothing priced, no probe due, nothing drafted
+            elif planner is not None:
                 planner.begin_step()
                 b = planner.plan_draft(limit, repeating, can_shadow=greedy)
             else:
@@ -610,8 +588,7 @@ def speculative_generate(
             refresh_before = oracle.refresh_seconds if oracle else 0.0
             if route_ahead is not None and not plain_step:
                 route_ahead.begin_step()
-            proposals = torch.empty(0, dtype=torch.long, device=device)
-            draft_probs = None
+            proposals = draft_probs = None  # [n], [n, V] where drafted
             if drafted > 1:
                 context = torch.cat(pending, dim=1) if len(pending) > 1 else pending[0]
                 pending = []
@@ -655,14 +632,13 @@ def speculative_generate(
             vlogits, features = tgt.verify(block, start, None if plain_step else route_ahead)  # [b, V], [1, b, K*H]
 
             # 3. accept
-            n_acc, nxt = _accept(guesses, (proposals, draft_probs), vlogits, tokens, oracle, greedy, temperature,
-                                 generator)
+            n_acc, nxt = _accept(guesses, proposals, draft_probs, vlogits, tokens, oracle, greedy, temperature,
+                                 generator)  # read to the host: the device is synchronised
 
             # 4. commit
             tgt.commit(start + n_acc + 1)
             pending.append(features[:, : n_acc + 1])
             new = guesses[:n_acc] + [nxt]
-            _sync(device)
             verify_s = time.perf_counter() - t_verify
 
             stats.record(n, n_acc)

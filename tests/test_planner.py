@@ -976,7 +976,7 @@ def test_the_planner_environment_variable_is_read_and_refused_when_wrong(monkeyp
 
 def test_a_plain_step_decided_ahead_is_the_one_plan_draft_would_choose_without_pricing(monkeypatch):
     """Whenever ``decide_plain`` lets the loop run a step as plain decoding (filed with
-    ``end_plain_step``), ``begin_step`` and ``plan_draft`` on a copy of the planner taken before it
+    ``end_step``), ``begin_step`` and ``plan_draft`` on a copy of the planner taken before it
     choose a plain step too, with no shadow probe, no probe, no length but B = 1 priced, and leave
     the planner as decide_plain left it: the lean step changes no decision."""
     checked = []
@@ -1005,7 +1005,7 @@ def test_a_plain_step_decided_ahead_is_the_one_plan_draft_would_choose_without_p
 
 def test_the_replay_decides_the_same_with_plain_steps_decided_ahead():
     """The replayed regime runs the same blocks, probes and times whether its plain steps go
-    through decide_plain / end_plain_step or begin_step / plan_draft / end_step."""
+    through decide_plain / end_step or begin_step / plan_draft / end_step."""
     for p_accept in (0.9, 0.7, 0.3):
         for seed in range(6):
             lean = link_bound_run(p_accept, seed, horizon=64)
@@ -1015,8 +1015,8 @@ def test_the_replay_decides_the_same_with_plain_steps_decided_ahead():
 
 
 def test_a_plain_step_decided_ahead_is_filed_as_a_plain_step():
-    """``end_plain_step`` counts the step, its committed token, its time as steady plain decoding
-    and its misses, as end_step does for a plain step the planner chose."""
+    """``end_step`` after ``decide_plain`` counts the step, its committed token, its time as steady
+    plain decoding and its misses, as for a plain step plan_draft chose."""
     import random
 
     moved = [0.0, 0.0]
@@ -1026,7 +1026,7 @@ def test_a_plain_step_decided_ahead_is_filed_as_a_plain_step():
         route_block(p, random.Random(0), 1)
         moved[0] += 3 * EXPERT_BYTES
         moved[1] += 0.001
-        p.end_plain_step(0.004, [7])
+        p.end_step(1, 0, 1, 0.004, tokens=[7])
     assert p.report.histogram == {1: 2} and p.report.committed_tokens == 2
     assert p._plain_steady.value == pytest.approx(0.004)  # the second followed a plain step
     assert p.report.fetched_experts == pytest.approx(6.0)
@@ -1040,7 +1040,7 @@ def test_a_new_hybrid_placement_ends_the_plain_steps_decided_ahead():
     p = planner(25.0, placement=lambda: kept[0])
     step(p)  # placing
     assert p._placing and p.decide_plain(8)
-    p.end_plain_step(0.004, [1])
+    p.end_step(1, 0, 1, 0.004, tokens=[1])
     assert p.report.placing_steps == 2
     kept[0] = "host"
     assert not p.decide_plain(8)

@@ -81,8 +81,8 @@ def test_auto_block_size_is_lossless(checkpoint, slots, monkeypatch):
     from pdflash.draft.planner import BlockPlanner
 
     lean = []
-    filed = BlockPlanner.end_plain_step
-    monkeypatch.setattr(BlockPlanner, "end_plain_step", lambda self, *a, **k: (lean.append(1), filed(self, *a, **k)))
+    decide = BlockPlanner.decide_plain
+    monkeypatch.setattr(BlockPlanner, "decide_plain", lambda self, *a, **k: decide(self, *a, **k) and not lean.append(1))
     with OffloadedModel.load(checkpoint / "target", device="cpu", expert_cache_experts=slots, block_tokens=BLOCK) as rt:
         want = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids
         draft = load_draft(checkpoint / "draft", rt.model)
