@@ -435,7 +435,11 @@ class HybridGuard:
     confirms the same arm doubles the hold, up to ``max_hold``. A window whose first counted step
     is more than ``abandon`` slower than the best median another arm still in the check measured at
     that token count ends at once, and its arm leaves the check with that step as its time (an arm
-    far behind costs two steps, not a window; None: windows always run in full). The ``settle``
+    far behind costs two steps, not a window; None: windows always run in full). A window's
+    uncounted first step ends it the same way when it alone is ``switch_abandon`` times further
+    behind than that (None: never): on the embedded pair's GPU runs (``--link-gbps 2``) the
+    fetch-only arm's first step took 11-17 ms and its next 4-8 ms against 1.3-2.2 ms for the host
+    arms (sessions 37 and 40), so it cost two slow steps where one tells. The ``settle``
     steps after a longer forward (a prefill) are not counted and run the current arm: the first
     decode steps after a prefill measured about twice their steady time under whichever arm came
     first (GPU hosts, sessions 23-24); the runtime calls ``on_sequence()`` when a sequence starts
@@ -459,16 +463,16 @@ class HybridGuard:
     def __init__(self, window: int = 4, rounds: int = 2, hold: int = 64, max_hold: int = 1024, margin: float = 0.02,
                  cut: float = 0.05, recheck: float = 0.25, arms: tuple[str, ...] = GUARD_ARMS,
                  clock: Callable[[], float] = time.perf_counter, max_tokens: int = 16, abandon: float | None = 0.5,
-                 settle: int = 4, trace: int = 0):
+                 settle: int = 4, trace: int = 0, switch_abandon: float | None = 3.0):
         if (window < 2 or rounds < 1 or hold < 1 or cut < 0 or recheck < 0 or max_tokens < 1 or settle < 0 or trace < 0
-                or (abandon is not None and abandon < 0)):
+                or (abandon is not None and abandon < 0) or (switch_abandon is not None and switch_abandon < 1)):
             raise ValueError("window >= 2, rounds >= 1, hold >= 1, cut >= 0, recheck >= 0, abandon >= 0, settle >= 0, "
-                             "trace >= 0 and max_tokens >= 1 are needed")
+                             "trace >= 0, max_tokens >= 1 and switch_abandon >= 1 are needed")
         arms = tuple(arms)
         if "off" not in arms or len(arms) < 2 or len(set(arms)) != len(arms) or any(a not in GUARD_ARMS for a in arms):
             raise ValueError(f"arms: two or more distinct of {GUARD_ARMS}, 'off' among them")
         self.window, self.rounds, self.margin, self.cut, self.recheck, self.arms = window, rounds, margin, cut, recheck, arms
-        self.abandon = abandon
+        self.abandon, self.switch_abandon = abandon, switch_abandon
         self.abandoned = 0  # windows ended early (arms far behind)
         self.settle = settle
         self._settling = 0  # steps still to pass uncounted after a longer forward
@@ -609,26 +613,26 @@ class HybridGuard:
         self._note(tokens, seconds, "counted" if self._window_steps else "switch")
         if self._window_steps:  # the window's first step pays the switch
             self._samples[self.arm].setdefault(tokens, []).append(seconds)
-            if self._far_behind(seconds, tokens):
-                self._check_times[self.arm] = seconds
-                self.abandoned += 1
-                del self._live[self._turn]
-                self._turn -= 1
-                self._next_window()
-                return
+        if self._far_behind(seconds, tokens, self.switch_abandon if not self._window_steps else 1.0):
+            self._check_times[self.arm] = seconds
+            self.abandoned += 1
+            del self._live[self._turn]
+            self._turn -= 1
+            self._next_window()
+            return
         self._window_steps += 1
         if self._window_steps < self.window:
             return
         self._next_window()
 
-    def _far_behind(self, seconds: float, tokens: int) -> bool:
-        """The current arm's step of ``tokens`` tokens is more than ``abandon`` slower than the
-        best median another live arm measured at that count in this check."""
-        if self.abandon is None or len(self._live) < 2:
+    def _far_behind(self, seconds: float, tokens: int, factor: float | None = 1.0) -> bool:
+        """The current arm's step of ``tokens`` tokens is more than ``factor`` times ``1 +
+        abandon`` the best median another live arm measured at that count in this check."""
+        if self.abandon is None or factor is None or len(self._live) < 2:
             return False
         others = [_median(self._samples[a][tokens]) for a in self._live
                   if a != self.arm and self._samples[a].get(tokens)]
-        return bool(others) and seconds > min(others) * (1 + self.abandon)
+        return bool(others) and seconds > min(others) * (1 + self.abandon) * factor
 
     def _next_window(self) -> None:
         """The current arm's window is over: the next live arm's, or the end of the round."""

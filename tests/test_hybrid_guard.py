@@ -92,7 +92,7 @@ def test_arms_are_compared_at_the_token_counts_they_share():
 
 def test_first_step_of_a_window_is_not_counted():
     clock = Clock()
-    g = HybridGuard(window=2, rounds=1, hold=4, arms=("off", "model"), clock=clock)
+    g = HybridGuard(window=2, rounds=1, hold=4, arms=("off", "model"), clock=clock, switch_abandon=None)
     g.on_forward(1)
     for seconds in (9.0, 0.04, 9.0, 0.03):  # a slow switch step opens each window (off, then model)
         clock.t += seconds
@@ -292,6 +292,8 @@ def test_a_bad_abandon_setting_is_refused():
         HybridGuard(abandon=-0.1)
     with pytest.raises(ValueError):
         HybridGuard(settle=-1)
+    with pytest.raises(ValueError):
+        HybridGuard(switch_abandon=0.5)
 
 
 def test_guard_order_puts_the_host_arms_first_where_the_kernel_beats_the_link():
@@ -581,3 +583,37 @@ def test_kept_is_none_until_the_first_check_keeps_an_arm_then_counts_checks():
     pinned = HybridGuard(arms=("off", "model"))
     pinned.pin("model")
     assert pinned.kept == 0
+
+
+def test_a_switch_step_far_behind_ends_its_window_at_once():
+    """An arm whose uncounted first step alone is ``switch_abandon`` x (1 + abandon) behind the best
+    median leaves after that one step (the embedded pair's fetch-only arm on a GPU host: a 14 ms
+    switch against 1.4 ms host steps); a switch merely slower than the next steps stays."""
+    clock = Clock()
+    g = HybridGuard(window=4, rounds=1, hold=64, settle=0, arms=("host", "model", "off"), clock=clock)
+    cost = {"host": [0.0014] * 4, "model": [0.0030, 0.0016, 0.0016, 0.0016], "off": [0.014, 0.005]}
+    g.on_forward(1)
+    seen = []
+    for _ in range(4 + 4 + 1):
+        arm = g.arm
+        seen.append(arm)
+        clock.t += cost[arm][sum(1 for a in seen if a == arm) - 1]
+        g.on_forward(1)
+    assert seen == ["host"] * 4 + ["model"] * 4 + ["off"]
+    assert g.abandoned == 1 and g.checks == 1 and g.arm == "host"
+    assert g.stats()["off_ms"] == pytest.approx(14.0)
+    assert [t["counted"] for t in g.stats()["trace"]] == []  # no trace asked for
+
+
+def test_without_switch_abandon_a_slow_switch_step_is_not_judged():
+    clock = Clock()
+    g = HybridGuard(window=4, rounds=1, hold=64, settle=0, arms=("host", "off"), clock=clock, switch_abandon=None)
+    cost = {"host": [0.0014] * 4, "off": [0.014, 0.005]}
+    g.on_forward(1)
+    seen = []
+    for _ in range(4 + 2):
+        arm = g.arm
+        seen.append(arm)
+        clock.t += cost[arm][min(sum(1 for a in seen if a == arm), 2) - 1]
+        g.on_forward(1)
+    assert seen == ["host"] * 4 + ["off"] * 2 and g.abandoned == 1  # the counted step leaves, as before
