@@ -18,7 +18,9 @@ def smoke(
     cuda: Annotated[
         str, typer.Option(help="Also check the cuda backend: auto (when a GPU is visible), yes, or no.")
     ] = "auto",
-    device: Annotated[int, typer.Option(min=0, help="CUDA device index for the cuda backend.")] = 0,
+    device: Annotated[str, typer.Option(help="Where to check, as for generate: auto (the memcpy backend, and cuda "
+                                        "as --cuda says), cpu (the memcpy backend only), cuda or cuda:N (the cuda "
+                                        "backend too, on that GPU; a bare N means cuda:N).")] = "auto",
 ) -> None:
     """Load the native scheduler and exercise all three bands: byte-exact data, on-demand
     overtaking queued background work, dedup, cancel, reset, close with waiters.
@@ -28,22 +30,27 @@ def smoke(
     Examples:
       pdflash smoke
       pdflash smoke --json
+      pdflash smoke --device cuda:1
     """
     from pdflash import PdflashError
     from pdflash.native.smoke import run_smoke
 
     if cuda not in ("auto", "yes", "no"):
         raise PdflashError(f"--cuda must be auto, yes or no, got {cuda!r}", exit_code=2)
+    cuda, index = _cuda_of_device(device, cuda)
     backends = ["memcpy"]
     import torch
 
     has_gpu = torch.cuda.is_available()
     if cuda == "yes" and not has_gpu:
-        raise PdflashError("--cuda yes was given but no CUDA device is visible to PyTorch")
+        raise PdflashError(f"{'--cuda yes' if device == 'auto' else '--device ' + device} was given but no CUDA "
+                           "device is visible to PyTorch; use --device cpu")
+    if cuda == "yes" and index >= torch.cuda.device_count():
+        raise PdflashError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if cuda == "yes" or (cuda == "auto" and has_gpu):
         backends.append("cuda")
     try:
-        reports = [run_smoke(b, device) for b in backends]
+        reports = [run_smoke(b, index) for b in backends]
     except NativeLibraryMissing:
         raise
     ok = all(r.ok for r in reports)
@@ -75,3 +82,24 @@ def smoke(
         console.print("[green]all checks held[/]" if ok else "[red]some checks failed[/]")
     if not ok:
         sys.exit(3)
+
+
+def _cuda_of_device(device: str, cuda: str) -> tuple[str, int]:
+    """``--device`` read with ``--cuda``: (whether to check the cuda backend: auto, yes or no; the
+    CUDA index). ``cpu`` means no, ``cuda[:N]`` (or a bare index N) means yes on that GPU; a
+    ``--cuda`` that says otherwise is refused."""
+    from pdflash import PdflashError
+
+    if device.isdigit():
+        device = f"cuda:{device}"
+    if device == "auto":
+        return cuda, 0
+    if device == "cpu":
+        want, index = "no", 0
+    elif device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        want, index = "yes", int(device[5:] or 0)
+    else:
+        raise PdflashError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}", exit_code=2)
+    if cuda not in ("auto", want):
+        raise PdflashError(f"--device {device} and --cuda {cuda} disagree: give one of them", exit_code=2)
+    return want, index

@@ -37,3 +37,24 @@ def test_smoke_exit_code_three_when_a_check_fails(run, monkeypatch):
     report = json.loads(out)
     assert code == 3 and report["ok"] is False
     assert [c["ok"] for c in report["backends"][0]["checks"]] == [True, False]
+
+
+def test_device_takes_generates_spelling(run, monkeypatch):
+    """--device as generate spells it: cpu checks the memcpy backend only; cuda / cuda:N / N ask for
+    the cuda backend (refused in one line without a GPU); a --cuda that disagrees is refused."""
+    from pdflash.cli.smoke import _cuda_of_device
+
+    assert _cuda_of_device("auto", "no") == ("no", 0)
+    assert _cuda_of_device("cuda:2", "auto") == ("yes", 2)
+    assert _cuda_of_device("1", "yes") == ("yes", 1)
+    assert _cuda_of_device("cpu", "auto") == ("no", 0)
+    code, out, err = run("smoke", "--json", "--device", "cpu")
+    assert code == 0 and [b["backend"] for b in json.loads(out)["backends"]] == ["memcpy"]
+    for args, want in ((["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
+                       (["--device", "cpu", "--cuda", "yes"], "disagree"),
+                       (["--device", "cuda:0", "--cuda", "no"], "disagree")):
+        code, out, err = run("smoke", *args)
+        assert code == 2 and want in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    if not torch.cuda.is_available():
+        code, out, err = run("smoke", "--device", "cuda")
+        assert code == 1 and "no CUDA device" in err and len(err.strip().splitlines()) == 1
