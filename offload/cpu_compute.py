@@ -392,8 +392,8 @@ def guard_order(host_expert_s: float | None, fetch_expert_s: float, host_steps: 
     """The order a guard checks its arms in. The first arm's window always runs in full, the
     others' end early when they measure far behind (``HybridGuard.abandon``), so the arm most likely
     to win goes first: the host arms unless the link moves an expert ``HOST_FIRST_FACTOR`` times
-    sooner than the calibrated kernel computes a one-token one, fetch-only first then. Among the host arms, "host" leads
-    where its steps run as host steps (``host_steps``: CUDA graphs with the fused kernel), "all"
+    sooner than the calibrated kernel computes a one-token one, fetch-only first then. Among the
+    host arms, "host" leads where its steps run as host steps (``host_steps``: CUDA graphs with the fused kernel), "all"
     elsewhere.
 
     The cost model's per-layer split ranks "model" best wherever both pipes are open, but the
@@ -405,7 +405,7 @@ def guard_order(host_expert_s: float | None, fetch_expert_s: float, host_steps: 
     The factor: a fetch costs a step more than its bytes over the link's rate (a demand wait, a
     graph segment per layer), so near a tie the host arms win. On the embedded pair's GPU runs
     (``--link-gbps 2``) the kernel calibrated 2.8-3.2 GB/s (session 37), yet the fetch-only arm's
-    steps took 4-8 ms against 1.3-2.2 ms for the host arm; in session 40 five of eight default
+    steps took 4-8 ms against 1.3-2.2 ms for the host arm; in session 40 four of eight default
     runs and one of eight ``--no-draft`` runs began with fetch-only (a calibration under the
     link's rate, by the per-step traces), and their first 7-8 steps took 3-6 ms instead of 1.3-1.7."""
     if host_expert_s is not None and host_expert_s < HOST_FIRST_FACTOR * fetch_expert_s:
