@@ -393,8 +393,8 @@ def guard_order(host_expert_s: float | None, fetch_expert_s: float, host_steps: 
     others' end early when they measure far behind (``HybridGuard.abandon``), so the arm most likely
     to win goes first: the host arms unless the link moves an expert ``HOST_FIRST_FACTOR`` times
     sooner than the calibrated kernel computes a one-token one, fetch-only first then. Among the
-    host arms, "host" leads where its steps run as host steps (``host_steps``: CUDA graphs with the fused kernel), "all"
-    elsewhere.
+    host arms, "host" leads where its steps run as host steps (``host_steps``: CUDA graphs with
+    the fused kernel), "all" elsewhere.
 
     The cost model's per-layer split ranks "model" best wherever both pipes are open, but the
     steps measured on GPU hosts (docs/benchmarks.md) rank the whole-step host graphs first: "all"
