@@ -593,7 +593,7 @@ def test_a_switch_step_far_behind_ends_its_window_at_once():
     median leaves after that one step (the embedded pair's fetch-only arm on a GPU host: a 14 ms
     switch against 1.4 ms host steps); a switch merely slower than the next steps stays."""
     clock = Clock()
-    g = HybridGuard(window=4, rounds=1, hold=64, settle=0, arms=("host", "model", "off"), clock=clock)
+    g = HybridGuard(window=4, rounds=1, hold=64, settle=0, arms=("host", "model", "off"), clock=clock, trace=16)
     cost = {"host": [0.0014] * 4, "model": [0.0030, 0.0016, 0.0016, 0.0016], "off": [0.014, 0.005]}
     g.on_forward(1)
     seen = []
@@ -605,7 +605,10 @@ def test_a_switch_step_far_behind_ends_its_window_at_once():
     assert seen == ["host"] * 4 + ["model"] * 4 + ["off"]
     assert g.abandoned == 1 and g.checks == 1 and g.arm == "host"
     assert g.stats()["off_ms"] == pytest.approx(14.0)
-    assert [t["counted"] for t in g.stats()["trace"]] == []  # no trace asked for
+    trace = g.stats()["trace"][:9]  # the check's steps, then the hold's
+    assert [(t["arm"], t["counted"]) for t in trace] == (
+        [("host", "switch")] + [("host", "counted")] * 3 + [("model", "switch")] + [("model", "counted")] * 3
+        + [("off", "switch")])
 
 
 def test_without_switch_abandon_a_slow_switch_step_is_not_judged():
