@@ -89,17 +89,14 @@ def _cuda_of_device(device: str, cuda: str) -> tuple[str, int]:
     CUDA index). ``cpu`` means no, ``cuda[:N]`` (or a bare index N) means yes on that GPU; a
     ``--cuda`` that says otherwise is refused."""
     from pdflash import PdflashError
+    from pdflash.cli import checks
 
     if device.isdigit():
         device = f"cuda:{device}"
+    checks.device(device)
     if device == "auto":
         return cuda, 0
-    if device == "cpu":
-        want, index = "no", 0
-    elif device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        want, index = "yes", int(device[5:] or 0)
-    else:
-        raise PdflashError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}", exit_code=2)
+    want, index = ("no", 0) if device == "cpu" else ("yes", int(device.partition(":")[2] or 0))
     if cuda not in ("auto", want):
         raise PdflashError(f"--device {device} and --cuda {cuda} disagree: give one of them", exit_code=2)
     return want, index

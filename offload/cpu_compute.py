@@ -633,7 +633,7 @@ class HybridGuard:
             return
         self._next_window()
 
-    def _far_behind(self, seconds: float, tokens: int, factor: float | None = 1.0) -> bool:
+    def _far_behind(self, seconds: float, tokens: int, factor: float | None) -> bool:
         """The current arm's step of ``tokens`` tokens is more than ``factor`` times ``1 +
         abandon`` the best median another live arm measured at that count in this check."""
         if self.abandon is None or factor is None or len(self._live) < 2:
