@@ -32,6 +32,7 @@ import torch
 from pdflash.offload.mxfp4_triton import available  # noqa: F401  (same conditions: Triton on CUDA, or its interpreter)
 
 BLOCK_N = 16  # output features per program
+BLOCK_N_CPU = 64  # on Triton's CPU interpreter: fewer, wider programs (see mxfp4_triton.BLOCK_N_CPU)
 BLOCK_C = 256  # weight elements per row per loop step
 
 _KERNELS = None
@@ -109,12 +110,13 @@ class FusedDenseExperts:
         wv = slots.view(torch.uint8 if self.fp8 else self.wdtype)
         sv = slots.view(self.sdtype) if self.fp8 else wv
         bf16 = self.dtype == torch.bfloat16
-        k.dense_gate_up_silu[(n, k.triton.cdiv(I, BLOCK_N))](
+        bn = BLOCK_N if slots.device.type == "cuda" else BLOCK_N_CPU
+        k.dense_gate_up_silu[(n, k.triton.cdiv(I, bn))](
             x, x.stride(0), work, n, wv, wv.stride(0), sv, sv.stride(0), h, self.w_off[0], self.s_off[0], I, top_k,
-            NCOL=H, BLK=self.block, BN=BLOCK_N, BC=BLOCK_C, FP8=self.fp8, BF16=bf16,
+            NCOL=H, BLK=self.block, BN=bn, BC=BLOCK_C, FP8=self.fp8, BF16=bf16,
         )
-        k.dense_down[(n, k.triton.cdiv(H, BLOCK_N))](
+        k.dense_down[(n, k.triton.cdiv(H, bn))](
             h, weights, work, n, wv, wv.stride(0), sv, sv.stride(0), contrib, self.w_off[1], self.s_off[1], H,
-            NCOL=I, BLK=self.block, BN=BLOCK_N, BC=BLOCK_C, FP8=self.fp8, BF16=bf16,
+            NCOL=I, BLK=self.block, BN=bn, BC=BLOCK_C, FP8=self.fp8, BF16=bf16,
             OUT_BF16=contrib.dtype == torch.bfloat16,
         )

@@ -42,6 +42,9 @@ import torch
 from pdflash.offload.mxfp4 import FP4_VALUES
 
 BLOCK_N = 16  # output features per program
+# Triton's CPU interpreter runs a grid's programs one after another, each op a Python call: there
+# fewer, wider programs take a fraction of the time. Every output feature's sum is the same.
+BLOCK_N_CPU = 64
 BLOCK_C = 128  # weight bytes per row per loop step (256 weights)
 MAX_TOKENS = 16  # the generic grouped path takes longer forwards (prefill)
 
@@ -122,6 +125,7 @@ class FusedMxfp4Experts:
         if n == 0:
             return
         I, H = self.inter, self.hidden
+        bn = BLOCK_N if slots.device.type == "cuda" else BLOCK_N_CPU
         lut = _lut(slots.device)
         gu_w, gu_s, gu_bias = self.gu
         dn_w, dn_s, dn_bias = self.dn
@@ -129,14 +133,14 @@ class FusedMxfp4Experts:
         dn_bias_view = slots.view(dn_bias.dtype)
         esize_gu = gu_bias_view.element_size()
         esize_dn = dn_bias_view.element_size()
-        k.mxfp4_gate_up_glu[(n, cdiv(I, BLOCK_N))](
+        k.mxfp4_gate_up_glu[(n, cdiv(I, bn))](
             x, x.stride(0), work, n, slots, slots.stride(0), gu_bias_view, gu_bias_view.stride(0), lut, h,
             gu_w, gu_s, gu_bias.offset // esize_gu, I, top_k, self.limit, self.alpha,
-            NB=self.nb_gu, BN=BLOCK_N, BC=BLOCK_C, BF16=h.dtype == torch.bfloat16,
+            NB=self.nb_gu, BN=bn, BC=BLOCK_C, BF16=h.dtype == torch.bfloat16,
         )
-        k.mxfp4_down[(n, cdiv(H, BLOCK_N))](
+        k.mxfp4_down[(n, cdiv(H, bn))](
             h, weights, work, n, slots, slots.stride(0), dn_bias_view, dn_bias_view.stride(0), lut, contrib,
             dn_w, dn_s, dn_bias.offset // esize_dn, H,
-            NB=self.nb_dn, BN=BLOCK_N, BC=BLOCK_C, BF16=h.dtype == torch.bfloat16,
+            NB=self.nb_dn, BN=bn, BC=BLOCK_C, BF16=h.dtype == torch.bfloat16,
             OUT_BF16=contrib.dtype == torch.bfloat16,
         )
