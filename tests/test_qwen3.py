@@ -11,7 +11,7 @@ from pdflash import PdflashError
 from pdflash.draft import DFlashConfig, TargetShape
 from pdflash.offload.config import SPECIAL_TOKENS, ModelPreset
 from pdflash.offload.family import find_family
-from pdflash.offload.qwen3_moe import dequantize_fp8
+from pdflash.offload.qwen3_moe import dequantize_fp8, fp8_to_float32
 from pdflash.offload.synthetic import write_checkpoint
 
 IDS = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -31,6 +31,30 @@ def test_fp8_dequantization_matches_a_block_by_block_float32_reference():
     assert torch.equal(dequantize_fp8(w, s, torch.bfloat16), want.to(torch.bfloat16))
     with pytest.raises(PdflashError, match="scale grid"):
         dequantize_fp8(w[:, :91], s, torch.float32)
+
+
+def test_fp8_to_float32_is_torchs_conversion_for_every_code():
+    """The CPU conversion (float16 bit patterns) gives torch's own float8_e4m3fn -> float32 for all
+    256 codes (subnormals, both zeros, both NaNs), for NaNs among other codes, for a strided view
+    (an expert's piece of a packed row) and for an empty tensor."""
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    want = every.to(torch.float32)
+    got = fp8_to_float32(every)
+    assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) == 2
+    assert torch.equal(got.nan_to_num(1e9), want.nan_to_num(1e9))
+    assert torch.equal(torch.signbit(got[1:127]), torch.signbit(want[1:127])) and got[128].item() == 0.0
+    assert torch.signbit(got[128])  # -0.0 stays negative
+    g = torch.Generator().manual_seed(1)
+    for nan in (None, 0x7F, 0xFF):
+        codes = torch.randint(0, 256, (40, 70), generator=g, dtype=torch.uint8)
+        codes[codes & 0x7F == 0x7F] = 0x11
+        if nan is not None:
+            codes[3, 5] = nan
+        w = codes.view(torch.float8_e4m3fn)
+        for view in (w, w[:, 6:38], w.t()):
+            a, b = fp8_to_float32(view), view.to(torch.float32)
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.5), b.nan_to_num(0.5))
+    assert fp8_to_float32(every[:0]).shape == (0,)
 
 
 def test_selection_is_the_library_routers():
