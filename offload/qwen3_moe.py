@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import threading
 from typing import Callable
 
 import torch
@@ -40,11 +41,16 @@ _SCALE_DTYPES = ("F32", "BF16")
 FP8_STD = 16.0  # std of the stored FP8 values of synthetic checkpoints (e4m3 reaches 448)
 
 
-def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
     """Block-quantised FP8 weights [..., R, C] with scales [..., R/br, C/bc] -> ``dtype``.
 
     Each b x b block is multiplied by its scale in float32 and the product rounded once to
-    ``dtype``, the arithmetic of transformers' FP8 dequantization (Fp8Dequantize)."""
+    ``dtype``, the arithmetic of transformers' FP8 dequantization (Fp8Dequantize). On a CPU tensor
+    the codes are widened by :func:`_fp8_over_256` and scaled in place. With ``scratch`` the weights
+    go one at a time (one per leading index) through this thread's int16 and float32 buffers, kept
+    from call to call at one weight's size (an expert's dequantization on every use: fresh buffers
+    of that size cost their page faults each time, on a 2-core VM more than the arithmetic). The
+    result is always a tensor of its own."""
     R, C = w.shape[-2:]
     sr, sc = scale_inv.shape[-2:]
     if R % sr or C % sc:
@@ -52,27 +58,65 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype)
     br, bc = R // sr, C // sc
     lead = w.shape[:-2]
     s = scale_inv.to(torch.float32).reshape(*lead, sr, 1, sc, 1)
-    if w.device.type == "cpu":  # a fresh float32 tensor, scaled in place (no second one)
-        q = fp8_to_float32(w).reshape(*lead, sr, br, sc, bc).mul_(s)
-    else:
+    if w.device.type != "cpu":
         q = w.to(torch.float32).reshape(*lead, sr, br, sc, bc) * s
-    return q.to(dtype).reshape(*lead, R, C)
+        return q.to(dtype).reshape(*lead, R, C)
+    s = s * 256.0  # the codes' values come x 2^-8 (_fp8_over_256): powers of two, the same products
+    if not scratch:
+        return _fp8_over_256(w).reshape(*lead, sr, br, sc, bc).mul_(s).to(dtype).reshape(*lead, R, C)
+    out = torch.empty(w.shape, dtype=dtype)
+    ws, ss, outs = w.reshape(-1, R, C), s.reshape(-1, sr, 1, sc, 1), out.view(-1, R, C)
+    for i in range(ws.shape[0]):  # one weight at a time: the scratch stays one weight's size
+        q = _fp8_over_256(ws[i], _SCRATCH.take(R * C)).view(sr, br, sc, bc).mul_(ss[i])
+        outs[i].copy_(q.view(R, C))
+    return out
+
+
+class _Scratch(threading.local):
+    """One thread's int16 and float32 buffers for :func:`_fp8_over_256`, grown to the largest
+    single weight asked for (an expert's gate_up: 12 MB of float32 for Qwen3-30B-A3B)."""
+
+    def __init__(self) -> None:
+        self.h = torch.empty(0, dtype=torch.int16)
+        self.q = torch.empty(0, dtype=torch.float32)
+
+    def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.h.numel() < n:
+            with torch.inference_mode(False):  # normal tensors: written in place inside inference mode or not
+                self.h, self.q = torch.empty(n, dtype=torch.int16), torch.empty(n, dtype=torch.float32)
+        return self.h[:n], self.q[:n]
+
+
+_SCRATCH = _Scratch()
 
 
 def fp8_to_float32(w: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn -> float32, exactly as ``w.to(torch.float32)``, in a few vector passes.
 
     PyTorch converts float8 on the CPU one element at a time (about 7 ms for a Qwen3-30B-A3B
-    expert's gate_up). Here each code becomes a float16 bit pattern worth exactly 2^-8 of its value:
-    e4m3's 3 mantissa bits after float16's 10-bit mantissa's top 3, its exponent as float16's
-    (bias 7 against 15: the 2^-8), its subnormals float16 subnormals of the same scale; i.e. the
-    sign-extended byte shifted left by 7 with bit 14 cleared. float16 -> float32 and the 2^8 are
-    exact. e4m3fn's two NaN codes (0x7F, 0xFF: the largest byte as int8 and as uint8) would come out
-    as +-480; where one is present, they are put back as NaN."""
+    expert's gate_up); see :func:`_fp8_over_256` for how this does it."""
+    return _fp8_over_256(w).mul_(256.0)
+
+
+def _fp8_over_256(w: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """float8_e4m3fn -> float32 values times 2^-8, exactly. Each code becomes a float16 bit pattern
+    worth exactly 2^-8 of its value: e4m3's 3 mantissa bits as float16's top 3, its exponent as
+    float16's (bias 7 against 15: the 2^-8), its subnormals float16 subnormals of the same scale;
+    i.e. the sign-extended byte shifted left by 7 with bit 14 cleared; float16 -> float32 is exact.
+    e4m3fn's two NaN codes (0x7F, 0xFF: the largest byte as int8 and as uint8) would come out as
+    +-1.875; where one is present, they are put back as NaN. ``work``: flat int16 and float32
+    buffers of w.numel() elements to compute in (the float32 one, viewed in w's shape, is
+    returned); None: fresh ones."""
     b, u = w.view(torch.int8), w.view(torch.uint8)
-    h = b.to(torch.int16)
+    if work is None:
+        h = b.to(torch.int16)
+    else:
+        h = work[0].view(w.shape).copy_(b)
     h.bitwise_left_shift_(7).bitwise_and_(-16385)  # clear bit 14 (0x4000): the sign's extension
-    q = h.view(torch.float16).to(torch.float32).mul_(256.0)
+    if work is None:
+        q = h.view(torch.float16).to(torch.float32)
+    else:
+        q = work[1].view(w.shape).copy_(h.view(torch.float16))
     if q.numel() and (int(b.max()) == 127 or int(u.max()) == 255):
         q.masked_fill_(u.bitwise_and(0x7F) == 0x7F, float("nan"))
     return q
@@ -413,8 +457,8 @@ class Qwen3ExpertKernel:
             rows = slots.index_select(0, torch.tensor(slot_ids, dtype=torch.long).to(slots.device, non_blocking=True))
         v = lambda name: lay.view(rows, name)  # noqa: E731
         if lay.quantized:
-            w1 = dequantize_fp8(v("gate_up_proj"), v("gate_up_proj_scale_inv"), dt)
-            w2 = dequantize_fp8(v("down_proj"), v("down_proj_scale_inv"), dt)
+            w1 = dequantize_fp8(v("gate_up_proj"), v("gate_up_proj_scale_inv"), dt, scratch=True)
+            w2 = dequantize_fp8(v("down_proj"), v("down_proj_scale_inv"), dt, scratch=True)
         else:
             w1 = v("gate_up_proj").to(dt)
             w2 = v("down_proj").to(dt)

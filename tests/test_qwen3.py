@@ -31,6 +31,19 @@ def test_fp8_dequantization_matches_a_block_by_block_float32_reference():
     assert torch.equal(dequantize_fp8(w, s, torch.bfloat16), want.to(torch.bfloat16))
     with pytest.raises(PdflashError, match="scale grid"):
         dequantize_fp8(w[:, :91], s, torch.float32)
+    # the experts' per-call path: this thread's scratch buffers, never handed out
+    a = dequantize_fp8(w, s, torch.float32, scratch=True)
+    b = dequantize_fp8(w[:1], s[:1], torch.bfloat16, scratch=True)
+    assert torch.equal(a, want) and torch.equal(b, want[:1].to(torch.bfloat16))
+    c = dequantize_fp8(w.flip(0), s.flip(0), torch.float32, scratch=True)
+    assert torch.equal(a, want) and torch.equal(c, want.flip(0))  # a's storage is its own
+    with torch.inference_mode():  # buffers grown inside inference mode (a decode) serve outside it too
+        big = torch.cat([w, w], 1)
+        assert torch.equal(dequantize_fp8(big, torch.cat([s, s], 1), torch.float32, scratch=True), torch.cat([want, want], 1))
+    assert torch.equal(dequantize_fp8(w, s, torch.float32, scratch=True), want)
+    from pdflash.offload.qwen3_moe import _SCRATCH
+
+    assert _SCRATCH.h.numel() == _SCRATCH.q.numel() == 96 * 128  # one weight's size, however many go through
 
 
 def test_fp8_to_float32_is_torchs_conversion_for_every_code():
@@ -234,3 +247,17 @@ def test_bench_priority_runs_on_a_qwen3_pair(run, tmp_path):
     res = json.loads(stdout)
     assert {s["arm"] for s in res["samples"]} == {"banded", "flat", "on-demand", "oracle", "resident"}
     assert res["decision"]["verdict"] in ("ship", "no-ship", "inconclusive", "unmeasurable")
+
+
+def test_the_fp8_cpu_benchmark_compares_its_arms(load_script, tmp_path, capsys):
+    """benchmarks/bench_fp8_cpu.py on a small expert: every arm timed for each token count, the FP8
+    arms' outputs bit for bit the same (exit 0), its JSON written; bad sizes refused (exit 2)."""
+    bench = load_script("benchmarks/bench_fp8_cpu.py")
+    out = tmp_path / "fp8.json"
+    assert bench.main(["--hidden", "256", "--inter", "128", "--experts", "2", "--repeats", "1", "--tokens", "1,3",
+                       "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["tokens"] for r in res["results"]] == [1, 3]
+    for r in res["results"]:
+        assert r["fp8_arms_identical"] and all(r[f"{a}_ms"] > 0 for a in ("bf16", "fp8", "fp8_fresh", "fp8_torch"))
+    assert bench.main(["--hidden", "100"]) == 2 and "multiples of --block" in capsys.readouterr().err

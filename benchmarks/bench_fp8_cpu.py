@@ -1,0 +1,104 @@
+"""A Qwen3-MoE FP8 expert on the CPU through PyTorch: the family's dequantization against
+PyTorch's own float8 conversion, in one run.
+
+    python benchmarks/bench_fp8_cpu.py                       # Qwen3-30B-A3B's expert: H 2048, I 768
+    python benchmarks/bench_fp8_cpu.py --hidden 4096 --inter 1536 --tokens 1,4 --json out.json
+
+Arms, each over ``--experts`` distinct experts (more than the caches hold), for each token count:
+``bf16`` (the same expert stored in bf16: no dequantization), ``fp8`` (``dequantize_fp8`` as
+the family's expert kernel runs it on a CPU tensor: with this thread's scratch buffers),
+``fp8_fresh`` (the same with fresh buffers each call) and ``fp8_torch`` (the same arithmetic with
+PyTorch's ``w.to(torch.float32)`` and an out-of-place scale, what that function did before).
+One expert = gate_up [2I, H] and down [H, I] dequantized to bf16, then
+``(silu(x W1g^T) * x W1u^T) W2^T``. Reported: milliseconds an expert (best of ``--repeats``
+passes) and the arms' outputs compared (the FP8 arms must agree bit for bit; exit 1 if not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _checkout import import_pdflash  # noqa: E402
+
+import_pdflash()
+
+from pdflash.offload.qwen3_moe import dequantize_fp8  # noqa: E402
+
+
+def torch_dequantize(w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, block: int) -> torch.Tensor:
+    R, C = w.shape
+    q = w.to(torch.float32).reshape(R // block, block, C // block, block)
+    return (q * s.to(torch.float32).reshape(R // block, 1, C // block, 1)).to(dtype).reshape(R, C)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=24)
+    ap.add_argument("--tokens", default="1,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    H, I, b = a.hidden, a.inter, a.block
+    if H % b or I % b or min(H, I, a.experts, a.repeats) < 1:
+        print("bench_fp8_cpu: --hidden and --inter must be positive multiples of --block; --experts and "
+              "--repeats at least 1", file=sys.stderr)
+        return 2
+    tokens = [int(t) for t in a.tokens.split(",")]
+    g = torch.Generator().manual_seed(0)
+    fp8 = [((torch.randn(2 * I, H, generator=g) * 16).to(torch.float8_e4m3fn),
+            torch.rand(2 * I // b, H // b, generator=g) / 64,
+            (torch.randn(H, I, generator=g) * 16).to(torch.float8_e4m3fn),
+            torch.rand(H // b, I // b, generator=g) / 64) for _ in range(a.experts)]
+    bf16 = [(torch.randn(2 * I, H, generator=g, dtype=torch.bfloat16) / 32,
+             torch.randn(H, I, generator=g, dtype=torch.bfloat16) / 32) for _ in range(a.experts)]
+
+    def expert(w1, w2, x):
+        gate, up = (x @ w1.t()).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w2.t()
+
+    arms = {
+        "bf16": lambda e, x: expert(*bf16[e], x),
+        "fp8": lambda e, x: expert(dequantize_fp8(fp8[e][0], fp8[e][1], torch.bfloat16, scratch=True),
+                                   dequantize_fp8(fp8[e][2], fp8[e][3], torch.bfloat16, scratch=True), x),
+        "fp8_fresh": lambda e, x: expert(dequantize_fp8(fp8[e][0], fp8[e][1], torch.bfloat16),
+                                         dequantize_fp8(fp8[e][2], fp8[e][3], torch.bfloat16), x),
+        "fp8_torch": lambda e, x: expert(torch_dequantize(fp8[e][0], fp8[e][1], torch.bfloat16, b),
+                                         torch_dequantize(fp8[e][2], fp8[e][3], torch.bfloat16, b), x),
+    }
+    out = {"hidden": H, "inter": I, "block": b, "experts": a.experts, "threads": torch.get_num_threads(),
+           "fp8_bytes_per_expert": 3 * H * I, "results": []}
+    for T in tokens:
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        want = arms["fp8_torch"](0, x)
+        same = torch.equal(arms["fp8"](0, x), want) and torch.equal(arms["fp8_fresh"](0, x), want)
+        row = {"tokens": T, "fp8_arms_identical": same}
+        for name, fn in arms.items():
+            best = float("inf")
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
+                for e in range(a.experts):
+                    fn(e, x)
+                best = min(best, (time.perf_counter() - t0) / a.experts)
+            row[f"{name}_ms"] = best * 1e3
+        row["fp8_speedup"] = row["fp8_torch_ms"] / row["fp8_ms"]
+        out["results"].append(row)
+        print(f"T={T}: bf16 {row['bf16_ms']:.3f} ms, fp8 {row['fp8_ms']:.3f} ms (fresh buffers {row['fp8_fresh_ms']:.3f}), "
+              f"fp8 through torch's conversion "
+              f"{row['fp8_torch_ms']:.3f} ms ({row['fp8_speedup']:.2f}x), FP8 arms identical: {same}")
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if all(r["fp8_arms_identical"] for r in out["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
