@@ -1,5 +1,7 @@
-"""The native CPU expert kernel (``pf_cpu.c``): gpt-oss experts computed on the CPU straight
-from their stored weights (MXFP4 blocks + E8M0 scales, or bf16 / float32 dense weights).
+"""The native CPU expert kernel (``pf_cpu.c``): MoE experts computed on the CPU straight from
+their stored weights: gpt-oss (MXFP4 blocks + E8M0 scales, or bf16 / float32 dense weights) and
+Qwen3-MoE (:meth:`ExpertWeights.rows`: output-major bf16 / float32 rows, or FP8 rows with block
+scales; SiLU-gated).
 
     from pdflash.native.cpu_experts import CpuExperts, ExpertWeights
     with CpuExperts(threads=8) as k:
@@ -73,6 +75,7 @@ def default_threads() -> int:
 
 _FORMAT = {torch.float32: 0, torch.bfloat16: 1}
 _MXFP4 = 2
+_ROWS = {torch.float32: 3, torch.bfloat16: 4, torch.float8_e4m3fn: 5}  # Qwen3-MoE's row formats
 
 
 def _check_tensor(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtypes) -> None:
@@ -107,6 +110,8 @@ class ExpertWeights:
     alpha: float = 1.702
     limit: float = 7.0
     round_bf16: bool = False
+    block: int = 0  # FP8 rows: the scales' tile edge
+    scale_format: int = 0  # FP8 rows: float32 (0) or bfloat16 (1) scales
     _struct: object = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -151,6 +156,41 @@ class ExpertWeights:
         w._check_bias()
         return w
 
+    @classmethod
+    def rows(cls, gate_up, down, gate_up_scales=None, down_scales=None, round_bf16: bool = False) -> "ExpertWeights":
+        """Qwen3-MoE's expert as stored: gate_up [2I, H] (gate rows, then up rows) and down [H, I],
+        float32, bfloat16 or float8_e4m3fn; FP8 with scales [2I/b, H/b] and [H/b, I/b] (float32 or
+        bfloat16, one per b x b tile). h = silu(gate) * up; no biases."""
+        if gate_up.dim() != 2 or down.dim() != 2:
+            raise CpuExpertError("row weights must be gate_up [2I, H] and down [H, I]")
+        two_i, hidden = gate_up.shape
+        inter = two_i // 2
+        if two_i % 2 or tuple(down.shape) != (hidden, inter):
+            raise CpuExpertError(f"row shapes do not fit one Qwen3-MoE expert: gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
+        if gate_up.dtype not in _ROWS or down.dtype != gate_up.dtype:
+            raise CpuExpertError(f"row weights must both be float32, bfloat16 or float8_e4m3fn, got {gate_up.dtype} and {down.dtype}")
+        _check_tensor(gate_up, "gate_up", (2 * inter, hidden), (gate_up.dtype,))
+        _check_tensor(down, "down", (hidden, inter), (gate_up.dtype,))
+        fp8 = gate_up.dtype == torch.float8_e4m3fn
+        block, scale_format = 0, 0
+        if fp8:
+            if gate_up_scales is None or down_scales is None or gate_up_scales.dim() != 2:
+                raise CpuExpertError("FP8 row weights need their block scales")
+            block = two_i // gate_up_scales.shape[0] if gate_up_scales.shape[0] else 0
+            if block < 1 or hidden % block or inter % block:
+                raise CpuExpertError(f"FP8 scales {tuple(gate_up_scales.shape)} do not tile gate_up {tuple(gate_up.shape)} in square blocks dividing H and I")
+            if gate_up_scales.dtype not in _FORMAT or down_scales.dtype != gate_up_scales.dtype:
+                raise CpuExpertError(f"FP8 scales must both be float32 or bfloat16, got {gate_up_scales.dtype} and {down_scales.dtype}")
+            _check_tensor(gate_up_scales, "gate_up_scales", (two_i // block, hidden // block), (gate_up_scales.dtype,))
+            _check_tensor(down_scales, "down_scales", (hidden // block, inter // block), (gate_up_scales.dtype,))
+            scale_format = _FORMAT[gate_up_scales.dtype]
+        elif gate_up_scales is not None or down_scales is not None:
+            raise CpuExpertError("only FP8 row weights take scales")
+        t = dict(gate_up=gate_up, gate_up_scales=gate_up_scales, gate_up_bias=None, down=down, down_scales=down_scales,
+                 down_bias=None)
+        return cls(_ROWS[gate_up.dtype], int(hidden), int(inter), t, round_bf16=bool(round_bf16), block=block,
+                   scale_format=scale_format)
+
     def _check_bias(self) -> None:
         b1, b2 = self.tensors["gate_up_bias"], self.tensors["down_bias"]
         dts = {b.dtype for b in (b1, b2) if b is not None}
@@ -191,6 +231,8 @@ class ExpertWeights:
             s.alpha = self.alpha
             s.limit = self.limit
             s.round_bf16 = int(self.round_bf16)
+            s.block = self.block
+            s.scale_format = self.scale_format
             self._struct = s
         return self._struct
 

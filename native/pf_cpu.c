@@ -8,10 +8,12 @@
  *             shuffle is needed per group) or bf16 (the bf16 kernel, mx_pos_bf16).
  *   phase 1   (all threads) the threads claim grabs of gate_up outputs, compute them for all
  *             tokens into gu, add the bias and apply the clamped SwiGLU to their pairs,
- *             writing h (in the kernel order of the down weights).
+ *             writing h (in the kernel order of the down weights). Row formats (Qwen3-MoE):
+ *             a grab of outputs [lo, hi) of 2I is the pairs [lo/2, hi/2): gate rows and the up
+ *             rows I further on, then SiLU(gate) * up.
  *   phase 2   (all threads) the same over out's features.
- * Grabs are whole "units" (4 rows for MXFP4, 32 columns for dense weights), so gate /
- * up pairs never straddle two threads.
+ * Grabs are whole "units" (4 rows for MXFP4 and row formats, 32 columns for dense weights), so
+ * gate / up pairs never straddle two threads.
  *
  * Kernels per level are selected once at create time through function pointers; the
  * vector variants are compiled with per-function target attributes, so one build runs on
@@ -29,8 +31,10 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <time.h>
-#if PF_X86 && !defined(PF_AMX_EMULATE)
+#if PF_X86
 #include <cpuid.h>
+#endif
+#if PF_X86 && !defined(PF_AMX_EMULATE)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -86,9 +90,54 @@ static const uint16_t FP4_BF16[32] = {
 /* E8M0 scale s -> 2^(s-127). 2^128 (s = 255) is not a float: its table entry is 2^127 and
  * the kernels multiply by 2 once more, so w = value * 2^128 as the reference computes it. */
 static float SCALE[256];
+static float FP8_E4M3[256]; /* float8_e4m3fn code -> its value (the two NaN codes: NaN) */
 static pthread_once_t scale_once = PTHREAD_ONCE_INIT;
 static void init_scale(void) {
     for (int s = 0; s < 256; s++) SCALE[s] = ldexpf(1.0f, (s == 255 ? 254 : s) - 127);
+    for (int q = 0; q < 256; q++) {
+        const int e = (q >> 3) & 15, m = q & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        if (e == 15 && m == 7) v = NAN;
+        FP8_E4M3[q] = q & 0x80 ? -v : v;
+    }
+}
+
+/* float32 -> the nearest bfloat16 (ties to even), returned as float32; NaN stays NaN */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline int is_rows(int fmt) { return fmt >= PF_CPU_F32_ROWS && fmt <= PF_CPU_FP8_ROWS; }
+
+/* One matrix of a row format (pf_cpu_weights' gate_up or down, with its scales): nrows rows of
+ * `in` elements, output-major. */
+typedef struct rows_w {
+    const void *w;
+    const uint8_t *scales; /* FP8: [nrows / block][in / block] of sfmt */
+    int fmt, sfmt, block, in, round; /* round: round each weight to bf16 (a bf16 model's weights) */
+} rows_w;
+
+/* scale j of the scale row serving weight row r (FP8) */
+static inline float rows_scale_at(const rows_w *m, int r, int j) {
+    const size_t i = (size_t)(r / m->block) * (size_t)(m->in / m->block) + (size_t)j;
+    return m->sfmt == PF_CPU_BF16 ? pf_bf16_to_f32(((const uint16_t *)m->scales)[i]) : ((const float *)m->scales)[i];
+}
+
+static inline float rows_scale(const rows_w *m, int r, int k) { return rows_scale_at(m, r, k / m->block); }
+
+/* weight (r, k) as the model computes with it */
+static inline float rows_weight(const rows_w *m, int r, int k) {
+    const size_t i = (size_t)r * (size_t)m->in + (size_t)k;
+    float v;
+    if (m->fmt == PF_CPU_BF16_ROWS) return pf_bf16_to_f32(((const uint16_t *)m->w)[i]);
+    if (m->fmt == PF_CPU_FP8_ROWS) v = FP8_E4M3[((const uint8_t *)m->w)[i]] * rows_scale(m, r, k);
+    else v = ((const float *)m->w)[i];
+    return m->round ? round_bf16(v) : v;
 }
 
 static inline float load_elem(const void *p, int fmt, size_t i) {
@@ -130,6 +179,9 @@ typedef void (*mx_rows_bf16_fn)(const uint8_t *blocks, const uint8_t *scales, in
                                 const uint16_t *xp, int T, float *y, int ys);
 typedef void (*dense_cols_fn)(const void *w, int fmt, int in, int ncols, int c0, int c1, const float *x, int T,
                               float *y, int ys);
+/* dense_rows: y[t*ys + r] = sum_k W[r][k] x[t][k] for rows r in [r0, r1) of a row-format matrix
+ *   (rows_w); x: T rows of m->in floats. */
+typedef void (*dense_rows_fn)(const rows_w *m, int r0, int r1, const float *x, int T, float *y, int ys);
 
 /* ---- portable kernels ---------------------------------------------------------------- */
 static void mx_rows_scalar(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
@@ -176,6 +228,25 @@ static void dense_cols_scalar(const void *w, int fmt, int in, int ncols, int c0,
                 for (int c = c0; c < c1; c++) yt[c] += xk * wr[c];
             }
         }
+    }
+}
+
+static void dense_rows_scalar(const rows_w *m, int r0, int r1, const float *x, int T, float *y, int ys) {
+    const int in = m->in;
+    float wb[64];
+    for (int r = r0; r < r1; r++) {
+        float acc[PF_CPU_MAX_TOKENS] = {0};
+        for (int k0 = 0; k0 < in; k0 += 64) {
+            const int n = in - k0 < 64 ? in - k0 : 64;
+            for (int j = 0; j < n; j++) wb[j] = rows_weight(m, r, k0 + j);
+            for (int t = 0; t < T; t++) {
+                const float *xt = x + (size_t)t * in + k0;
+                float a = 0.0f;
+                for (int j = 0; j < n; j++) a += wb[j] * xt[j];
+                acc[t] += a;
+            }
+        }
+        for (int t = 0; t < T; t++) y[(size_t)t * ys + r] = acc[t];
     }
 }
 
@@ -342,6 +413,97 @@ T_AVX2 static uint64_t read_avx2(const uint8_t *p, size_t n) {
     uint64_t lanes[4];
     _mm256_storeu_si256((__m256i *)lanes, a);
     return lanes[0] + lanes[1] + lanes[2] + lanes[3] + read_scalar(p + i, n - i);
+}
+
+/* Row formats (see rows_load512): 8 weights of one row, columns [k, k + 8), all present */
+#define T_AVX2H __attribute__((target("avx2,fma,f16c")))
+T_AVX2H INL __m256 rows_load_avx2(const rows_w *m, const uint8_t *row, int k, float sc) {
+    __m256 v;
+    if (m->fmt == PF_CPU_BF16_ROWS) {
+        __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + k)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    } else if (m->fmt == PF_CPU_FP8_ROWS) {
+        __m128i b = _mm_loadl_epi64((const __m128i *)(row + k));
+        __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16((short)0xbfff));
+        v = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(sc));
+        __m128i nan8 = _mm_cmpeq_epi8(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+        __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nan8));
+        v = _mm256_blendv_ps(v, _mm256_set1_ps(NAN), nan);
+    } else {
+        v = _mm256_loadu_ps((const float *)row + k);
+    }
+    if (m->round) {
+        __m256i u = _mm256_castps_si256(v);
+        __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+        r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+        v = _mm256_blendv_ps(_mm256_castsi256_ps(r), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    return v;
+}
+
+/* 2 rows (the second clamped to r_end - 1) x TG tokens, over whole 8-weight chunks; `in` % 8 == 0 */
+T_AVX2H INL void rows_block_avx2(const rows_w *m, int r, int r_end, const float *x, int t0, const int TG, float *y,
+                                 int ys) {
+    const int in = m->in, fp8 = m->fmt == PF_CPU_FP8_ROWS;
+    const size_t esize = m->fmt == PF_CPU_F32_ROWS ? 4 : m->fmt == PF_CPU_BF16_ROWS ? 2 : 1;
+    const uint8_t *rp[2];
+    int rr[2];
+    for (int k = 0; k < 2; k++) {
+        rr[k] = r + k < r_end ? r + k : r_end - 1;
+        rp[k] = (const uint8_t *)m->w + (size_t)rr[k] * in * esize;
+    }
+    __m256 acc[2][4];
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TG; t++) acc[k][t] = _mm256_setzero_ps();
+    const int span = fp8 ? m->block : in; /* FP8: one scale a span */
+    for (int c0 = 0, j = 0; c0 < in; c0 += span, j++) {
+        float sc[2] = {0};
+        if (fp8)
+            for (int k = 0; k < 2; k++) sc[k] = rows_scale_at(m, rr[k], j) * 256.0f;
+        for (int c = c0; c < c0 + span; c += 8) {
+            __m256 wv[2];
+#pragma GCC unroll 2
+            for (int k = 0; k < 2; k++) wv[k] = rows_load_avx2(m, rp[k], c, sc[k]);
+#pragma GCC unroll 4
+            for (int t = 0; t < TG; t++) {
+                const __m256 xv = _mm256_loadu_ps(x + (size_t)(t0 + t) * in + c);
+#pragma GCC unroll 2
+                for (int k = 0; k < 2; k++) acc[k][t] = _mm256_fmadd_ps(wv[k], xv, acc[k][t]);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++) {
+        if (r + k >= r_end) break;
+#pragma GCC unroll 4
+        for (int t = 0; t < TG; t++) {
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[k][t]), _mm256_extractf128_ps(acc[k][t], 1));
+            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+            y[(size_t)(t0 + t) * ys + r + k] = _mm_cvtss_f32(v);
+        }
+    }
+}
+
+/* rows of a length that is not whole 8-weight chunks, and FP8 blocks that are not, take the portable kernel */
+T_AVX2H static void dense_rows_avx2(const rows_w *m, int r0, int r1, const float *x, int T, float *y, int ys) {
+    if (m->in % 8 || (m->fmt == PF_CPU_FP8_ROWS && m->block % 8)) {
+        dense_rows_scalar(m, r0, r1, x, T, y, ys);
+        return;
+    }
+    for (int r = r0; r < r1; r += 2) {
+        for (int t0 = 0; t0 < T; t0 += 4) {
+            switch (T - t0 >= 4 ? 4 : T - t0) {
+            case 4: rows_block_avx2(m, r, r1, x, t0, 4, y, ys); break;
+            case 3: rows_block_avx2(m, r, r1, x, t0, 3, y, ys); break;
+            case 2: rows_block_avx2(m, r, r1, x, t0, 2, y, ys); break;
+            default: rows_block_avx2(m, r, r1, x, t0, 1, y, ys); break;
+            }
+        }
+    }
 }
 
 /* A kernel reads R rows side by side, each a short stream (1440 bytes for gpt-oss) that
@@ -844,6 +1006,99 @@ T_512 static void dense_cols_512(const void *w, int fmt, int in, int ncols, int 
         }
     }
 }
+/* Row formats: 16 weights of one row, columns [k, k + 16) (`lanes` of them; the others zero), as
+ * the model computes with them. FP8 through float16: the sign-extended code shifted left by 7 with
+ * bit 14 cleared is a float16 worth 2^-8 of the code's value (subnormals included), so `sc` is the
+ * block's scale times 2^8; the NaN codes (0x7F, 0xFF) are put back as NaN. */
+/* float32 -> nearest bfloat16 (ties to even); a quiet NaN stays NaN, a signalling one (only ever
+ * read from memory, never computed) would not: `unord` keeps NaNs as they are */
+T_512 INL __m512 round512(__m512 v, int unord) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                    _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    return unord ? _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v)
+                 : _mm512_castsi512_ps(r);
+}
+
+T_512 INL __m512 rows_load512(const rows_w *m, const uint8_t *row, int k, __mmask16 lanes, float sc) {
+    if (m->fmt == PF_CPU_BF16_ROWS) {
+        __m256i h = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)row + k);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (m->fmt == PF_CPU_FP8_ROWS) {
+        __m128i b = _mm_maskz_loadu_epi8(lanes, row + k);
+        __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xbfff));
+        __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(sc));
+        if (m->round) v = round512(v, 0);
+        __mmask16 nan = _mm_mask_cmpeq_epi8_mask(lanes, _mm_or_si128(b, _mm_set1_epi8((char)0x80)), _mm_set1_epi8((char)0xff));
+        return nan ? _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(NAN)) : v;
+    }
+    __m512 v = _mm512_maskz_loadu_ps(lanes, (const float *)row + k);
+    return m->round ? round512(v, 1) : v;
+}
+
+/* 4 rows (the last ones clamped to r_end - 1) x TG tokens */
+T_512 INL void rows_block512(const rows_w *m, int r, int r_end, const float *x, int t0, const int TG, float *y,
+                             int ys) {
+    const int in = m->in;
+    const size_t esize = m->fmt == PF_CPU_F32_ROWS ? 4 : m->fmt == PF_CPU_BF16_ROWS ? 2 : 1;
+    const uint8_t *rp[4];
+    int rr[4];
+    for (int k = 0; k < 4; k++) {
+        rr[k] = r + k < r_end ? r + k : r_end - 1;
+        rp[k] = (const uint8_t *)m->w + (size_t)rr[k] * in * esize;
+    }
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TG; t++) acc[k][t] = _mm512_setzero_ps();
+    const int fp8 = m->fmt == PF_CPU_FP8_ROWS, span = fp8 ? m->block : in; /* FP8: one scale a span */
+    for (int c0 = 0, j = 0; c0 < in; c0 += span, j++) {
+        float sc[4] = {0};
+        if (fp8)
+            for (int k = 0; k < 4; k++) sc[k] = rows_scale_at(m, rr[k], j) * 256.0f;
+        const int c1 = c0 + span < in ? c0 + span : in;
+        for (int c = c0; c < c1; c += 16) {
+            const __mmask16 lanes = c1 - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - c)) - 1);
+            __m512 wv[4];
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) wv[k] = rows_load512(m, rp[k], c, lanes, sc[k]);
+#pragma GCC unroll 4
+            for (int t = 0; t < TG; t++) {
+                const __m512 xv = _mm512_maskz_loadu_ps(lanes, x + (size_t)(t0 + t) * in + c);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) acc[k][t] = _mm512_fmadd_ps(wv[k], xv, acc[k][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        if (r + k >= r_end) break;
+#pragma GCC unroll 4
+        for (int t = 0; t < TG; t++) y[(size_t)(t0 + t) * ys + r + k] = _mm512_reduce_add_ps(acc[k][t]);
+    }
+}
+
+/* FP8 blocks that are not whole 16-weight chunks take the portable kernel (one scale a chunk here) */
+T_512 static void dense_rows_512(const rows_w *m, int r0, int r1, const float *x, int T, float *y, int ys) {
+    if (m->fmt == PF_CPU_FP8_ROWS && m->block % 16) {
+        dense_rows_scalar(m, r0, r1, x, T, y, ys);
+        return;
+    }
+    for (int r = r0; r < r1; r += 4) {
+        for (int t0 = 0; t0 < T; t0 += 4) {
+            switch (T - t0 >= 4 ? 4 : T - t0) {
+            case 4: rows_block512(m, r, r1, x, t0, 4, y, ys); break;
+            case 3: rows_block512(m, r, r1, x, t0, 3, y, ys); break;
+            case 2: rows_block512(m, r, r1, x, t0, 2, y, ys); break;
+            default: rows_block512(m, r, r1, x, t0, 1, y, ys); break;
+            }
+        }
+    }
+}
+
 T_512 static uint64_t read_512(const uint8_t *p, size_t n) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     size_t i = 0;
@@ -884,7 +1139,9 @@ static int amx_usable(void) {
 int pf_cpu_detect(void) {
 #if PF_X86
     __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    unsigned a, b, c, d; /* F16C (CPUID.1:ECX bit 29): every AVX2 CPU has it; the row formats' FP8 path uses it */
+    int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     int a512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl");
     if (a512 && __builtin_cpu_supports("avx512bf16")) return amx_usable() ? PF_CPU_LEVEL_AMX_BF16 : PF_CPU_LEVEL_AVX512_BF16;
@@ -953,6 +1210,7 @@ struct pf_cpu {
     mx_rows_bf16_fn mx_rows_bf16; /* NULL below PF_CPU_LEVEL_AVX512_BF16 */
     mx_rows_bf16_fn mx_rows_amx;  /* NULL below PF_CPU_LEVEL_AMX_BF16; x in B tiles (amx_pos) */
     dense_cols_fn dense_cols;
+    dense_rows_fn dense_rows;
     read_fn read;
     int chunked;                  /* mx_rows reads rows in the chunked order (mx_pos_chunked) */
 
@@ -1008,16 +1266,6 @@ struct worker_arg {
     int idx;
 };
 
-/* float32 -> the nearest bfloat16 (ties to even), returned as float32; NaN stays NaN */
-static inline float round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* the SwiGLU of a bfloat16 model: every operation's result rounded to bfloat16 */
 static inline float swiglu_bf16(float gate, float up, float alpha, float limit) {
     gate = gate > limit ? limit : gate;
@@ -1035,7 +1283,22 @@ static inline float swiglu(float gate, float up, float alpha, float limit) {
     return (up + 1.0f) * glu;
 }
 
-static inline int unit_of(const pf_cpu_weights *w) { return w->format == PF_CPU_MXFP4 ? MX_UNIT : DN_UNIT; }
+static inline int unit_of(const pf_cpu_weights *w) {
+    return w->format == PF_CPU_MXFP4 || is_rows(w->format) ? MX_UNIT : DN_UNIT;
+}
+
+static inline rows_w rows_of(const pf_cpu_weights *w, int gate_up) {
+    return (rows_w){.w = gate_up ? w->gate_up : w->down, .scales = gate_up ? w->gate_up_scales : w->down_scales,
+                    .fmt = w->format, .sfmt = w->scale_format, .block = w->block,
+                    .in = gate_up ? w->hidden : w->inter, .round = w->round_bf16};
+}
+
+/* Qwen3-MoE's SiLU-gated h (rows formats); a bf16 model rounds the SiLU and the product */
+static inline float silu_h(float gate, float up, int round) {
+    if (!round) return gate / (1.0f + expf(-gate)) * up;
+    gate = round_bf16(gate);
+    return round_bf16(round_bf16(gate / (1.0f + expf(-gate))) * round_bf16(up));
+}
 
 /* phase 0: token rows rows[r0 .. r1) of the call (over all tasks, in task order) -> kernel order */
 static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
@@ -1083,9 +1346,28 @@ static void prefetch_grab(const void *blocks, int in, int lo, int hi) {
     for (size_t o = 0; o < end; o += 64) prefetch_ahead(p, o);
 }
 
+/* phase 1 for a task of a row format: units [lo, hi) of 2I (lo, hi even) are the pairs k in
+ * [lo/2, hi/2): gate row k and up row I + k -> h[t][k] (natural order) */
+static void gate_up_rows(pf_cpu *c, const task *tk, int lo, int hi) {
+    const pf_cpu_weights *w = tk->w;
+    const int I = w->inter, T = tk->T, k0 = lo / 2, k1 = hi / 2;
+    const rows_w m = rows_of(w, 1);
+    float *gu = c->gu + tk->guo, *h = c->h + tk->ho;
+    c->dense_rows(&m, k0, k1, c->xp + tk->xo, T, gu, 2 * I);
+    c->dense_rows(&m, I + k0, I + k1, c->xp + tk->xo, T, gu, 2 * I);
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * I;
+        for (int k = k0; k < k1; k++) h[(size_t)t * I + k] = silu_h(g[k], g[I + k], w->round_bf16);
+    }
+}
+
 /* phase 1 for one task: gate_up rows [lo, hi), bias, SwiGLU -> h */
 static void gate_up_part(pf_cpu *c, const task *tk, int lo, int hi) {
     const pf_cpu_weights *w = tk->w;
+    if (is_rows(w->format)) {
+        gate_up_rows(c, tk, lo, hi);
+        return;
+    }
     const int H = w->hidden, I = w->inter, T = tk->T, mx = w->format == PF_CPU_MXFP4;
     float *gu = c->gu + tk->guo, *h = tk->bf16_h ? NULL : c->h + tk->ho;
     uint16_t *hb = tk->bf16_h ? c->hb + tk->ho : NULL;
@@ -1142,7 +1424,10 @@ static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
         c->mx_rows_bf16((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->hb + tk->ho, T, y, H);
     else if (w->format == PF_CPU_MXFP4)
         c->mx_rows((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->h + tk->ho, T, y, H);
-    else
+    else if (is_rows(w->format)) {
+        const rows_w m = rows_of(w, 0);
+        c->dense_rows(&m, lo, hi, c->h + tk->ho, T, y, H);
+    } else
         c->dense_cols(w->down, w->format, I, H, lo, hi, c->h + tk->ho, T, y, H);
     for (int t = 0; t < T; t++) {
         const float *yt = y + (size_t)t * H;
@@ -1426,16 +1711,19 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     atomic_init(&c->invariant, 0);
     c->mx_rows = mx_rows_scalar;
     c->dense_cols = dense_cols_scalar;
+    c->dense_rows = dense_rows_scalar;
     c->read = read_scalar;
 #if PF_X86
     if (level >= PF_CPU_LEVEL_AVX2) {
         c->mx_rows = mx_rows_avx2;
         c->dense_cols = dense_cols_avx2;
+        c->dense_rows = dense_rows_avx2;
         c->read = read_avx2;
     }
     if (level >= PF_CPU_LEVEL_AVX512) {
         c->mx_rows = mx_rows_512;
         c->dense_cols = dense_cols_512;
+        c->dense_rows = dense_rows_512;
         c->read = read_512;
         c->chunked = 1;
     }
@@ -1581,6 +1869,12 @@ static int check_weights(const pf_cpu_weights *w) {
     if (w->round_bf16 != 0 && w->round_bf16 != 1) return 0;
     if (w->format == PF_CPU_MXFP4)
         return w->hidden % 32 == 0 && w->inter % 32 == 0 && w->gate_up_scales && w->down_scales;
+    if (is_rows(w->format)) {
+        if (w->gate_up_bias || w->down_bias) return 0;
+        if (w->format != PF_CPU_FP8_ROWS) return 1;
+        return w->block >= 1 && w->hidden % w->block == 0 && w->inter % w->block == 0 && w->gate_up_scales &&
+               w->down_scales && (w->scale_format == PF_CPU_F32 || w->scale_format == PF_CPU_BF16);
+    }
     return w->format == PF_CPU_F32 || w->format == PF_CPU_BF16;
 }
 

@@ -1,21 +1,27 @@
 /*
- * pf_cpu: gpt-oss expert maths on the CPU, straight from the stored weights.
+ * pf_cpu: MoE expert maths on the CPU, straight from the stored weights.
  *
- * For one expert and 1..PF_CPU_MAX_TOKENS tokens routed to it:
+ * For one expert and 1..PF_CPU_MAX_TOKENS tokens routed to it, gpt-oss (formats F32, BF16, MXFP4):
  *   gate_up = x @ W1 + b1            W1: 2I outputs; gate = even outputs, up = odd ones
  *   gate = min(gate, limit); up = clamp(up, -limit, limit)
  *   h = (up + 1) * gate * sigmoid(alpha * gate)       [T, I]
  *   out = h @ W2 + b2                 W2: H outputs        [T, H]
+ * Qwen3-MoE (the row formats F32_ROWS, BF16_ROWS, FP8_ROWS; no biases):
+ *   gate_up = x @ W1^T                W1 [2I][H]: gate = outputs 0..I-1, up = outputs I..2I-1
+ *   h = silu(gate) * up;  out = h @ W2^T    W2 [H][I]
+ * An FP8 weight is the float8_e4m3fn code times its block's scale (scale_inv, one per block x
+ * block tile), as transformers dequantizes it; a bfloat16 model rounds that product to bf16.
  * The weights are read where they are stored (the packed host store rows): MXFP4 blocks
  * and E8M0 scales are decoded in registers, never into a dequantized copy; bf16 and
  * float32 dense weights are widened in registers. Everything accumulates in float32.
  * The routing weight of each token is not applied here (the caller scales the rows).
  * With round_bf16 the intermediate results are rounded to bfloat16 where a bfloat16 model
- * (transformers' GptOssExperts in bf16) rounds them: each projection's float32 sum, the bias
- * additions and every SwiGLU step; the output rows are then bf16 values held in float32.
+ * (transformers' GptOssExperts / Qwen3MoeExperts in bf16) rounds them: each projection's float32
+ * sum, the bias additions, every SwiGLU step (SiLU and its product with up), and an FP8 or float32
+ * row weight; the output rows are then bf16 values held in float32.
  *
  * Work split: the output features of gate_up, then those of down, are divided into
- * units (4 rows of MXFP4 weights, 32 columns of dense ones) that the threads claim in
+ * units (4 rows of MXFP4 or row weights, 32 columns of dense ones) that the threads claim in
  * grabs from one atomic counter; each grab is computed for all tokens at once, so a call
  * reads each weight byte once whatever the token count, and a thread that starts late
  * takes fewer grabs instead of holding the others up. The two phases are separated by
@@ -39,12 +45,14 @@
  *
  * CPU dispatch: the kernels of every level are compiled into the one library; the level
  * is chosen at pf_cpu_create (PF_CPU_LEVEL_AUTO: the best this CPU runs) and may be
- * forced lower for testing. Levels: portable C; AVX2 + FMA; AVX-512 (F, BW, VL); AVX512_BF16
+ * forced lower for testing. Levels: portable C; AVX2 + FMA + F16C; AVX-512 (F, BW, VL); AVX512_BF16
  * (the AVX-512 kernels, plus bf16 dot products for MXFP4 weights whenever both factors are
  * bf16 values: x given in bf16, and h of a round_bf16 expert; the products are exact);
  * AMX_BF16 (those, plus AMX tiles for the same bf16 products where an expert has at least 2
  * tokens: 16 weight rows x 16 tokens per tile multiply, each group's scale folded into its
- * weights' exponents).
+ * weights' exponents). The row formats run on the AVX2 and AVX-512 kernels at every level above
+ * the portable one (FP8 through float16: F16C / AVX-512's conversion), the portable kernel
+ * where a row or an FP8 block is not whole vector chunks (AVX2: 8 weights; AVX-512 blocks: 16).
  */
 #ifndef PF_CPU_H
 #define PF_CPU_H
@@ -67,6 +75,9 @@
 #define PF_CPU_F32 0
 #define PF_CPU_BF16 1
 #define PF_CPU_MXFP4 2
+#define PF_CPU_F32_ROWS 3  /* Qwen3-MoE: output-major rows, SiLU (below) */
+#define PF_CPU_BF16_ROWS 4
+#define PF_CPU_FP8_ROWS 5
 
 /* error codes (negative) */
 #define PF_CPU_OK 0
@@ -84,7 +95,12 @@ typedef struct pf_cpu pf_cpu;
  *   [H][I/32]. H and I must be multiples of 32.
  * Dense (PF_CPU_BF16 or PF_CPU_F32), input-major as transformers keeps them:
  *   gate_up [H][2I], down [I][H]; the scale pointers are NULL. Any H, I >= 1.
- * Biases: [2I] and [H] in bias_format (PF_CPU_F32 or PF_CPU_BF16), or NULL for none. */
+ * Biases: [2I] and [H] in bias_format (PF_CPU_F32 or PF_CPU_BF16), or NULL for none.
+ * Rows (PF_CPU_F32_ROWS, PF_CPU_BF16_ROWS, PF_CPU_FP8_ROWS: Qwen3-MoE), output-major as stored:
+ *   gate_up [2I][H] (gate rows, then up rows), down [H][I], elements float32, bf16 or
+ *   float8_e4m3fn; no biases (NULL); alpha and limit unused. FP8: gate_up_scales [2I/b][H/b] and
+ *   down_scales [H/b][I/b] hold scale_format values (PF_CPU_F32 or PF_CPU_BF16) of the b x b
+ *   tiles (b = block, >= 1, dividing H and I); the other row formats take NULL scales. */
 typedef struct pf_cpu_weights {
     int format;
     int bias_format;
@@ -99,6 +115,8 @@ typedef struct pf_cpu_weights {
     float alpha;                   /* gpt-oss: 1.702 */
     float limit;                   /* gpt-oss: 7.0 */
     int round_bf16;                /* 1: round like a bfloat16 model (below); 0: float32 throughout */
+    int block;                     /* PF_CPU_FP8_ROWS: the scales' tile edge b; otherwise 0 */
+    int scale_format;              /* PF_CPU_FP8_ROWS: PF_CPU_F32 or PF_CPU_BF16 scales; otherwise 0 */
 } pf_cpu_weights;
 
 /* Best level this CPU (and OS) runs. */

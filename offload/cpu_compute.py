@@ -1,10 +1,12 @@
 """Experts computed on the CPU by the native kernel (native/pf_cpu.c), straight from the host store.
 
-    runner = CpuExpertRunner(host, alpha=1.702, limit=7.0, threads=8)
+    runner = CpuExpertRunner(host, alpha=1.702, limit=7.0, threads=8)   # gpt-oss
+    runner = RowsExpertRunner(host, threads=8)                         # Qwen3-MoE
     y = runner.run(layer, expert, x_rows)   # x_rows [n, H] host float32 / bfloat16 -> [n, H] float32
 
-Each (layer, expert)'s weights are views of its packed host row (MXFP4 blocks + E8M0 scales,
-or bf16 / float32 dense weights): nothing is dequantized or copied. The runner measures every
+Each (layer, expert)'s weights are views of its packed host row (gpt-oss: MXFP4 blocks + E8M0
+scales, or bf16 / float32 dense weights; Qwen3-MoE: bf16 / float32 rows, or FP8 rows and their
+block scales): nothing is dequantized or copied. The runner measures every
 call (bytes of weights read and seconds) and keeps an exponentially weighted rate, the CPU
 side of the placement cost model; ``calibrate()`` measures it once before the first use, and
 with it what a call over 2, 4, 8 and 16 tokens costs relative to one token (the AVX-512 kernel
@@ -52,6 +54,23 @@ def unsupported_reason(layout: ExpertLayout, dtype: torch.dtype) -> str | None:
         return "the dense expert layout is not gpt-oss's"
     if names["gate_up_proj"].dtype not in _DENSE_DTYPES or names["down_proj"].dtype != names["gate_up_proj"].dtype:
         return f"dense experts stored as {names['gate_up_proj'].dtype} are not read by the native CPU kernel (bfloat16 / float32)"
+    return None
+
+
+def rows_unsupported_reason(layout: ExpertLayout, dtype: torch.dtype) -> str | None:
+    """Why the native kernel cannot compute Qwen3-MoE experts of this layout in this compute dtype
+    (None: it can; RowsExpertRunner)."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"the native CPU kernel computes bfloat16 and float32 models, not {str(dtype).replace('torch.', '')}"
+    names = {p.name: p for p in layout.pieces}
+    if "gate_up_proj" not in names or "down_proj" not in names:
+        return "the expert layout is not Qwen3-MoE's"
+    wdt = names["gate_up_proj"].dtype
+    if wdt not in (*_DENSE_DTYPES, torch.float8_e4m3fn) or names["down_proj"].dtype != wdt:
+        return f"experts stored as {wdt} are not read by the native CPU kernel (bfloat16 / float32 / float8_e4m3fn)"
+    scales = [names[n].dtype for n in ("gate_up_proj_scale_inv", "down_proj_scale_inv") if n in names]
+    if (wdt == torch.float8_e4m3fn) != bool(scales) or any(d not in _DENSE_DTYPES for d in scales) or len(set(scales)) > 1:
+        return "the FP8 block scales are stored in a way the native CPU kernel does not read (float32 / bfloat16)"
     return None
 
 
@@ -209,8 +228,10 @@ _WEIGHT_POINTERS = ("gate_up", "gate_up_scales", "gate_up_bias", "down", "down_s
 
 
 class CpuExpertRunner(CpuRunner):
-    """The native CPU kernel bound to one host store. Not thread-safe beyond the kernel's own
-    serialization: one runner per computing thread."""
+    """The native CPU kernel bound to one host store of gpt-oss experts. Not thread-safe beyond the
+    kernel's own serialization: one runner per computing thread."""
+
+    host_steps = True  # its layers can run as host steps (offload/host_graph.py: gpt-oss's fused layer)
 
     tokens_per_read = 16  # the kernel reads the weights once per 16 tokens
     calibration_batch = 4  # a layer's call computes several experts at once (top-k's worth)
@@ -243,8 +264,11 @@ class CpuExpertRunner(CpuRunner):
         self._template: tuple[int, object] | None = None  # (row, struct) the others are shifted from
         self._slot_weights: dict[int, object] = {}
         self._slots_ptr = None
-        self.hidden = (self.layout.piece("down_proj_blocks").shape[0] if self.layout.quantized
-                       else self.layout.piece("down_proj").shape[1])
+        self.hidden = self._hidden()
+
+    def _hidden(self) -> int:
+        lay = self.layout
+        return lay.piece("down_proj_blocks").shape[0] if lay.quantized else lay.piece("down_proj").shape[1]
 
     def set_invariant(self, on: bool) -> None:
         """The kernel's batch invariance (CpuExperts.set_invariant: no AMX tiles for experts of
@@ -382,6 +406,29 @@ class CpuExpertRunner(CpuRunner):
         self._template = None
         self._weights.clear()
         self._slot_weights.clear()
+
+
+class RowsExpertRunner(CpuExpertRunner):
+    """The native CPU kernel bound to one host store of Qwen3-MoE experts (pf_cpu.h's row formats:
+    gate_up [2I, H] and down [H, I] rows in bf16 / float32, or FP8 with block scales; SiLU-gated).
+    Everything but the weights is CpuExpertRunner's; host steps stay gpt-oss's."""
+
+    host_steps = False
+
+    def __init__(self, host: HostStore, threads: int | None = None, level: str | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(host, alpha=0.0, limit=0.0, threads=threads, level=level, dtype=dtype)
+
+    def _hidden(self) -> int:
+        return self.layout.piece("down_proj").shape[0]
+
+    def _row_weights(self, row: torch.Tensor):
+        from pdflash.native.cpu_experts import ExpertWeights
+
+        v = lambda name: self.layout.view(row, name)  # noqa: E731
+        fp8 = self.layout.quantized
+        return ExpertWeights.rows(v("gate_up_proj"), v("down_proj"), v("gate_up_proj_scale_inv") if fp8 else None,
+                                  v("down_proj_scale_inv") if fp8 else None, round_bf16=self.round_bf16)
 
 
 GUARD_ARMS = ("off", "all", "model", "host")  # the default order of a check

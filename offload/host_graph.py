@@ -459,10 +459,8 @@ class HostSteps:
     @classmethod
     def for_runtime(cls, rt) -> "HostSteps | None":
         """The runtime's HostSteps (made on first use), or None where host steps cannot run: no
-        native CPU runner (another family, or ``--cpu-experts off``)."""
-        from pdflash.offload.cpu_compute import CpuExpertRunner
-
-        if not isinstance(getattr(rt, "cpu", None), CpuExpertRunner):
+        native CPU runner whose layers run as host steps (another family, or ``--cpu-experts off``)."""
+        if not getattr(getattr(rt, "cpu", None), "host_steps", False):
             return None
         steps = rt.__dict__.get("_host_steps")
         if steps is None or steps._closed:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 import threading
 from typing import Callable
@@ -324,11 +325,25 @@ class Qwen3MoeFamily(ModelFamily):
             return f"CPU experts are computed in bfloat16 or float32, not {str(dtype).replace('torch.', '')}"
         return None
 
+    # the CPU device computes the cache's experts with the native kernel too, where it runs
+    native_cpu_experts = True
+
     def cpu_runner(self, host, original: nn.Module, threads: int | None, dtype: torch.dtype):
-        """The family's own kernel on the CPU (offload/torch_cpu.py): the native kernel computes
-        gpt-oss's experts only. ``threads`` is not used: PyTorch's intra-op threads compute."""
+        """The native kernel over the host rows (offload/cpu_compute.py's RowsExpertRunner: bf16 /
+        float32 / FP8 rows, SiLU) where it can compute them: a SiLU model in bfloat16 or float32 and
+        the native library built. Otherwise the family's own kernel through PyTorch
+        (offload/torch_cpu.py; ``threads`` not used there: PyTorch's intra-op threads compute)."""
+        from pdflash.native import NativeLibraryMissing
+        from pdflash.native.cpu_experts import CpuExpertError
+        from pdflash.offload.cpu_compute import RowsExpertRunner, rows_unsupported_reason
         from pdflash.offload.torch_cpu import TorchCpuExperts
 
+        silu = getattr(self.hf_config, "hidden_act", "silu") == "silu"
+        if silu and rows_unsupported_reason(host.layout, dtype) is None and os.environ.get("PDFLASH_QWEN3_NATIVE") != "0":
+            try:
+                return RowsExpertRunner(host, threads=threads, dtype=dtype)
+            except (CpuExpertError, NativeLibraryMissing):
+                pass
         return TorchCpuExperts(host, self.expert_kernel(host.layout, dtype, original), self.hidden)
 
     # -- model -----------------------------------------------------------------------

@@ -339,11 +339,12 @@ class OffloadedModel:
 
     def _host_steps_likely(self) -> bool:
         """Whether a graphed decoder will run the guard's host arm as host steps (mode "host":
-        CUDA, the fused MXFP4 kernel, host steps not turned off by PDFLASH_HOST_STEPS=0)."""
+        CUDA, a runner whose layers run as host steps (gpt-oss's), the fused MXFP4 kernel, host
+        steps not turned off by PDFLASH_HOST_STEPS=0)."""
         from pdflash.offload import mxfp4_triton
         from pdflash.offload.host_graph import host_steps_enabled
 
-        if self.device.type != "cuda" or not host_steps_enabled():
+        if self.device.type != "cuda" or not host_steps_enabled() or not getattr(self.cpu, "host_steps", False):
             return False
 
         return bool(self.host.layout.quantized) and mxfp4_triton.available(self.device)
@@ -358,12 +359,18 @@ class OffloadedModel:
 
         if os.environ.get("PDFLASH_FUSED_EXPERTS") == "0" or not self.family.native_cpu_experts:
             return
+        from pdflash.offload.cpu_compute import CpuExpertRunner
+
         runner = self.cpu
         if runner is None:
             try:
                 runner = self.family.cpu_runner(self.host, original, cpu_threads, self.dtype)
             except (CpuExpertError, NativeLibraryMissing):
                 return
+        if not isinstance(runner, CpuExpertRunner):  # a family's PyTorch fallback (offload/torch_cpu.py)
+            if runner is not self.cpu:
+                runner.close()
+            return
         self.slot_cpu = runner
 
     # -- hooks -----------------------------------------------------------------------

@@ -726,3 +726,141 @@ def test_beside_a_gpu_the_kernel_leaves_cores_to_the_copy_workers(cores, workers
 
     pool, fetching = got = gpu_cpu_threads(cores, workers)
     assert got == want and 1 <= fetching <= pool <= cores
+
+
+# -- Qwen3-MoE's row formats ---------------------------------------------------------------
+
+def qwen3_library_expert(w1, w2, x, dtype):
+    """transformers' Qwen3MoeExperts (one expert, routing weight 1) in ``dtype`` on x [T, H]; FP8
+    weights come dequantized (offload/qwen3_moe.dequantize_fp8, transformers' arithmetic)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    two_i, H = w1.shape
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=two_i // 2, num_experts=1, num_experts_per_tok=1)
+    m = Qwen3MoeExperts(cfg).to(dtype)
+    with torch.no_grad():
+        m.gate_up_proj.copy_(w1[None])
+        m.down_proj.copy_(w2[None])
+        T = x.shape[0]
+        return m(x.to(dtype), torch.zeros((T, 1), dtype=torch.long), torch.ones((T, 1), dtype=dtype)).float()
+
+
+def rows_expert(H, I, seed, wdtype, block=None, scale_dtype=torch.float32):
+    """A Qwen3-MoE expert as stored (ExpertWeights.rows arguments) and its weights in float32."""
+    g = torch.Generator().manual_seed(seed)
+    if wdtype != torch.float8_e4m3fn:
+        w1, w2 = torch.randn(2 * I, H, generator=g) / H**0.5, torch.randn(H, I, generator=g) / I**0.5
+        return (w1.to(wdtype), w2.to(wdtype), None, None), (w1.to(wdtype).float(), w2.to(wdtype).float())
+    from pdflash.offload.qwen3_moe import dequantize_fp8
+
+    q1 = (torch.randn(2 * I, H, generator=g) * 16).to(wdtype)
+    q2 = (torch.randn(H, I, generator=g) * 16).to(wdtype)
+    s1 = ((torch.rand(2 * I // block, H // block, generator=g) + 0.5) / (16 * H**0.5)).to(scale_dtype)
+    s2 = ((torch.rand(H // block, I // block, generator=g) + 0.5) / (16 * I**0.5)).to(scale_dtype)
+    return (q1, q2, s1, s2), (dequantize_fp8(q1, s1, torch.float32), dequantize_fp8(q2, s2, torch.float32))
+
+
+ROW_CASES = [  # (H, I, weight dtype, FP8 block): whole vector chunks, odd sizes, blocks of 8 / 16 / 32
+    (64, 32, torch.float32, None), (50, 30, torch.bfloat16, None), (96, 160, torch.bfloat16, None),
+    (64, 64, torch.float8_e4m3fn, 32), (96, 40, torch.float8_e4m3fn, 8), (160, 48, torch.float8_e4m3fn, 16),
+]
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("H,I,wdtype,block", ROW_CASES)
+def test_rows_match_transformers_in_float32(level, threads, H, I, wdtype, block):
+    """Qwen3-MoE's experts (bf16 / float32 / FP8 rows, SiLU) in float32: transformers' own
+    Qwen3MoeExperts up to summation order, for 1..16 tokens."""
+    args, (w1, w2) = rows_expert(H, I, seed=H + I, wdtype=wdtype, block=block)
+    w = ExpertWeights.rows(*args)
+    g = torch.Generator().manual_seed(5)
+    with CpuExperts(threads=threads, level=level) as k:
+        for T in (1, 2, 5, 16):
+            x = torch.randn(T, H, generator=g)
+            check(k.forward(w, x), qwen3_library_expert(w1, w2, x, torch.float32))
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("wdtype,block,scale_dtype", [(torch.bfloat16, None, None), (torch.float32, None, None),
+                                                      (torch.float8_e4m3fn, 32, torch.float32),
+                                                      (torch.float8_e4m3fn, 16, torch.bfloat16)])
+def test_rows_round_bf16_follows_transformers_in_bf16(level, wdtype, block, scale_dtype):
+    """round_bf16 on the row formats: transformers' Qwen3MoeExperts in bfloat16 (weights rounded to
+    bf16 as a bf16 model holds them: FP8 dequantized then rounded, float32 rows rounded); every
+    output a bf16 value, almost all its own bit for bit, none more than a few bf16 steps away."""
+    from pdflash.offload.qwen3_moe import dequantize_fp8
+
+    H, I = 160, 96
+    args, _ = rows_expert(H, I, seed=41, wdtype=wdtype, block=block, scale_dtype=scale_dtype or torch.float32)
+    w = ExpertWeights.rows(*args, round_bf16=True)
+    if wdtype == torch.float8_e4m3fn:
+        w1, w2 = dequantize_fp8(args[0], args[2], torch.bfloat16), dequantize_fp8(args[1], args[3], torch.bfloat16)
+    else:
+        w1, w2 = args[0].bfloat16(), args[1].bfloat16()
+    x = torch.randn(16, H, generator=torch.Generator().manual_seed(43)).bfloat16()
+    ref = qwen3_library_expert(w1, w2, x, torch.bfloat16)
+    with CpuExperts(threads=2, level=level) as k:
+        y = k.forward(w, x)
+    assert torch.equal(y, y.bfloat16().float())
+    same = (y == ref).float().mean().item()
+    ulp = torch.clamp(ref.abs(), min=2.0**-10) * 2.0**-7
+    assert same >= 0.97, same
+    assert ((y - ref).abs() <= 4 * ulp).all()
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+def test_rows_fp8_nan_codes_give_nan_and_many_experts_in_one_call(level):
+    """An FP8 NaN code (0x7F or 0xFF) in a gate row makes that token's outputs NaN, as the
+    library's dequantized weight does; a layer's call of several row experts equals one call per
+    expert."""
+    H, I, b = 64, 32, 16
+    args, _ = rows_expert(H, I, seed=7, wdtype=torch.float8_e4m3fn, block=b)
+    q1 = args[0].clone()
+    q1.view(torch.uint8)[3, 5] = 0xFF  # a gate row: h[3] is NaN, so every output is
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(8))
+    with CpuExperts(threads=2, level=level) as k:
+        assert k.forward(ExpertWeights.rows(q1, *args[1:]), x).isnan().all()
+        ws = [ExpertWeights.rows(*rows_expert(H, I, seed=s, wdtype=d, block=b)[0])
+              for s, d in ((1, torch.float8_e4m3fn), (2, torch.float8_e4m3fn), (3, torch.float8_e4m3fn))]
+        rows = torch.tensor([0, 1, 1, 0], dtype=torch.int32)
+        dest = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+        out = torch.zeros(4, H)
+        k.forward_many(ws, [2, 1, 1], rows, dest, x, out)
+        want = torch.cat([k.forward(ws[0], x[[0, 1]]), k.forward(ws[1], x[[1]]), k.forward(ws[2], x[[0]])])
+        assert torch.equal(out, want)
+
+
+def test_rows_argument_errors():
+    """Bad row weights are refused in Python with what is wrong; the C checks refuse what slips
+    past (a bias, a block that does not divide H)."""
+    args, _ = rows_expert(64, 32, seed=9, wdtype=torch.float8_e4m3fn, block=32)
+    q1, q2, s1, s2 = args
+    with pytest.raises(CpuExpertError, match="block scales"):
+        ExpertWeights.rows(q1, q2)
+    with pytest.raises(CpuExpertError, match="square blocks"):
+        ExpertWeights.rows(q1, q2, torch.ones(3, 2), s2)  # 64 rows in 3 blocks
+    with pytest.raises(CpuExpertError, match="must have shape"):
+        ExpertWeights.rows(q1, q2, s1[:, :1], s2)
+    with pytest.raises(CpuExpertError, match="only FP8"):
+        ExpertWeights.rows(q1.float(), q2.float(), s1, s2)
+    with pytest.raises(CpuExpertError, match="float32, bfloat16 or float8"):
+        ExpertWeights.rows(q1.half(), q2.half())
+    with pytest.raises(CpuExpertError, match="do not fit"):
+        ExpertWeights.rows(q1[:, :32], q2)
+    with pytest.raises(CpuExpertError, match="both be float32 or bfloat16"):
+        ExpertWeights.rows(q1, q2, s1, s2.bfloat16())
+    w = ExpertWeights.rows(*args)
+    with CpuExperts(threads=1) as k:
+        ffi = k.ffi
+        s = w.struct(ffi)
+        bad = ffi.new("pf_cpu_weights *", s[0])
+        bad.down_bias = s.gate_up  # row formats take no biases
+        with pytest.raises(CpuExpertError):
+            k.call_many([bad], [1], [0], [0], [1.0], torch.zeros(1, 64), torch.zeros(1, 64))
+        bad = ffi.new("pf_cpu_weights *", s[0])
+        bad.block = 48  # does not divide H = 64
+        with pytest.raises(CpuExpertError):
+            k.call_many([bad], [1], [0], [0], [1.0], torch.zeros(1, 64), torch.zeros(1, 64))
+        assert k.forward(w, torch.zeros(1, 64)).abs().sum() == 0  # the context still works

@@ -355,19 +355,42 @@ def test_qwen3_fp8_expert_is_half_a_bf16_one(qwen_ckpts):
         assert fp8.host.layout.payload_bytes < 0.6 * bf16.host.layout.payload_bytes
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("name", list(QWEN_CHECKPOINTS))
-def test_qwen3_cpu_experts_all_matches_transformers(qwen_ckpts, qwen_reference, name):
-    """Every routed expert computed on the CPU from the host rows by the family's own kernel
-    (offload/torch_cpu.py; the native kernel computes gpt-oss only): nothing fetched, the greedy
-    tokens are transformers' own."""
+def test_qwen3_cpu_experts_all_matches_transformers(qwen_ckpts, qwen_reference, name, native, monkeypatch):
+    """Every routed expert computed on the CPU from the host rows, by the native kernel (its row
+    formats: bf16 / float32 / FP8 rows, SiLU) or, with PDFLASH_QWEN3_NATIVE=0, by the family's own
+    kernel through PyTorch (offload/torch_cpu.py): nothing fetched, the greedy tokens are
+    transformers' own."""
+    from pdflash.native.cpu_experts import detect_level
+
+    monkeypatch.setenv("PDFLASH_QWEN3_NATIVE", "1" if native else "0")
     dtype = QWEN_CHECKPOINTS[name][1]
     with OffloadedModel.load(qwen_ckpts[name], dtype=dtype, cpu_experts="all") as rt:
         res = generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[])
         assert res.token_ids == qwen_reference[name]
         st = rt.stats()
-        assert st["cpu_experts"]["mode"] == "all" and st["cpu_experts"]["level"] == "torch"
+        assert st["cpu_experts"]["mode"] == "all" and st["cpu_experts"]["level"] == (detect_level() if native else "torch")
         assert st["cache"]["hits"] == st["cache"]["misses"] == 0 and st["bytes_moved"] == 0
         assert NEW * QL <= st["cpu_experts"]["computed"] <= st["tokens"] * QL * QK
+
+
+@pytest.mark.parametrize("name", list(QWEN_CHECKPOINTS))
+def test_qwen3_cache_slots_computed_natively_on_the_cpu_device(qwen_ckpts, qwen_reference, name, monkeypatch):
+    """The CPU device, Qwen3-MoE experts through the cache: the native kernel's row formats read the
+    slot rows in place (stats say so) and the greedy tokens are transformers'; with
+    PDFLASH_QWEN3_NATIVE=0 the family's PyTorch kernel computes them (not native) and the tokens
+    are the same. Host steps stay gpt-oss's: none for this runner."""
+    from pdflash.offload.host_graph import HostSteps
+
+    dtype = QWEN_CHECKPOINTS[name][1]
+    for native in (True, False):
+        monkeypatch.setenv("PDFLASH_QWEN3_NATIVE", "1" if native else "0")
+        with OffloadedModel.load(qwen_ckpts[name], dtype=dtype, expert_cache_experts=QK) as rt:
+            assert rt.stats()["cpu_experts"]["cache_experts_native"] == native
+            assert generate(rt, PROMPT, max_new_tokens=NEW, eos_token_ids=[]).token_ids == qwen_reference[name]
+            assert rt.stats()["cpu_experts"]["computed"] == 0  # cache experts, not host-path ones
+            assert HostSteps.for_runtime(rt) is None and not rt._host_steps_likely()
 
 
 def test_qwen3_cpu_placement_with_a_link_is_exact(qwen_ckpts, qwen_reference):

@@ -10,11 +10,13 @@
  * Phases:
  *   api       caller mistakes give PF_CPU_EINVAL / PF_CPU_EUNSUPPORTED and write nothing;
  *             create / destroy cycles at every thread count (init / close symmetry).
- *   levels    every level this CPU runs, 1..5 threads, random MXFP4 / bf16 / f32 experts
+ *   levels    every level this CPU runs, 1..5 threads, random MXFP4 / bf16 / f32 experts and
+ *             Qwen3-MoE row experts (f32 / bf16 / FP8 rows with f32 or bf16 block scales, SiLU)
  *             of random sizes (with and without biases, a third rounded like a bf16 model:
  *             every output a bf16 value), 1..16 tokens in f32 or bf16,
  *             against a double-precision reference written here from the format's
- *             definition (E2M1 table, 2^(s-127) scales, clamped SwiGLU).
+ *             definition (E2M1 table, 2^(s-127) scales, clamped SwiGLU; e4m3 codes times
+ *             their block's scale, SiLU).
  *   pool      back-to-back jobs on a pool of more threads than cores: stream reads of
  *             random sizes (some without a whole word) between batched calls, while another
  *             thread keeps changing how many of the pool's threads take part
@@ -144,8 +146,72 @@ static void *make_dense(uint64_t *rng, int fmt, size_t n, double scale, double *
     return p;
 }
 
+static int is_rows_fmt(int fmt) { return fmt == PF_CPU_F32_ROWS || fmt == PF_CPU_BF16_ROWS || fmt == PF_CPU_FP8_ROWS; }
+
+/* float8_e4m3fn from its definition: sign, 4 exponent bits (bias 7), 3 mantissa bits, subnormals */
+static double e4m3(uint8_t q) {
+    int e = (q >> 3) & 15, m = q & 7;
+    double v = e == 0 ? ldexp(m, -9) : ldexp(1.0 + m / 8.0, e - 7);
+    return q & 0x80 ? -v : v;
+}
+
+/* a Qwen3-MoE row-format matrix out x in (output-major), random, and the dense [in][out] doubles
+ * (a bf16 model's rounding of FP8 and float32 weights is left to the tolerance) */
+static void *make_rows(uint64_t *rng, int fmt, int out, int in, int b, int sfmt, uint8_t **scales, double *dense) {
+    const size_t n = (size_t)out * in;
+    if (fmt != PF_CPU_FP8_ROWS) {
+        void *p = malloc(n * (fmt == PF_CPU_BF16_ROWS ? 2 : 4));
+        for (int r = 0; r < out; r++)
+            for (int k = 0; k < in; k++) {
+                float v = rng_unit(rng) * (float)(1.0 / sqrt(in));
+                size_t i = (size_t)r * in + k;
+                if (fmt == PF_CPU_BF16_ROWS) {
+                    ((uint16_t *)p)[i] = f32_to_bf16(v);
+                    v = bf16_to_f32(((uint16_t *)p)[i]);
+                } else {
+                    ((float *)p)[i] = v;
+                }
+                dense[(size_t)k * out + r] = v;
+            }
+        return p;
+    }
+    uint8_t *q = malloc(n);
+    const int sr = out / b, sc = in / b;
+    *scales = malloc((size_t)sr * sc * (sfmt == PF_CPU_BF16 ? 2 : 4));
+    for (int i = 0; i < sr * sc; i++) {
+        float v = (0.5f + 0.5f * (rng_unit(rng) + 1.0f)) / (float)(16.0 * sqrt(in));
+        if (sfmt == PF_CPU_BF16) ((uint16_t *)*scales)[i] = f32_to_bf16(v);
+        else ((float *)*scales)[i] = v;
+    }
+    for (int r = 0; r < out; r++)
+        for (int k = 0; k < in; k++) {
+            uint8_t c = (uint8_t)rng_next(rng);
+            if ((c & 0x7f) == 0x7f) c ^= 0x01; /* not a NaN code */
+            q[(size_t)r * in + k] = c;
+            size_t si = (size_t)(r / b) * sc + k / b;
+            double s = sfmt == PF_CPU_BF16 ? bf16_to_f32(((uint16_t *)*scales)[si]) : ((float *)*scales)[si];
+            dense[(size_t)k * out + r] = e4m3(c) * s;
+        }
+    return q;
+}
+
 static void expert_make(expert *e, uint64_t *rng, int fmt, int H, int I, int bias_fmt, int with_bias) {
     memset(e, 0, sizeof *e);
+    if (is_rows_fmt(fmt)) { /* Qwen3-MoE: no biases; FP8 in the largest of 32 / 16 / 8 dividing H and I */
+        e->w1d = malloc(sizeof(double) * H * 2 * I);
+        e->w2d = malloc(sizeof(double) * I * H);
+        e->b1d = calloc(2 * I, sizeof(double));
+        e->b2d = calloc(H, sizeof(double));
+        int b = 0, sfmt = rng_next(rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32;
+        if (fmt == PF_CPU_FP8_ROWS)
+            for (b = 32; H % b || I % b; b /= 2) {}
+        e->gate_up = make_rows(rng, fmt, 2 * I, H, b, sfmt, &e->s1, e->w1d);
+        e->down = make_rows(rng, fmt, H, I, b, sfmt, &e->s2, e->w2d);
+        e->w = (pf_cpu_weights){.format = fmt, .hidden = H, .inter = I, .gate_up = e->gate_up, .gate_up_scales = e->s1,
+                                .down = e->down, .down_scales = e->s2, .block = b,
+                                .scale_format = fmt == PF_CPU_FP8_ROWS ? sfmt : 0};
+        return;
+    }
     e->w1d = malloc(sizeof(double) * H * 2 * I);
     e->w2d = malloc(sizeof(double) * I * H);
     e->b1d = calloc(2 * I, sizeof(double));
@@ -179,9 +245,13 @@ static int expert_check(const expert *e, const void *x, int x_fmt, int T, int st
         }
         double hmax = 0;
         for (int j = 0; j < I; j++) {
-            double g = gu[2 * j] > 7.0 ? 7.0 : gu[2 * j];
-            double u = gu[2 * j + 1] > 7.0 ? 7.0 : (gu[2 * j + 1] < -7.0 ? -7.0 : gu[2 * j + 1]);
-            h[j] = (u + 1.0) * g / (1.0 + exp(-1.702 * g));
+            if (is_rows_fmt(e->w.format)) { /* Qwen3-MoE: gate rows then up rows, silu(gate) * up */
+                h[j] = gu[j] / (1.0 + exp(-gu[j])) * gu[I + j];
+            } else {
+                double g = gu[2 * j] > 7.0 ? 7.0 : gu[2 * j];
+                double u = gu[2 * j + 1] > 7.0 ? 7.0 : (gu[2 * j + 1] < -7.0 ? -7.0 : gu[2 * j + 1]);
+                h[j] = (u + 1.0) * g / (1.0 + exp(-1.702 * g));
+            }
             hmax = fabs(h[j]) > hmax ? fabs(h[j]) : hmax;
         }
         double ymax = 0;
@@ -235,12 +305,15 @@ static void *make_x(uint64_t *rng, int fmt, int T, int stride) {
 
 /* one random call on c, checked; returns 1 if it matched */
 static int random_call(pf_cpu *c, uint64_t *rng, int small) {
-    static const int fmts[3] = {PF_CPU_MXFP4, PF_CPU_BF16, PF_CPU_F32};
-    int fmt = fmts[rng_next(rng) % 3];
+    static const int fmts[6] = {PF_CPU_MXFP4, PF_CPU_BF16, PF_CPU_F32, PF_CPU_F32_ROWS, PF_CPU_BF16_ROWS, PF_CPU_FP8_ROWS};
+    int fmt = fmts[rng_next(rng) % 6];
     int H, I;
     if (fmt == PF_CPU_MXFP4) {
         H = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10))); /* 128-element chunks and lone groups */
         I = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10)));
+    } else if (fmt == PF_CPU_FP8_ROWS) { /* blocks of 8, 16 or 32; vector chunks of 16 whole or not */
+        H = 8 * (1 + (int)(rng_next(rng) % (small ? 12 : 24)));
+        I = 8 * (1 + (int)(rng_next(rng) % (small ? 8 : 16)));
     } else {
         H = 1 + (int)(rng_next(rng) % (small ? 70 : 130));
         I = 1 + (int)(rng_next(rng) % (small ? 50 : 90));
@@ -265,7 +338,7 @@ static int random_call(pf_cpu *c, uint64_t *rng, int small) {
 /* one random batched call (pf_cpu_experts) on c: every written row must equal the single-expert
  * call on the same rows times its scale, bit for bit; rows not named in dest keep their sentinel */
 static int random_batch(pf_cpu *c, uint64_t *rng) {
-    static const int fmts[3] = {PF_CPU_MXFP4, PF_CPU_BF16, PF_CPU_F32};
+    static const int fmts[6] = {PF_CPU_MXFP4, PF_CPU_BF16, PF_CPU_F32, PF_CPU_F32_ROWS, PF_CPU_BF16_ROWS, PF_CPU_FP8_ROWS};
     enum { MAXN = 6 };
     const int H = 32 * (1 + (int)(rng_next(rng) % 5));
     const int n = 1 + (int)(rng_next(rng) % MAXN);
@@ -273,8 +346,9 @@ static int random_batch(pf_cpu *c, uint64_t *rng) {
     const pf_cpu_weights *ws[MAXN];
     int counts[MAXN], total = 0;
     for (int k = 0; k < n; k++) {
-        int fmt = fmts[rng_next(rng) % 3];
-        int I = fmt == PF_CPU_MXFP4 ? 32 * (1 + (int)(rng_next(rng) % 4)) : 1 + (int)(rng_next(rng) % 70);
+        int fmt = fmts[rng_next(rng) % 6];
+        int I = fmt == PF_CPU_MXFP4 ? 32 * (1 + (int)(rng_next(rng) % 4))
+                : fmt == PF_CPU_FP8_ROWS ? 8 * (1 + (int)(rng_next(rng) % 9)) : 1 + (int)(rng_next(rng) % 70);
         expert_make(&e[k], rng, fmt, H, I, rng_next(rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32, (int)(rng_next(rng) % 4 != 0));
         e[k].w.round_bf16 = (int)(rng_next(rng) % 3 == 0);
         ws[k] = &e[k].w;
@@ -430,6 +504,26 @@ static void phase_api(void) {
     bad = e.w;
     bad.bias_format = PF_CPU_MXFP4;
     CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    expert r; /* Qwen3-MoE's FP8 rows: no biases, a block dividing H and I, scales and their format */
+    expert_make(&r, &rng, PF_CPU_FP8_ROWS, 64, 32, PF_CPU_F32, 0);
+    CHECK(r.w.block == 32 && pf_cpu_expert(c, &r.w, x, PF_CPU_F32, 1, 64, out) == PF_CPU_OK);
+    for (int i = 0; i < 128; i++) out[i] = 3.0f;
+    bad = r.w;
+    bad.down_bias = e.b2;
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    bad = r.w;
+    bad.block = 24; /* divides neither */
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    bad = r.w;
+    bad.block = 0;
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    bad = r.w;
+    bad.down_scales = NULL;
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    bad = r.w;
+    bad.scale_format = PF_CPU_MXFP4;
+    CHECK(pf_cpu_expert(c, &bad, x, PF_CPU_F32, 1, 64, out) == PF_CPU_EINVAL);
+    expert_free(&r);
     int untouched = 1;
     for (int i = 0; i < 128; i++) untouched &= out[i] == 3.0f;
     CHECK(untouched);
