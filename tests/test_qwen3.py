@@ -249,15 +249,17 @@ def test_bench_priority_runs_on_a_qwen3_pair(run, tmp_path):
     assert res["decision"]["verdict"] in ("ship", "no-ship", "inconclusive", "unmeasurable")
 
 
-def test_the_fp8_cpu_benchmark_compares_its_arms(load_script, tmp_path, capsys):
-    """benchmarks/bench_fp8_cpu.py on a small expert: every arm timed for each token count, the FP8
-    arms' outputs bit for bit the same (exit 0), its JSON written; bad sizes refused (exit 2)."""
-    bench = load_script("benchmarks/bench_fp8_cpu.py")
+def test_the_qwen3_cpu_benchmark_compares_its_arms(load_script, tmp_path, capsys):
+    """benchmarks/bench_qwen3_cpu.py on a small expert: every arm timed for each token count, the
+    PyTorch FP8 arms' outputs bit for bit the same and the native ones close (exit 0), its JSON
+    written; bad sizes refused (exit 2)."""
+    bench = load_script("benchmarks/bench_qwen3_cpu.py")
     out = tmp_path / "fp8.json"
     assert bench.main(["--hidden", "256", "--inter", "128", "--experts", "2", "--repeats", "1", "--tokens", "1,3",
                        "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert [r["tokens"] for r in res["results"]] == [1, 3]
     for r in res["results"]:
-        assert r["fp8_arms_identical"] and all(r[f"{a}_ms"] > 0 for a in ("bf16", "fp8", "fp8_fresh", "fp8_torch"))
+        assert r["fp8_arms_identical"] and r["native_close"]
+        assert all(r[f"{a}_ms"] > 0 for a in ("bf16_native", "fp8_native", "bf16", "fp8", "fp8_fresh", "fp8_torch"))
     assert bench.main(["--hidden", "100"]) == 2 and "multiples of --block" in capsys.readouterr().err

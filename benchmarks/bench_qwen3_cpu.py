@@ -1,17 +1,20 @@
-"""A Qwen3-MoE FP8 expert on the CPU through PyTorch: the family's dequantization against
-PyTorch's own float8 conversion, in one run.
+"""A Qwen3-MoE expert on the CPU: the native kernel (pf_cpu.c's row formats) against the family's
+PyTorch kernel, bf16 and FP8, and the PyTorch kernel's FP8 dequantization against PyTorch's own
+float8 conversion, in one run.
 
-    python benchmarks/bench_fp8_cpu.py                       # Qwen3-30B-A3B's expert: H 2048, I 768
-    python benchmarks/bench_fp8_cpu.py --hidden 4096 --inter 1536 --tokens 1,4 --json out.json
+    python benchmarks/bench_qwen3_cpu.py                     # Qwen3-30B-A3B's expert: H 2048, I 768
+    python benchmarks/bench_qwen3_cpu.py --hidden 4096 --inter 1536 --tokens 1,4 --threads 8 --json out.json
 
-Arms, each over ``--experts`` distinct experts (more than the caches hold), for each token count:
-``bf16`` (the same expert stored in bf16: no dequantization), ``fp8`` (``dequantize_fp8`` as
-the family's expert kernel runs it on a CPU tensor: with this thread's scratch buffers),
-``fp8_fresh`` (the same with fresh buffers each call) and ``fp8_torch`` (the same arithmetic with
-PyTorch's ``w.to(torch.float32)`` and an out-of-place scale, what that function did before).
-One expert = gate_up [2I, H] and down [H, I] dequantized to bf16, then
+Arms, each over ``--experts`` distinct experts (more than the caches hold), for each token count,
+x in bf16 and a bf16 model's rounding throughout:
+``bf16_native`` / ``fp8_native`` (the native kernel over the stored rows, ``--threads`` threads),
+``bf16`` (the PyTorch kernel, bf16 weights: no dequantization), ``fp8`` (``dequantize_fp8`` as
+the family's PyTorch kernel runs it on a CPU tensor: this thread's scratch buffers), ``fp8_fresh``
+(the same with fresh buffers each call) and ``fp8_torch`` (the same arithmetic with PyTorch's
+``w.to(torch.float32)`` and an out-of-place scale). One expert = gate_up [2I, H] and down [H, I],
 ``(silu(x W1g^T) * x W1u^T) W2^T``. Reported: milliseconds an expert (best of ``--repeats``
-passes) and the arms' outputs compared (the FP8 arms must agree bit for bit; exit 1 if not).
+passes); the PyTorch FP8 arms must agree bit for bit and the native arms with them within a few
+bf16 steps (exit 1 if not). PyTorch's threads: ``torch.get_num_threads()``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from _checkout import import_pdflash  # noqa: E402
 
 import_pdflash()
 
+from pdflash.native.cpu_experts import CpuExperts, ExpertWeights, default_threads  # noqa: E402
 from pdflash.offload.qwen3_moe import dequantize_fp8  # noqa: E402
 
 
@@ -46,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=24)
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="native kernel threads (default: this process's cores)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     H, I, b = a.hidden, a.inter, a.block
     if H % b or I % b or min(H, I, a.experts, a.repeats) < 1:
-        print("bench_fp8_cpu: --hidden and --inter must be positive multiples of --block; --experts and "
+        print("bench_qwen3_cpu: --hidden and --inter must be positive multiples of --block; --experts and "
               "--repeats at least 1", file=sys.stderr)
         return 2
     tokens = [int(t) for t in a.tokens.split(",")]
@@ -66,7 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         gate, up = (x @ w1.t()).chunk(2, dim=-1)
         return (torch.nn.functional.silu(gate) * up) @ w2.t()
 
+    kernel = CpuExperts(threads=a.threads or default_threads())
+    native_fp8 = [ExpertWeights.rows(f[0], f[2], f[1], f[3], round_bf16=True) for f in fp8]
+    native_bf16 = [ExpertWeights.rows(*w, round_bf16=True) for w in bf16]
+
     arms = {
+        "bf16_native": lambda e, x: kernel.forward(native_bf16[e], x),
+        "fp8_native": lambda e, x: kernel.forward(native_fp8[e], x),
         "bf16": lambda e, x: expert(*bf16[e], x),
         "fp8": lambda e, x: expert(dequantize_fp8(fp8[e][0], fp8[e][1], torch.bfloat16, scratch=True),
                                    dequantize_fp8(fp8[e][2], fp8[e][3], torch.bfloat16, scratch=True), x),
@@ -75,13 +86,20 @@ def main(argv: list[str] | None = None) -> int:
         "fp8_torch": lambda e, x: expert(torch_dequantize(fp8[e][0], fp8[e][1], torch.bfloat16, b),
                                          torch_dequantize(fp8[e][2], fp8[e][3], torch.bfloat16, b), x),
     }
-    out = {"hidden": H, "inter": I, "block": b, "experts": a.experts, "threads": torch.get_num_threads(),
-           "fp8_bytes_per_expert": 3 * H * I, "results": []}
+    out = {"hidden": H, "inter": I, "block": b, "experts": a.experts, "torch_threads": torch.get_num_threads(),
+           "native_threads": kernel.threads, "native_level": kernel.level, "fp8_bytes_per_expert": 3 * H * I,
+           "results": []}
     for T in tokens:
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         want = arms["fp8_torch"](0, x)
         same = torch.equal(arms["fp8"](0, x), want) and torch.equal(arms["fp8_fresh"](0, x), want)
-        row = {"tokens": T, "fp8_arms_identical": same}
+
+        def close(y, ref):  # a few bf16 steps: the native sums run in another order
+            ref = ref.float()
+            return bool(((y - ref).abs() <= 4 * torch.clamp(ref.abs(), min=2.0**-10) * 2.0**-7 + 1e-6).float().mean() > 0.99)
+
+        native_ok = close(arms["fp8_native"](0, x), want) and close(arms["bf16_native"](0, x), arms["bf16"](0, x))
+        row = {"tokens": T, "fp8_arms_identical": same, "native_close": native_ok}
         for name, fn in arms.items():
             best = float("inf")
             for _ in range(a.repeats):
@@ -91,13 +109,18 @@ def main(argv: list[str] | None = None) -> int:
                 best = min(best, (time.perf_counter() - t0) / a.experts)
             row[f"{name}_ms"] = best * 1e3
         row["fp8_speedup"] = row["fp8_torch_ms"] / row["fp8_ms"]
+        row["fp8_native_speedup"] = row["fp8_ms"] / row["fp8_native_ms"]
+        row["bf16_native_speedup"] = row["bf16_ms"] / row["bf16_native_ms"]
         out["results"].append(row)
-        print(f"T={T}: bf16 {row['bf16_ms']:.3f} ms, fp8 {row['fp8_ms']:.3f} ms (fresh buffers {row['fp8_fresh_ms']:.3f}), "
-              f"fp8 through torch's conversion "
-              f"{row['fp8_torch_ms']:.3f} ms ({row['fp8_speedup']:.2f}x), FP8 arms identical: {same}")
+        print(f"T={T}: native bf16 {row['bf16_native_ms']:.3f} ms, native fp8 {row['fp8_native_ms']:.3f} ms; "
+              f"PyTorch bf16 {row['bf16_ms']:.3f} ms, fp8 {row['fp8_ms']:.3f} ms (fresh buffers {row['fp8_fresh_ms']:.3f}, "
+              f"PyTorch's float8 conversion {row['fp8_torch_ms']:.3f}); native over PyTorch: bf16 "
+              f"{row['bf16_native_speedup']:.2f}x, fp8 {row['fp8_native_speedup']:.2f}x; FP8 arms identical: {same}, "
+              f"native close: {native_ok}")
+    kernel.close()
     if a.json:
         a.json.write_text(json.dumps(out, indent=1) + "\n")
-    return 0 if all(r["fp8_arms_identical"] for r in out["results"]) else 1
+    return 0 if all(r["fp8_arms_identical"] and r["native_close"] for r in out["results"]) else 1
 
 
 if __name__ == "__main__":
