@@ -3,8 +3,9 @@
     runner = TorchCpuExperts(host, kernel, hidden)  # kernel: the family's ExpertKernel, CPU dtype
     y = runner.run(layer, expert, x_rows)           # x_rows [n, H] on the host -> [n, H] float32
 
-The CPU side of hybrid execution for a family the native kernel (native/pf_cpu.c, gpt-oss's
-clamped SwiGLU) does not compute: the expert's packed host row is read in place (FP8 blocks
+The CPU side of hybrid execution where the native kernel (native/pf_cpu.c) cannot compute a
+family's experts (Qwen3-MoE: an activation other than SiLU, no native library;
+``PDFLASH_QWEN3_NATIVE=0``): the expert's packed host row is read in place (FP8 blocks
 dequantized on use) and run through the same ``weights`` / ``apply`` as the device path, so its
 results are the device path's on a CPU device, bit for bit. Its accounting and interface are
 offload/cpu_compute.CpuRunner's, which the runtime, offload/experts.py and the placement cost model use. PyTorch's own intra-op
