@@ -28,8 +28,10 @@ how it counted). One JSON object (stdout with --json, or --out).
 ``--prewake-us 0,500`` runs every mode that computes on the CPU once per value: how long the
 kernel's pool, woken when a layer's routing copy starts, polls for the layer's call (0: it
 sleeps until the call; the runtime's default is CpuExpertRunner.prewake_us).
-``--in-memory PRESET`` runs a seeded synthetic MXFP4 checkpoint of that preset generated in host
-memory (offload/synthetic.py; gpt-oss-120b's 65 GB do not fit the GPU machine's disk) instead of CKPT.
+``--in-memory PRESET`` runs a seeded synthetic checkpoint of that preset generated in host
+memory (offload/synthetic.py; gpt-oss-120b's 65 GB do not fit the GPU machine's disk) instead of
+CKPT: MXFP4 experts for a gpt-oss preset, FP8 ones (128 x 128 blocks, as Qwen/Qwen3-30B-A3B-FP8)
+for a Qwen3-MoE preset.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt", nargs="?", default=None)
     ap.add_argument("--in-memory", default=None, metavar="PRESET",
-                    help="a synthetic MXFP4 checkpoint of this preset generated in host memory, instead of CKPT")
+                    help="a synthetic checkpoint of this preset generated in host memory (gpt-oss: MXFP4; Qwen3-MoE: FP8), instead of CKPT")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--modes", default="off,auto,all")
@@ -185,11 +187,13 @@ def main(argv=None) -> int:
         from pdflash.offload.config import ModelPreset
         from pdflash.offload.synthetic import SyntheticCheckpoint
 
-        source = SyntheticCheckpoint(ModelPreset.from_name(args.in_memory), mxfp4=True, seed=0)
+        preset = ModelPreset.from_name(args.in_memory)
+        qwen = preset.family == "qwen3_moe"
+        source = SyntheticCheckpoint(preset, mxfp4=not qwen, quant="fp8" if qwen else None, seed=0)
         cfg = source.config
     else:
         cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
-    total = int(cfg["num_hidden_layers"]) * int(cfg["num_local_experts"])
+    total = int(cfg["num_hidden_layers"]) * int(cfg.get("num_local_experts") or cfg["num_experts"])
     need = int(cfg["num_experts_per_tok"])
     args._slots = max(need, int(total * args.cache_fraction))
     runs = []

@@ -48,6 +48,22 @@ def test_check_hybrid_breakdown_and_profile_then_restores_the_code(tmp_path):
         assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text
 
 
+def test_check_hybrid_runs_an_in_memory_qwen3_fp8_checkpoint(tmp_path):
+    """--in-memory with a Qwen3-MoE preset: a synthetic FP8 checkpoint (its expert count read from
+    the family's config key), every mode run and exact in float32, the CPU experts on the native
+    kernel's row formats."""
+    from pdflash.native.cpu_experts import detect_level
+
+    mod = _load("check_hybrid_gpu")
+    out = tmp_path / "q.json"
+    assert mod.main(["--in-memory", "qwen3-tiny", "--device", "cpu", "--dtypes", "float32", "--modes", "off,all,auto",
+                     "--tokens", "4", "--link-gbps", "0.05", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["total_experts"] == 4 * 8 and [r["asked"] for r in res["runs"]] == ["off", "all", "auto"]
+    assert all(r["identical_to_first_mode"] for r in res["runs"])
+    assert res["runs"][1]["cpu_experts"]["level"] == detect_level()
+
+
 def test_check_hybrid_refuses_unknown_modes(capsys):
     mod = _load("check_hybrid_gpu")
     with pytest.raises(SystemExit) as e:
