@@ -130,6 +130,15 @@ static inline float rows_scale_at(const rows_w *m, int r, int j) {
 
 static inline float rows_scale(const rows_w *m, int r, int k) { return rows_scale_at(m, r, k / m->block); }
 
+/* rows r .. r + n - 1 of m (those past r_end - 1 clamped to it): their indices and first bytes */
+static inline void rows_at(const rows_w *m, int r, int r_end, int n, int *rr, const uint8_t **rp) {
+    const size_t esize = m->fmt == PF_CPU_F32_ROWS ? 4 : m->fmt == PF_CPU_BF16_ROWS ? 2 : 1;
+    for (int k = 0; k < n; k++) {
+        rr[k] = r + k < r_end ? r + k : r_end - 1;
+        rp[k] = (const uint8_t *)m->w + (size_t)rr[k] * (size_t)m->in * esize;
+    }
+}
+
 /* weight (r, k) as the model computes with it */
 static inline float rows_weight(const rows_w *m, int r, int k) {
     const size_t i = (size_t)r * (size_t)m->in + (size_t)k;
@@ -446,13 +455,9 @@ T_AVX2H INL __m256 rows_load_avx2(const rows_w *m, const uint8_t *row, int k, fl
 T_AVX2H INL void rows_block_avx2(const rows_w *m, int r, int r_end, const float *x, int t0, const int TG, float *y,
                                  int ys) {
     const int in = m->in, fp8 = m->fmt == PF_CPU_FP8_ROWS;
-    const size_t esize = m->fmt == PF_CPU_F32_ROWS ? 4 : m->fmt == PF_CPU_BF16_ROWS ? 2 : 1;
     const uint8_t *rp[2];
     int rr[2];
-    for (int k = 0; k < 2; k++) {
-        rr[k] = r + k < r_end ? r + k : r_end - 1;
-        rp[k] = (const uint8_t *)m->w + (size_t)rr[k] * in * esize;
-    }
+    rows_at(m, r, r_end, 2, rr, rp);
     __m256 acc[2][4];
 #pragma GCC unroll 2
     for (int k = 0; k < 2; k++)
@@ -1042,13 +1047,9 @@ T_512 INL __m512 rows_load512(const rows_w *m, const uint8_t *row, int k, __mmas
 T_512 INL void rows_block512(const rows_w *m, int r, int r_end, const float *x, int t0, const int TG, float *y,
                              int ys) {
     const int in = m->in;
-    const size_t esize = m->fmt == PF_CPU_F32_ROWS ? 4 : m->fmt == PF_CPU_BF16_ROWS ? 2 : 1;
     const uint8_t *rp[4];
     int rr[4];
-    for (int k = 0; k < 4; k++) {
-        rr[k] = r + k < r_end ? r + k : r_end - 1;
-        rp[k] = (const uint8_t *)m->w + (size_t)rr[k] * in * esize;
-    }
+    rows_at(m, r, r_end, 4, rr, rp);
     __m512 acc[4][4];
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
