@@ -13,8 +13,10 @@ the family's PyTorch kernel runs it on a CPU tensor: this thread's scratch buffe
 (the same with fresh buffers each call) and ``fp8_torch`` (the same arithmetic with PyTorch's
 ``w.to(torch.float32)`` and an out-of-place scale). One expert = gate_up [2I, H] and down [H, I],
 ``(silu(x W1g^T) * x W1u^T) W2^T``. Reported: milliseconds an expert (best of ``--repeats``
-passes); the PyTorch FP8 arms must agree bit for bit and the native arms with them within a few
-bf16 steps (exit 1 if not). PyTorch's threads: ``torch.get_num_threads()``.
+passes) and, for the native arms, weight bytes a second against the streaming read of as many
+bytes by the same threads (``pf_cpu_stream_read``); the PyTorch FP8 arms must agree bit for bit
+and the native arms with them within a few bf16 steps (exit 1 if not). PyTorch's threads:
+``torch.get_num_threads()``.
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     kernel = CpuExperts(threads=a.threads or default_threads())
     native_fp8 = [ExpertWeights.rows(f[0], f[2], f[1], f[3], round_bf16=True) for f in fp8]
     native_bf16 = [ExpertWeights.rows(*w, round_bf16=True) for w in bf16]
+    # the memory's streaming read by the same threads, over as many bytes as the FP8 experts hold
+    buf = torch.ones(sum(w.nbytes for w in native_fp8), dtype=torch.uint8)
+    dram = 0.0
+    for _ in range(a.repeats + 1):
+        t0 = time.perf_counter()
+        kernel.stream_read(buf)
+        dram = max(dram, buf.numel() / (time.perf_counter() - t0) / 1e9)
+    del buf
 
     arms = {
         "bf16_native": lambda e, x: kernel.forward(native_bf16[e], x),
@@ -87,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                                          torch_dequantize(fp8[e][2], fp8[e][3], torch.bfloat16, b), x),
     }
     out = {"hidden": H, "inter": I, "block": b, "experts": a.experts, "torch_threads": torch.get_num_threads(),
-           "native_threads": kernel.threads, "native_level": kernel.level, "fp8_bytes_per_expert": 3 * H * I,
-           "results": []}
+           "native_threads": kernel.threads, "native_level": kernel.level, "fp8_bytes_per_expert": native_fp8[0].nbytes,
+           "bf16_bytes_per_expert": native_bf16[0].nbytes, "dram_read_gbps": dram, "results": []}
+    print(f"DRAM read, {kernel.threads} threads: {dram:.1f} GB/s")
     for T in tokens:
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         want = arms["fp8_torch"](0, x)
@@ -110,12 +121,16 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{name}_ms"] = best * 1e3
         row["fp8_speedup"] = row["fp8_torch_ms"] / row["fp8_ms"]
         row["fp8_native_speedup"] = row["fp8_ms"] / row["fp8_native_ms"]
+        for fmt in ("fp8", "bf16"):  # the native kernel's weight bytes a second, and that against the read
+            gbps = out[f"{fmt}_bytes_per_expert"] / (row[f"{fmt}_native_ms"] * 1e-3) / 1e9
+            row[f"{fmt}_native_gbps"], row[f"{fmt}_native_of_dram"] = gbps, gbps / dram
         row["bf16_native_speedup"] = row["bf16_ms"] / row["bf16_native_ms"]
         out["results"].append(row)
         print(f"T={T}: native bf16 {row['bf16_native_ms']:.3f} ms, native fp8 {row['fp8_native_ms']:.3f} ms; "
               f"PyTorch bf16 {row['bf16_ms']:.3f} ms, fp8 {row['fp8_ms']:.3f} ms (fresh buffers {row['fp8_fresh_ms']:.3f}, "
               f"PyTorch's float8 conversion {row['fp8_torch_ms']:.3f}); native over PyTorch: bf16 "
-              f"{row['bf16_native_speedup']:.2f}x, fp8 {row['fp8_native_speedup']:.2f}x; FP8 arms identical: {same}, "
+              f"{row['bf16_native_speedup']:.2f}x, fp8 {row['fp8_native_speedup']:.2f}x; native of the DRAM read: bf16 "
+              f"{row['bf16_native_of_dram']:.0%}, fp8 {row['fp8_native_of_dram']:.0%}; FP8 arms identical: {same}, "
               f"native close: {native_ok}")
     kernel.close()
     if a.json:

@@ -260,6 +260,7 @@ def test_the_qwen3_cpu_benchmark_compares_its_arms(load_script, tmp_path, capsys
     res = json.loads(out.read_text())
     assert [r["tokens"] for r in res["results"]] == [1, 3]
     for r in res["results"]:
-        assert r["fp8_arms_identical"] and r["native_close"]
+        assert r["fp8_arms_identical"] and r["native_close"] and r["fp8_native_of_dram"] > 0
         assert all(r[f"{a}_ms"] > 0 for a in ("bf16_native", "fp8_native", "bf16", "fp8", "fp8_fresh", "fp8_torch"))
+    assert res["dram_read_gbps"] > 0 and res["fp8_bytes_per_expert"] < res["bf16_bytes_per_expert"]
     assert bench.main(["--hidden", "100"]) == 2 and "multiples of --block" in capsys.readouterr().err
