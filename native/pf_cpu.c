@@ -130,9 +130,11 @@ static inline float rows_scale_at(const rows_w *m, int r, int j) {
 
 static inline float rows_scale(const rows_w *m, int r, int k) { return rows_scale_at(m, r, k / m->block); }
 
+static inline size_t rows_esize(const rows_w *m) { return m->fmt == PF_CPU_F32_ROWS ? 4 : m->fmt == PF_CPU_BF16_ROWS ? 2 : 1; }
+
 /* rows r .. r + n - 1 of m (those past r_end - 1 clamped to it): their indices and first bytes */
 static inline void rows_at(const rows_w *m, int r, int r_end, int n, int *rr, const uint8_t **rp) {
-    const size_t esize = m->fmt == PF_CPU_F32_ROWS ? 4 : m->fmt == PF_CPU_BF16_ROWS ? 2 : 1;
+    const size_t esize = rows_esize(m);
     for (int k = 0; k < n; k++) {
         rr[k] = r + k < r_end ? r + k : r_end - 1;
         rp[k] = (const uint8_t *)m->w + (size_t)rr[k] * (size_t)m->in * esize;
@@ -278,6 +280,17 @@ static uint64_t read_scalar(const uint8_t *p, size_t n) {
         a += x;
     }
     return a + b;
+}
+
+/* A kernel reads R rows side by side, each a short stream (1440 bytes for gpt-oss) that
+ * ends before the hardware prefetchers have followed it, so the kernels ask for the rows
+ * they read next themselves: `ahead` bytes past p (the same chunk PREFETCH_ROWS rows on; rows
+ * are contiguous in the store). A prefetch never faults, also past the end of the weights.
+ * Into L2, not L1 (locality 2: prefetcht1): on the H200 host's Xeon, in two passes, a 4-expert
+ * 1-token call read 66 % of the DRAM rate against 58-59 % with prefetcht0, and one thread 7.2-8.4
+ * GB/s against 6.0-6.8; t2 was in between, nta 2-4x slower (benchmarks/bench_cpu_experts.py). */
+static inline void prefetch_ahead(const uint8_t *p, size_t ahead) {
+    __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 2);
 }
 
 #if PF_X86
@@ -458,6 +471,8 @@ T_AVX2H INL void rows_block_avx2(const rows_w *m, int r, int r_end, const float 
     const uint8_t *rp[2];
     int rr[2];
     rows_at(m, r, r_end, 2, rr, rp);
+    const size_t esz = rows_esize(m); /* each row's next lines, PREFETCH_ROWS rows on, asked for (see prefetch_ahead) */
+    const size_t ahead = r + 2 + PREFETCH_ROWS <= r_end ? (size_t)PREFETCH_ROWS * in * esz : 0;
     __m256 acc[2][4];
 #pragma GCC unroll 2
     for (int k = 0; k < 2; k++)
@@ -471,7 +486,10 @@ T_AVX2H INL void rows_block_avx2(const rows_w *m, int r, int r_end, const float 
         for (int c = c0; c < c0 + span; c += 8) {
             __m256 wv[2];
 #pragma GCC unroll 2
-            for (int k = 0; k < 2; k++) wv[k] = rows_load_avx2(m, rp[k], c, sc[k]);
+            for (int k = 0; k < 2; k++) {
+                if (((c * (int)esz) & 63) == 0) prefetch_ahead(rp[k] + (size_t)c * esz, ahead);
+                wv[k] = rows_load_avx2(m, rp[k], c, sc[k]);
+            }
 #pragma GCC unroll 4
             for (int t = 0; t < TG; t++) {
                 const __m256 xv = _mm256_loadu_ps(x + (size_t)(t0 + t) * in + c);
@@ -511,16 +529,6 @@ T_AVX2H static void dense_rows_avx2(const rows_w *m, int r0, int r1, const float
     }
 }
 
-/* A kernel reads R rows side by side, each a short stream (1440 bytes for gpt-oss) that
- * ends before the hardware prefetchers have followed it, so the kernels ask for the rows
- * they read next themselves: `ahead` bytes past p (the same chunk PREFETCH_ROWS rows on; rows
- * are contiguous in the store). A prefetch never faults, also past the end of the weights.
- * Into L2, not L1 (locality 2: prefetcht1): on the H200 host's Xeon, in two passes, a 4-expert
- * 1-token call read 66 % of the DRAM rate against 58-59 % with prefetcht0, and one thread 7.2-8.4
- * GB/s against 6.0-6.8; t2 was in between, nta 2-4x slower (benchmarks/bench_cpu_experts.py). */
-static inline void prefetch_ahead(const uint8_t *p, size_t ahead) {
-    __builtin_prefetch((const void *)((uintptr_t)p + ahead), 0, 2);
-}
 
 /* ---- AVX-512 ------------------------------------------------------------------------- */
 #define T_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
@@ -1050,6 +1058,8 @@ T_512 INL void rows_block512(const rows_w *m, int r, int r_end, const float *x, 
     const uint8_t *rp[4];
     int rr[4];
     rows_at(m, r, r_end, 4, rr, rp);
+    const size_t esz = rows_esize(m); /* each row's next lines, PREFETCH_ROWS rows on, asked for (see prefetch_ahead) */
+    const size_t ahead = r + 4 + PREFETCH_ROWS <= r_end ? (size_t)PREFETCH_ROWS * in * esz : 0;
     __m512 acc[4][4];
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
@@ -1065,7 +1075,10 @@ T_512 INL void rows_block512(const rows_w *m, int r, int r_end, const float *x, 
             const __mmask16 lanes = c1 - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - c)) - 1);
             __m512 wv[4];
 #pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) wv[k] = rows_load512(m, rp[k], c, lanes, sc[k]);
+            for (int k = 0; k < 4; k++) {
+                if (((c * (int)esz) & 63) == 0) prefetch_ahead(rp[k] + (size_t)c * esz, ahead);
+                wv[k] = rows_load512(m, rp[k], c, lanes, sc[k]);
+            }
 #pragma GCC unroll 4
             for (int t = 0; t < TG; t++) {
                 const __m512 xv = _mm512_maskz_loadu_ps(lanes, x + (size_t)(t0 + t) * in + c);

@@ -815,13 +815,14 @@ def test_rows_fp8_nan_codes_give_nan_and_many_experts_in_one_call(level):
     """An FP8 NaN code (0x7F or 0xFF) in a gate row makes that token's outputs NaN, as the
     library's dequantized weight does; a layer's call of several row experts equals one call per
     expert."""
-    H, I, b = 64, 32, 16
+    H, I, b = 64, 32, 32
     args, _ = rows_expert(H, I, seed=7, wdtype=torch.float8_e4m3fn, block=b)
     q1 = args[0].clone()
     q1.view(torch.uint8)[3, 5] = 0xFF  # a gate row: h[3] is NaN, so every output is
     x = torch.randn(2, H, generator=torch.Generator().manual_seed(8))
     with CpuExperts(threads=2, level=level) as k:
-        assert k.forward(ExpertWeights.rows(q1, *args[1:]), x).isnan().all()
+        for round_bf16 in (False, True):  # the float32 kernels; a bf16 model's (bf16 dot products where they run)
+            assert k.forward(ExpertWeights.rows(q1, *args[1:], round_bf16=round_bf16), x).isnan().all()
         ws = [ExpertWeights.rows(*rows_expert(H, I, seed=s, wdtype=d, block=b)[0])
               for s, d in ((1, torch.float8_e4m3fn), (2, torch.float8_e4m3fn), (3, torch.float8_e4m3fn))]
         rows = torch.tensor([0, 1, 1, 0], dtype=torch.int32)
