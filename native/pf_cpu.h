@@ -52,7 +52,9 @@
  * tokens: 16 weight rows x 16 tokens per tile multiply, each group's scale folded into its
  * weights' exponents). The row formats run on the AVX2 and AVX-512 kernels at every level above
  * the portable one (FP8 through float16: F16C / AVX-512's conversion), the portable kernel
- * where a row or an FP8 block is not whole vector chunks (AVX2: 8 weights; AVX-512 blocks: 16).
+ * where a row or an FP8 block is not whole vector chunks (AVX2: 8 weights; AVX-512 blocks: 16);
+ * from AVX512_BF16 on, a bf16 model's FP8 (blocks of whole 32-weight chunks) and float32 rows
+ * take bf16 dot products (each weight rounded to bf16 as that model's is; x a bf16 value).
  */
 #ifndef PF_CPU_H
 #define PF_CPU_H
