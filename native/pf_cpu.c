@@ -141,6 +141,21 @@ static inline void rows_at(const rows_w *m, int r, int r_end, int n, int *rr, co
     }
 }
 
+/* How far ahead rows r .. r + n - 1 ask for their next lines (prefetch_ahead): PREFETCH_ROWS rows
+ * on, while the range has rows there (0: the lines being read). */
+static inline size_t rows_ahead(const rows_w *m, int r, int r_end, int n) {
+    return r + n + PREFETCH_ROWS <= r_end ? (size_t)PREFETCH_ROWS * (size_t)m->in * rows_esize(m) : 0;
+}
+
+/* the columns that share one scale (FP8: a block; other formats: the whole row) */
+static inline int rows_span(const rows_w *m) { return m->fmt == PF_CPU_FP8_ROWS ? m->block : m->in; }
+
+/* FP8: the scales of column span j of rows rr[0 .. n), times 2^8 (the float16 route's factor);
+ * other formats: zeros (unused) */
+static inline void rows_span_scales(const rows_w *m, const int *rr, int n, int j, float *sc) {
+    for (int k = 0; k < n; k++) sc[k] = m->fmt == PF_CPU_FP8_ROWS ? rows_scale_at(m, rr[k], j) * 256.0f : 0.0f;
+}
+
 /* weight (r, k) as the model computes with it */
 static inline float rows_weight(const rows_w *m, int r, int k) {
     const size_t i = (size_t)r * (size_t)m->in + (size_t)k;
@@ -467,22 +482,20 @@ T_AVX2H INL __m256 rows_load_avx2(const rows_w *m, const uint8_t *row, int k, fl
 /* 2 rows (the second clamped to r_end - 1) x TG tokens, over whole 8-weight chunks; `in` % 8 == 0 */
 T_AVX2H INL void rows_block_avx2(const rows_w *m, int r, int r_end, const float *x, int t0, const int TG, float *y,
                                  int ys) {
-    const int in = m->in, fp8 = m->fmt == PF_CPU_FP8_ROWS;
+    const int in = m->in;
     const uint8_t *rp[2];
     int rr[2];
     rows_at(m, r, r_end, 2, rr, rp);
-    const size_t esz = rows_esize(m); /* each row's next lines, PREFETCH_ROWS rows on, asked for (see prefetch_ahead) */
-    const size_t ahead = r + 2 + PREFETCH_ROWS <= r_end ? (size_t)PREFETCH_ROWS * in * esz : 0;
+    const size_t esz = rows_esize(m), ahead = rows_ahead(m, r, r_end, 2);
     __m256 acc[2][4];
 #pragma GCC unroll 2
     for (int k = 0; k < 2; k++)
 #pragma GCC unroll 4
         for (int t = 0; t < TG; t++) acc[k][t] = _mm256_setzero_ps();
-    const int span = fp8 ? m->block : in; /* FP8: one scale a span */
+    const int span = rows_span(m);
     for (int c0 = 0, j = 0; c0 < in; c0 += span, j++) {
-        float sc[2] = {0};
-        if (fp8)
-            for (int k = 0; k < 2; k++) sc[k] = rows_scale_at(m, rr[k], j) * 256.0f;
+        float sc[2];
+        rows_span_scales(m, rr, 2, j, sc);
         for (int c = c0; c < c0 + span; c += 8) {
             __m256 wv[2];
 #pragma GCC unroll 2
@@ -1051,6 +1064,16 @@ T_512 INL __m512 rows_load512(const rows_w *m, const uint8_t *row, int k, __mmas
     return m->round ? round512(v, 1) : v;
 }
 
+/* the row sums of acc (4 rows x TG tokens) into y, for the rows before r_end */
+T_512 INL void rows_store512(__m512 acc[4][4], int r, int r_end, int t0, const int TG, float *y, int ys) {
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        if (r + k >= r_end) break;
+#pragma GCC unroll 4
+        for (int t = 0; t < TG; t++) y[(size_t)(t0 + t) * ys + r + k] = _mm512_reduce_add_ps(acc[k][t]);
+    }
+}
+
 /* 4 rows (the last ones clamped to r_end - 1) x TG tokens */
 T_512 INL void rows_block512(const rows_w *m, int r, int r_end, const float *x, int t0, const int TG, float *y,
                              int ys) {
@@ -1058,18 +1081,16 @@ T_512 INL void rows_block512(const rows_w *m, int r, int r_end, const float *x, 
     const uint8_t *rp[4];
     int rr[4];
     rows_at(m, r, r_end, 4, rr, rp);
-    const size_t esz = rows_esize(m); /* each row's next lines, PREFETCH_ROWS rows on, asked for (see prefetch_ahead) */
-    const size_t ahead = r + 4 + PREFETCH_ROWS <= r_end ? (size_t)PREFETCH_ROWS * in * esz : 0;
+    const size_t esz = rows_esize(m), ahead = rows_ahead(m, r, r_end, 4);
     __m512 acc[4][4];
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
 #pragma GCC unroll 4
         for (int t = 0; t < TG; t++) acc[k][t] = _mm512_setzero_ps();
-    const int fp8 = m->fmt == PF_CPU_FP8_ROWS, span = fp8 ? m->block : in; /* FP8: one scale a span */
+    const int span = rows_span(m);
     for (int c0 = 0, j = 0; c0 < in; c0 += span, j++) {
-        float sc[4] = {0};
-        if (fp8)
-            for (int k = 0; k < 4; k++) sc[k] = rows_scale_at(m, rr[k], j) * 256.0f;
+        float sc[4];
+        rows_span_scales(m, rr, 4, j, sc);
         const int c1 = c0 + span < in ? c0 + span : in;
         for (int c = c0; c < c1; c += 16) {
             const __mmask16 lanes = c1 - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - c)) - 1);
@@ -1087,12 +1108,7 @@ T_512 INL void rows_block512(const rows_w *m, int r, int r_end, const float *x, 
             }
         }
     }
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-        if (r + k >= r_end) break;
-#pragma GCC unroll 4
-        for (int t = 0; t < TG; t++) y[(size_t)(t0 + t) * ys + r + k] = _mm512_reduce_add_ps(acc[k][t]);
-    }
+    rows_store512(acc, r, r_end, t0, TG, y, ys);
 }
 
 /* FP8 blocks that are not whole 16-weight chunks take the portable kernel (one scale a chunk here) */
@@ -1149,18 +1165,16 @@ T_BF16 INL void rows_block_bf16(const rows_w *m, int r, int r_end, const float *
     const uint8_t *rp[4];
     int rr[4];
     rows_at(m, r, r_end, 4, rr, rp);
-    const size_t esz = rows_esize(m); /* each row's next lines, PREFETCH_ROWS rows on, asked for (see prefetch_ahead) */
-    const size_t ahead = r + 4 + PREFETCH_ROWS <= r_end ? (size_t)PREFETCH_ROWS * in * esz : 0;
+    const size_t esz = rows_esize(m), ahead = rows_ahead(m, r, r_end, 4);
     __m512 acc[4][4];
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++)
 #pragma GCC unroll 4
         for (int t = 0; t < TG; t++) acc[k][t] = _mm512_setzero_ps();
-    const int fp8 = m->fmt == PF_CPU_FP8_ROWS, span = fp8 ? m->block : in; /* FP8: one scale a span */
+    const int span = rows_span(m);
     for (int c0 = 0, j = 0; c0 < in; c0 += span, j++) {
-        float sc[4] = {0};
-        if (fp8)
-            for (int k = 0; k < 4; k++) sc[k] = rows_scale_at(m, rr[k], j) * 256.0f;
+        float sc[4];
+        rows_span_scales(m, rr, 4, j, sc);
         const int c1 = c0 + span < in ? c0 + span : in;
         for (int c = c0; c < c1; c += 32) {
             const __mmask32 lanes = c1 - c >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (c1 - c)) - 1);
@@ -1181,12 +1195,7 @@ T_BF16 INL void rows_block_bf16(const rows_w *m, int r, int r_end, const float *
             }
         }
     }
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-        if (r + k >= r_end) break;
-#pragma GCC unroll 4
-        for (int t = 0; t < TG; t++) y[(size_t)(t0 + t) * ys + r + k] = _mm512_reduce_add_ps(acc[k][t]);
-    }
+    rows_store512(acc, r, r_end, t0, TG, y, ys);
 }
 
 /* a bf16 model's FP8 rows (blocks of whole 32-weight chunks) and float32 rows; the others: dense_rows_512 */
