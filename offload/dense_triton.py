@@ -30,9 +30,8 @@ from __future__ import annotations
 import torch
 
 from pdflash.offload.mxfp4_triton import available  # noqa: F401  (same conditions: Triton on CUDA, or its interpreter)
+from pdflash.offload.mxfp4_triton import block_n
 
-BLOCK_N = 16  # output features per program
-BLOCK_N_CPU = 64  # on Triton's CPU interpreter: fewer, wider programs (see mxfp4_triton.BLOCK_N_CPU)
 BLOCK_C = 256  # weight elements per row per loop step
 
 _KERNELS = None
@@ -110,7 +109,7 @@ class FusedDenseExperts:
         wv = slots.view(torch.uint8 if self.fp8 else self.wdtype)
         sv = slots.view(self.sdtype) if self.fp8 else wv
         bf16 = self.dtype == torch.bfloat16
-        bn = BLOCK_N if slots.device.type == "cuda" else BLOCK_N_CPU
+        bn = block_n(slots.device)  # output features per program, as mxfp4_triton's
         k.dense_gate_up_silu[(n, k.triton.cdiv(I, bn))](
             x, x.stride(0), work, n, wv, wv.stride(0), sv, sv.stride(0), h, self.w_off[0], self.s_off[0], I, top_k,
             NCOL=H, BLK=self.block, BN=bn, BC=BLOCK_C, FP8=self.fp8, BF16=bf16,

@@ -79,6 +79,11 @@ def triton_available(device: torch.device, switch: str) -> bool:
     return True
 
 
+def block_n(device: torch.device) -> int:
+    """Output features per program of the fused expert kernels (this module's and dense_triton's)."""
+    return BLOCK_N if device.type == "cuda" else BLOCK_N_CPU
+
+
 def _kernels():
     global _KERNELS
     if _KERNELS is None:
@@ -125,7 +130,7 @@ class FusedMxfp4Experts:
         if n == 0:
             return
         I, H = self.inter, self.hidden
-        bn = BLOCK_N if slots.device.type == "cuda" else BLOCK_N_CPU
+        bn = block_n(slots.device)
         lut = _lut(slots.device)
         gu_w, gu_s, gu_bias = self.gu
         dn_w, dn_s, dn_bias = self.dn
