@@ -76,6 +76,7 @@ def min_cache_experts(num_experts: int, top_k: int, block_tokens: int) -> int:
 
 _HOST_STEP_OF_ARM = {"all": "all", "host": "host", "model": "split"}  # the guard's arms as host steps
 GUARD_TRACE_STEPS = 64  # the guard's first steps kept for --json (arm, tokens, ms, how counted)
+LINK_PROBE_EXPERTS = 8  # experts copied (twice) to time the link before the guard orders its arms
 
 class RoutingRecord:
     """Experts each layer used, per forward, while recording (``OffloadedModel.record_routing``)."""
@@ -257,6 +258,7 @@ class OffloadedModel:
             raise PdflashError(f"could not start the fetch scheduler: {exc}") from None
         self.cache = ExpertCache(self.host, self.scheduler, dev, n_slots, policy=eviction)
         self.placer = None
+        self.link_probe_bps = None  # _probe_link's rate (bytes/s), where the guard's order was timed
         self.link_gbps = link_gbps
         self.link_emulated = link_gbps is not None and dev.type == "cuda"  # real copies paced to link_gbps
         self.block_tokens = block_tokens
@@ -320,12 +322,31 @@ class OffloadedModel:
             from pdflash.offload.cpu_compute import CpuPlacement, HybridGuard, guard_order
 
             self.cpu.calibrate()
+            if self.device.type == "cuda" and self.link_gbps is None:
+                self.link_probe_bps = self._probe_link()
             order = guard_order(self.cpu.seconds_for(1), self.cost.seconds_per_expert_fetch(), self._host_steps_likely())
             guard = HybridGuard(arms=order, trace=GUARD_TRACE_STEPS) if hybrid_guard else None
             self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
                                        background_band=self._background_priority, guard=guard)
             if guard is not None:
                 self.add_forward_observer(guard.on_forward)
+
+    def _probe_link(self, experts: int = LINK_PROBE_EXPERTS) -> float | None:
+        """Time the link as :meth:`CpuRunner.calibrate` times the kernel, for the guard's order:
+        copy ``experts`` of layer 0's experts into the cache through the scheduler twice (the first
+        round pays the copies' start-up), feed the second round's rate to the cost model (its
+        prior until then: 25 GB/s on CUDA), and empty the cache and the statistics again. Returns
+        the rate measured (bytes/s), or None."""
+        n = min(experts, self.cache.capacity, self.family.num_experts)
+        keys = [(0, e) for e in range(n)]
+        rate = None
+        for measured in (False, True):
+            self.cache.reset()  # an empty cache (every key copies) and the scheduler's counters at zero
+            self.cost.observe_scheduler(self.scheduler.stats())  # the interval starts here
+            if self.cache.fill(keys) == n and measured:
+                rate = self.cost.observe_scheduler(self.scheduler.stats())
+        self.cache.reset()
+        return rate
 
     def _host_handoff(self) -> str | None:
         """How host steps hand their layers to the CPU (host_graph.py): "flags" (the relay),
@@ -639,6 +660,7 @@ class OffloadedModel:
                                 "cancelled": fs.route_ahead_cancelled,
                                 "precision": fs.route_ahead_used / fs.route_ahead_sent if fs.route_ahead_sent else None},
                 "guard": self.placer.guard.stats() if self.placer is not None and self.placer.guard is not None else None,
+                "link_probe_gbps": self.link_probe_bps / 1e9 if self.link_probe_bps else None,  # timed at load
                 "cache_experts_native": self.slot_cpu is not None,
                 **(self.cpu.stats() if self.cpu is not None else {}),
             },

@@ -299,11 +299,15 @@ def test_a_bad_abandon_setting_is_refused():
 def test_guard_order_puts_the_host_arms_first_unless_the_link_clearly_beats_the_kernel():
     assert guard_order(0.2e-3, 0.5e-3) == ("all", "host", "model", "off")
     assert guard_order(0.2e-3, 0.5e-3, host_steps=True) == ("host", "all", "model", "off")
-    # a near tie (the kernel up to HOST_FIRST_FACTOR x slower an expert than the link) keeps the host arms first
+    # with host steps a near tie (the kernel up to HOST_FIRST_FACTOR x slower an expert than the link)
+    # keeps the host arms first
     assert guard_order(0.6e-3, 0.5e-3, host_steps=True) == ("host", "all", "model", "off")
-    assert guard_order(0.99e-3, 0.5e-3) == ("all", "host", "model", "off")
+    assert guard_order(0.99e-3, 0.5e-3, host_steps=True) == ("host", "all", "model", "off")
     assert guard_order(1.1e-3, 0.5e-3, host_steps=True) == GUARD_ARMS
-    assert guard_order(1.1e-3, 0.5e-3) == GUARD_ARMS
+    # without them (a segment per layer either way) the kernel must beat the link an expert
+    assert guard_order(0.49e-3, 0.5e-3) == ("all", "host", "model", "off")
+    assert guard_order(0.6e-3, 0.5e-3) == GUARD_ARMS
+    assert guard_order(0.99e-3, 0.5e-3) == GUARD_ARMS
     assert guard_order(None, 0.5e-3) == GUARD_ARMS  # not calibrated: fetch-only first
     assert sorted(guard_order(0.2e-3, 0.5e-3)) == sorted(GUARD_ARMS)
 

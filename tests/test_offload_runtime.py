@@ -190,6 +190,21 @@ def test_cache_size_in_mib(ck):
         assert rt.cache.capacity == int(0.1 * 2**20 // rt.cache.slot_bytes)
 
 
+def test_the_link_probe_times_real_copies_and_leaves_the_cache_empty(ck):
+    # the guard's order is timed on CUDA; the probe itself is the same on the memcpy backend
+    with OffloadedModel.load(ck, expert_cache_experts=2 * E, link_gbps=0.05) as rt:
+        assert rt.link_probe_bps is None  # a simulated link: its rate is the prior, nothing is probed
+        rt.forget_costs()
+        assert not rt.cost.link_measured
+        rate = rt._probe_link(experts=4)
+        assert rate is not None and rt.cost.link_measured and rt.cost.link_bytes_per_s == rate
+        assert 0.03e9 < rate < 0.06e9  # the paced link: 50 MB/s
+        assert all(not v for v in rt.resident_experts().values())
+        st = rt.stats()
+        assert st["bytes_moved"] == 0 and st["cache"]["misses"] == 0
+        assert len(generate(rt, PROMPT, max_new_tokens=3).token_ids) == 3  # still usable
+
+
 def test_reset_cache_a_hundred_times_without_hang(ck):
     def body():
         with OffloadedModel.load(ck, expert_cache_experts=8, link_gbps=0.01, lookahead_depth=1, history_depth=2) as rt:
