@@ -112,6 +112,14 @@ static inline float round_bf16(float f) {
     return f;
 }
 
+/* float32 -> the bits of the nearest bfloat16 (round_bf16's; a NaN stays a NaN) */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    f = round_bf16(f);
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)(u >> 16);
+}
+
 static inline int is_rows(int fmt) { return fmt >= PF_CPU_F32_ROWS && fmt <= PF_CPU_FP8_ROWS; }
 
 /* One matrix of a row format (pf_cpu_weights' gate_up or down, with its scales): nrows rows of
@@ -208,6 +216,8 @@ typedef void (*dense_cols_fn)(const void *w, int fmt, int in, int ncols, int c0,
 /* dense_rows: y[t*ys + r] = sum_k W[r][k] x[t][k] for rows r in [r0, r1) of a row-format matrix
  *   (rows_w); x: T rows of m->in floats. */
 typedef void (*dense_rows_fn)(const rows_w *m, int r0, int r1, const float *x, int T, float *y, int ys);
+/* the row formats on AMX tiles: x as bf16 B tiles (amx_pos_rows) */
+typedef void (*dense_rows_amx_fn)(const rows_w *m, int r0, int r1, const uint16_t *xb, int T, float *y, int ys);
 
 /* ---- portable kernels ---------------------------------------------------------------- */
 static void mx_rows_scalar(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
@@ -1216,6 +1226,179 @@ T_BF16 static void dense_rows_bf16(const rows_w *m, int r0, int r1, const float 
     }
 }
 
+/* ---- AMX for the row formats: a bf16 model's rows, AMX_MIN_TOKENS .. 16 tokens ------------
+ * The row kernels above pay every token's dot products, so an expert of a prefill or a verify
+ * block costs T times a token's (a Qwen3-30B-A3B-shaped bf16 expert on 2 threads: 0.45 ms at
+ * T = 1, 1.37 ms at T = 16, where PyTorch's matmul takes 0.64). Here an A tile holds 16 weight
+ * rows' 32 weights of a chunk as bf16: bf16 rows are loaded from the store as they are (the row
+ * is the stride) when the block has all 16 rows; FP8 and float32 rows go through a scratch tile,
+ * rounded to bf16 with their scale by rows_load32_bf16 (the weights the model computes with), as
+ * do a short last block's rows (clamped to the last row: nothing past the matrix is read). B
+ * tiles hold the token rows in natural order (amx_pos_rows). Products are exact, as in
+ * rows_block_bf16; the sums run in another order. Rows and FP8 blocks must be whole 32-weight
+ * chunks (run_experts checks). Each block prefetches the same chunk of the next block's rows. */
+static inline size_t amx_pos_rows(size_t t, size_t e) { return (e / 32) * 512 + (e % 32 / 2) * 32 + 2 * t + (e & 1); }
+
+/* r[i] <- column i of the 16 x 16 matrix whose rows were r[0 .. 16) */
+T_512 INL void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4; i++) {
+            t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+            t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    }
+}
+
+#ifdef PF_AMX_EMULATE
+#define T_AMXR T_BF16
+#else
+#define T_AMXR __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl,avx512bw,avx2,fma")))
+#endif
+
+/* rows rp[0 .. 16) at column c as one A tile in a (16 rows of 32 bf16) */
+T_AMXR INL void rows_fill_a(const rows_w *m, const uint8_t *const *rp, int c, const float *sc, uint16_t *a) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 16; i++) {
+        __m512i v;
+        if (m->fmt == PF_CPU_BF16_ROWS) v = _mm512_loadu_si512((const void *)((const uint16_t *)rp[i] + c));
+        else v = (__m512i)rows_load32_bf16(m, rp[i], c, 0xffffffffu, sc[i]);
+        _mm512_store_si512((void *)(a + i * 32), v);
+    }
+}
+
+/* chunk Q of the block into accumulator ACC, its A tile in TA (4 or 5), its B tile in TB */
+#define ROWS_AMX_STEP(ACC, TA, TB, Q)                                                              \
+    do {                                                                                           \
+        const int c_ = (Q) * 32;                                                                   \
+        if (((size_t)c_ * esz & 63) == 0)                                                          \
+            for (int i_ = 0; i_ < 16; i_++) prefetch_ahead(rp[i_] + (size_t)c_ * esz, ahead);       \
+        if (direct) {                                                                              \
+            AMX_LOAD(TA, (const uint16_t *)rp[0] + c_, row_bytes);                                 \
+        } else {                                                                                   \
+            if (m->fmt == PF_CPU_FP8_ROWS && c_ % span == 0) rows_span_scales(m, rr, 16, c_ / span, sc); \
+            rows_fill_a(m, rp, c_, sc, a[(TA) - 4]);                                               \
+            AMX_LOAD(TA, a[(TA) - 4], 64);                                                         \
+        }                                                                                          \
+        AMX_LOAD(TB, xb + (size_t)(Q) * 512, 64);                                                  \
+        AMX_DP(ACC, TA, TB);                                                                       \
+    } while (0)
+
+/* rows [r0, r1) of m for the T token rows in xb (amx_pos_rows order) -> y[t * ys + r] */
+T_AMXR static void dense_rows_amx(const rows_w *m, int r0, int r1, const uint16_t *xb, int T, float *y, int ys) {
+    const int C = m->in / 32, span = rows_span(m);
+    const size_t esz = rows_esize(m), row_bytes = (size_t)m->in * esz;
+    _Alignas(64) uint16_t a[2][16 * 32];
+    _Alignas(64) float cb[4][16 * 16];
+    float sc[16] = {0};
+    /* tiles 0-3: one accumulator per chunk of four (see mx_rows_amx); 4, 5: A; 6, 7: B */
+    amx_tilecfg cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    AMX_CONFIG(&cfg);
+    for (int rb = r0; rb < r1; rb += 16) {
+        const int rows = r1 - rb < 16 ? r1 - rb : 16;
+        const int direct = m->fmt == PF_CPU_BF16_ROWS && rows == 16;
+        const size_t ahead = rb + 32 <= r1 ? 16 * row_bytes : 0;
+        const uint8_t *rp[16];
+        int rr[16];
+        rows_at(m, rb, r1, 16, rr, rp);
+        AMX_ZERO(0);
+        AMX_ZERO(1);
+        AMX_ZERO(2);
+        AMX_ZERO(3);
+        int q = 0;
+        for (; q + 4 <= C; q += 4) {
+            ROWS_AMX_STEP(0, 4, 6, q);
+            ROWS_AMX_STEP(1, 5, 7, q + 1);
+            ROWS_AMX_STEP(2, 4, 6, q + 2);
+            ROWS_AMX_STEP(3, 5, 7, q + 3);
+        }
+        if (q < C) ROWS_AMX_STEP(0, 4, 6, q);
+        if (q + 1 < C) ROWS_AMX_STEP(1, 5, 7, q + 1);
+        if (q + 2 < C) ROWS_AMX_STEP(2, 4, 6, q + 2);
+        AMX_STORE(0, cb[0], 64);
+        AMX_STORE(1, cb[1], 64);
+        AMX_STORE(2, cb[2], 64);
+        AMX_STORE(3, cb[3], 64);
+        __m512 v[16]; /* row i's 16 token results, then (transposed) token n's 16 rows */
+        for (int i = 0; i < 16; i++)
+            v[i] = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(cb[0] + i * 16), _mm512_load_ps(cb[1] + i * 16)),
+                                 _mm512_add_ps(_mm512_load_ps(cb[2] + i * 16), _mm512_load_ps(cb[3] + i * 16)));
+        transpose16(v);
+        const __mmask16 live = (__mmask16)((1u << rows) - 1);
+        for (int n = 0; n < T; n++) _mm512_mask_storeu_ps(y + (size_t)n * ys + rb, live, v[n]);
+    }
+    AMX_RELEASE();
+}
+#undef ROWS_AMX_STEP
+
+/* e^v in every lane, to about 2 float ulps: 2^n (scalef) times 2^f, |f| <= 1/2, by its Taylor
+ * polynomial in f ln 2 (degree 7); overflow gives inf, underflow 0, NaN stays NaN */
+T_BF16 INL __m512 exp512(__m512 v) {
+    const __m512 t = _mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* AMX rows, phase 1's tail: pairs [k0, k1) of each token's gate_up results gu (gate k, up I + k)
+ * -> h = silu_h(gate, up, rounded), as bf16 in the down tiles' B order (amx_pos_rows). k0, k1:
+ * multiples of 16 (grabs of whole tiles). */
+T_BF16 static void rows_amx_h(const float *gu, int I, int T, int k0, int k1, uint16_t *hb) {
+    const __m256i pairs = _mm256_set_epi32(7 * 16, 6 * 16, 5 * 16, 4 * 16, 3 * 16, 2 * 16, 16, 0); /* dwords: 64 bytes apart */
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * I;
+        for (int k = k0; k < k1; k += 16) {
+            const __m512 gate = round512(_mm512_loadu_ps(g + k), 1), up = round512(_mm512_loadu_ps(g + I + k), 1);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+            const __m512 sg = round512(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), 1);
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(sg, up)); /* the product's rounding */
+            _mm256_i32scatter_epi32((int *)(hb + amx_pos_rows((size_t)t, (size_t)k)), pairs, (__m256i)h, 4);
+        }
+    }
+}
+
+/* AMX rows, phase 2's tail: outputs [lo, hi) of each token (y, rounded to bf16) times its scale
+ * into out's rows (down_part without a bias) */
+T_BF16 static void rows_amx_out(const float *y, int H, int T, int lo, int hi, const float *scale, const int *dest,
+                                float *out, int out_stride) {
+    for (int t = 0; t < T; t++) {
+        const float *yt = y + (size_t)t * H;
+        float *ot = out + (size_t)dest[t] * out_stride;
+        const __m512 s = _mm512_set1_ps(scale ? scale[t] : 1.0f);
+        for (int o = lo; o < hi; o += 16) {
+            const __mmask16 m = hi - o >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi - o)) - 1);
+            _mm512_mask_storeu_ps(ot + o, m, _mm512_mul_ps(round512(_mm512_maskz_loadu_ps(m, yt + o), 1), s));
+        }
+    }
+}
+
 T_512 static uint64_t read_512(const uint8_t *p, size_t n) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     size_t i = 0;
@@ -1299,10 +1482,12 @@ typedef struct task {
     int bf16_x;          /* phase 1 uses the bf16 MXFP4 kernel (x in xb) */
     int bf16_h;          /* phase 2 uses it too (h, bf16 values when round_bf16, in hb) */
     int amx_x, amx_h;    /* ... as AMX tiles (at least AMX_MIN_TOKENS tokens): xb / hb in amx_pos order */
+    int amx_rows;        /* a row format on AMX tiles (amx_x and amx_h set too): xb / hb in amx_pos_rows order */
     const float *scale;  /* [T] factor of each output row, or NULL */
     const int *dest;     /* [T] rows of out */
     size_t xo, guo, ho, yo; /* ho: into h, or into hb when bf16_h */
     int u1, u2;          /* first unit of this task in phase 1 / phase 2 */
+    int unit1, unit2;    /* its unit in phase 1 / phase 2 (unit_of; AMX rows: a tile's 16 rows) */
 } task;
 
 typedef struct job {
@@ -1326,6 +1511,7 @@ struct pf_cpu {
     mx_rows_fn mx_rows;
     mx_rows_bf16_fn mx_rows_bf16; /* NULL below PF_CPU_LEVEL_AVX512_BF16 */
     mx_rows_bf16_fn mx_rows_amx;  /* NULL below PF_CPU_LEVEL_AMX_BF16; x in B tiles (amx_pos) */
+    dense_rows_amx_fn rows_amx;   /* NULL below PF_CPU_LEVEL_AMX_BF16; x in B tiles (amx_pos_rows) */
     dense_cols_fn dense_cols;
     dense_rows_fn dense_rows;
     read_fn read;
@@ -1426,6 +1612,13 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
         const int H = w->hidden, mx = w->format == PF_CPU_MXFP4;
         for (int t = r0 > base ? r0 - base : 0; t < tk->T && base + t < r1; t++) {
             const char *xt = (const char *)j->x + (size_t)j->xrow[base + t] * j->x_stride * j->x_size;
+            if (tk->amx_rows) { /* B tiles in natural order; whole chunks, nothing to pad */
+                uint16_t *dt = c->xb + tk->xo;
+                for (int e = 0; e < H; e++)
+                    dt[amx_pos_rows((size_t)t, (size_t)e)] = j->x_format == PF_CPU_BF16
+                        ? ((const uint16_t *)xt)[e] : bf16_bits(((const float *)xt)[e]);
+                continue;
+            }
             if (tk->bf16_h && !tk->amx_h) { /* the padding of this row of hb (phase 1 writes the rest) */
                 const size_t I = (size_t)w->inter;
                 uint16_t *ht = c->hb + tk->ho + (size_t)t * pad128(I);
@@ -1469,7 +1662,16 @@ static void gate_up_rows(pf_cpu *c, const task *tk, int lo, int hi) {
     const pf_cpu_weights *w = tk->w;
     const int I = w->inter, T = tk->T, k0 = lo / 2, k1 = hi / 2;
     const rows_w m = rows_of(w, 1);
-    float *gu = c->gu + tk->guo, *h = c->h + tk->ho;
+    float *gu = c->gu + tk->guo;
+    if (tk->amx_rows) { /* h into hb, the down tiles' B order (a round_bf16 h is a bf16 value) */
+        c->rows_amx(&m, k0, k1, c->xb + tk->xo, T, gu, 2 * I);
+        c->rows_amx(&m, I + k0, I + k1, c->xb + tk->xo, T, gu, 2 * I);
+#if PF_X86
+        rows_amx_h(gu, I, T, k0, k1, c->hb + tk->ho);
+#endif
+        return;
+    }
+    float *h = c->h + tk->ho;
     c->dense_rows(&m, k0, k1, c->xp + tk->xo, T, gu, 2 * I);
     c->dense_rows(&m, I + k0, I + k1, c->xp + tk->xo, T, gu, 2 * I);
     for (int t = 0; t < T; t++) {
@@ -1535,7 +1737,16 @@ static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
     const int H = w->hidden, I = w->inter, T = tk->T;
     float *y = c->y + tk->yo;
     if (w->format == PF_CPU_MXFP4) prefetch_grab(w->down, I, lo, hi);
-    if (tk->amx_h)
+    if (tk->amx_rows) {
+        const rows_w m = rows_of(w, 0);
+        c->rows_amx(&m, lo, hi, c->hb + tk->ho, T, y, H);
+#if PF_X86
+        if (!w->down_bias) {
+            rows_amx_out(y, H, T, lo, hi, tk->scale, tk->dest, j->out, j->out_stride);
+            return;
+        }
+#endif
+    } else if (tk->amx_h)
         c->mx_rows_amx((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->hb + tk->ho, T, y, H);
     else if (tk->bf16_h)
         c->mx_rows_bf16((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->hb + tk->ho, T, y, H);
@@ -1567,7 +1778,7 @@ static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
 static void tasks_part(pf_cpu *c, const job *j, int a, int b, int phase) {
     for (int k = 0; k < j->ntasks; k++) {
         const task *tk = &j->tasks[k];
-        const int unit = unit_of(tk->w), first = phase == 1 ? tk->u1 : tk->u2;
+        const int unit = phase == 1 ? tk->unit1 : tk->unit2, first = phase == 1 ? tk->u1 : tk->u2;
         const int n = phase == 1 ? 2 * tk->w->inter : tk->w->hidden, nu = (n + unit - 1) / unit;
         if (first >= b) break;
         if (first + nu <= a) continue;
@@ -1850,9 +2061,15 @@ int pf_cpu_create(int threads, int level, pf_cpu **out) {
     }
 #if defined(PF_AMX_EMULATE) && defined(PF_AMX_EMULATE_CONTEXTS)
     /* a test build (tests/test_cpu_experts.py): the software tiles stand in for AMX wherever the bf16 kernels run */
-    if (level >= PF_CPU_LEVEL_AVX512_BF16) c->mx_rows_amx = mx_rows_amx;
+    if (level >= PF_CPU_LEVEL_AVX512_BF16) {
+        c->mx_rows_amx = mx_rows_amx;
+        c->rows_amx = dense_rows_amx;
+    }
 #else
-    if (level >= PF_CPU_LEVEL_AMX_BF16) c->mx_rows_amx = mx_rows_amx;
+    if (level >= PF_CPU_LEVEL_AMX_BF16) {
+        c->mx_rows_amx = mx_rows_amx;
+        c->rows_amx = dense_rows_amx;
+    }
 #endif
 #endif
     if (threads > 1) {
@@ -2032,7 +2249,7 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
     }
     int first1 = 0, first2 = 0, base = 0;
     /* AMX tiles for experts of AMX_MIN_TOKENS tokens or more, unless the calls are batch invariant */
-    const int amx = c->mx_rows_amx != NULL && !atomic_load_explicit(&c->invariant, memory_order_relaxed);
+    const int amx = !atomic_load_explicit(&c->invariant, memory_order_relaxed);
     for (int k = 0; k < n; k++) {
         const int T = counts[k], I = w[k]->inter, unit = unit_of(w[k]);
         const int mx = w[k]->format == PF_CPU_MXFP4;
@@ -2042,8 +2259,13 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
         tk->T = T;
         tk->bf16_x = mx && x_format == PF_CPU_BF16 && c->mx_rows_bf16 != NULL;
         tk->bf16_h = mx && w[k]->round_bf16 && c->mx_rows_bf16 != NULL;
-        tk->amx_x = tk->bf16_x && amx && T >= AMX_MIN_TOKENS;
-        tk->amx_h = tk->bf16_h && amx && T >= AMX_MIN_TOKENS;
+        tk->amx_x = tk->bf16_x && amx && c->mx_rows_amx != NULL && T >= AMX_MIN_TOKENS;
+        tk->amx_h = tk->bf16_h && amx && c->mx_rows_amx != NULL && T >= AMX_MIN_TOKENS;
+        /* a bf16 model's rows (bf16 values in, exact products) on the tiles: whole 32-weight chunks */
+        tk->amx_rows = amx && c->rows_amx != NULL && T >= AMX_MIN_TOKENS && is_rows(w[k]->format) &&
+                       w[k]->round_bf16 && H % 32 == 0 && I % 32 == 0 &&
+                       (w[k]->format != PF_CPU_FP8_ROWS || w[k]->block % 32 == 0);
+        if (tk->amx_rows) tk->bf16_x = tk->bf16_h = tk->amx_x = tk->amx_h = 1;
         tk->scale = scale ? scale + base : NULL;
         tk->dest = dest + base;
         tk->xo = tk->bf16_x ? nb : nx;
@@ -2055,10 +2277,13 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
         if (tk->bf16_h) nhb += tk->amx_h ? amx_elems((size_t)I) : (size_t)T * pad128((size_t)I);
         else nh += (size_t)T * I;
         tk->yo = (size_t)base * H;
+        /* AMX rows: grabs of whole tiles (16 gate and 16 up rows; 16 down rows), not of 4 rows */
+        tk->unit1 = tk->amx_rows ? 32 : unit;
+        tk->unit2 = tk->amx_rows ? 16 : unit;
         tk->u1 = first1;
         tk->u2 = first2;
-        first1 += (2 * I + unit - 1) / unit;
-        first2 += (H + unit - 1) / unit;
+        first1 += (2 * I + tk->unit1 - 1) / tk->unit1;
+        first2 += (H + tk->unit2 - 1) / tk->unit2;
         base += T;
     }
     int bad = reserve((void **)&c->xp, &c->xp_cap, nx, sizeof(float)) ||

@@ -48,13 +48,16 @@
  * forced lower for testing. Levels: portable C; AVX2 + FMA + F16C; AVX-512 (F, BW, VL); AVX512_BF16
  * (the AVX-512 kernels, plus bf16 dot products for MXFP4 weights whenever both factors are
  * bf16 values: x given in bf16, and h of a round_bf16 expert; the products are exact);
- * AMX_BF16 (those, plus AMX tiles for the same bf16 products where an expert has at least 2
+ * AMX_BF16 (those, plus AMX tiles for the same bf16 products where an expert has at least 4
  * tokens: 16 weight rows x 16 tokens per tile multiply, each group's scale folded into its
  * weights' exponents). The row formats run on the AVX2 and AVX-512 kernels at every level above
  * the portable one (FP8 through float16: F16C / AVX-512's conversion), the portable kernel
  * where a row or an FP8 block is not whole vector chunks (AVX2: 8 weights; AVX-512 blocks: 16);
  * from AVX512_BF16 on, a bf16 model's FP8 (blocks of whole 32-weight chunks) and float32 rows
- * take bf16 dot products (each weight rounded to bf16 as that model's is; x a bf16 value).
+ * take bf16 dot products (each weight rounded to bf16 as that model's is; x a bf16 value). At
+ * AMX_BF16, a bf16 model's rows of every format take the AMX tiles where an expert has at least
+ * AMX_MIN_TOKENS (4) tokens and H, I (and an FP8 block) are whole 32-weight chunks: bf16 rows
+ * loaded into the tiles as stored, FP8 and float32 rows rounded to bf16 on the way.
  */
 #ifndef PF_CPU_H
 #define PF_CPU_H

@@ -819,10 +819,12 @@ def test_rows_fp8_nan_codes_give_nan_and_many_experts_in_one_call(level):
     args, _ = rows_expert(H, I, seed=7, wdtype=torch.float8_e4m3fn, block=b)
     q1 = args[0].clone()
     q1.view(torch.uint8)[3, 5] = 0xFF  # a gate row: h[3] is NaN, so every output is
-    x = torch.randn(2, H, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(8))
     with CpuExperts(threads=2, level=level) as k:
         for round_bf16 in (False, True):  # the float32 kernels; a bf16 model's (bf16 dot products where they run)
-            assert k.forward(ExpertWeights.rows(q1, *args[1:], round_bf16=round_bf16), x).isnan().all()
+            for T in (2, 6):  # 6 tokens: a bf16 model's rows take the AMX tiles where they run
+                assert k.forward(ExpertWeights.rows(q1, *args[1:], round_bf16=round_bf16), x[:T]).isnan().all()
+        x = x[:2]
         ws = [ExpertWeights.rows(*rows_expert(H, I, seed=s, wdtype=d, block=b)[0])
               for s, d in ((1, torch.float8_e4m3fn), (2, torch.float8_e4m3fn), (3, torch.float8_e4m3fn))]
         rows = torch.tensor([0, 1, 1, 0], dtype=torch.int32)
@@ -831,6 +833,31 @@ def test_rows_fp8_nan_codes_give_nan_and_many_experts_in_one_call(level):
         k.forward_many(ws, [2, 1, 1], rows, dest, x, out)
         want = torch.cat([k.forward(ws[0], x[[0, 1]]), k.forward(ws[1], x[[1]]), k.forward(ws[2], x[[0]])])
         assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("wdtype,block", [(torch.bfloat16, None), (torch.float8_e4m3fn, 32), (torch.float32, None)])
+def test_rows_batch_invariant_calls_and_the_tiles_against_the_vector_kernels(level, wdtype, block):
+    """A bf16 model's rows (Qwen3-30B-A3B-like proportions, whole tiles and a cut last one): with
+    set_invariant on, every token of a 1..16-token call gets its one-token call's bits at every
+    level; off, the calls of 4 or more tokens (the AMX tiles where they run) stay within a few bf16
+    steps of those, every output a bf16 value."""
+    H, I = 224, 96  # 14 tiles of 16 down rows; gate_up grabs of 16 pairs and one of 0 (I = 6 x 16)
+    args, _ = rows_expert(H, I, seed=71, wdtype=wdtype, block=block)
+    w = ExpertWeights.rows(*args, round_bf16=True)
+    x = torch.randn(16, H, generator=torch.Generator().manual_seed(72)).bfloat16()
+    with CpuExperts(threads=3, level=level) as k:
+        k.set_invariant(True)
+        alone = torch.cat([k.forward(w, x[i:i + 1]) for i in range(16)])
+        for T in (1, 3, 4, 9, 16):
+            assert torch.equal(k.forward(w, x[:T]), alone[:T]), f"T = {T}"
+        k.set_invariant(False)
+        ulp = torch.clamp(alone.abs(), min=2.0**-10) * 2.0**-7
+        for T in (4, 9, 16):
+            y = k.forward(w, x[:T])
+            assert torch.equal(y, y.bfloat16().float())
+            assert ((y - alone[:T]).abs() <= 4 * ulp[:T]).all(), f"T = {T}"
+            assert (y == alone[:T]).float().mean().item() >= 0.9
 
 
 def test_rows_argument_errors():

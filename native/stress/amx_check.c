@@ -96,6 +96,74 @@ static void check(int in, int rows, int T, int r0, int r1, int extreme) {
     free(ref);
 }
 
+/* The row formats' tiles (dense_rows_amx) against the portable row kernel, for a bf16 model's rows:
+ * bf16, float32 and FP8 (blocks of 32 and 128, float32 or bf16 scales), `rows` rows of `in`,
+ * T tokens, rows [r0, r1) computed (blocks of 16 cut at either end take the scratch tile). Both
+ * compute with the same bf16 weights and exact products; the sums differ in order, so the bound
+ * is the sum of |w x|. One FP8 NaN code: its row's results are NaN in both. */
+static void check_rows(int fmt, int sfmt, int block, int in, int rows, int T, int r0, int r1, int nan_code) {
+    const size_t esz = fmt == PF_CPU_F32_ROWS ? 4 : fmt == PF_CPU_BF16_ROWS ? 2 : 1;
+    const int nb = fmt == PF_CPU_FP8_ROWS ? ((rows + block - 1) / block) * (in / block) : 0;
+    uint8_t *w = malloc((size_t)rows * in * esz);
+    void *scales = nb ? malloc((size_t)nb * 4) : NULL;
+    float *xf = calloc((size_t)T * in, sizeof(float));
+    uint16_t *xb = aligned_alloc(64, amx_elems((size_t)in) * sizeof(uint16_t));
+    float *y = malloc((size_t)T * rows * sizeof(float)), *ref = malloc((size_t)T * rows * sizeof(float));
+    for (size_t i = 0; i < (size_t)rows * in; i++) {
+        const float v = ((float)(rnd() % 2001) - 1000.0f) / 700.0f;
+        if (fmt == PF_CPU_BF16_ROWS) ((uint16_t *)w)[i] = to_bf16(v);
+        else if (fmt == PF_CPU_F32_ROWS) ((float *)w)[i] = v;
+        else w[i] = (uint8_t)(rnd() % 256 == 127 ? 0 : rnd()) & 0xff;
+    }
+    if (fmt == PF_CPU_FP8_ROWS)
+        for (size_t i = 0; i < (size_t)rows * in; i++)
+            if ((w[i] & 0x7f) == 0x7f) w[i] ^= 1; /* no NaN codes but the one asked for */
+    if (nan_code) w[(size_t)(r0 + (r1 - r0) / 2) * in + in / 2] = 0x7f;
+    for (int i = 0; i < nb; i++) {
+        const float sc = ldexpf(1.0f + (float)(rnd() % 100) / 100.0f, -(int)(rnd() % 6));
+        if (sfmt == PF_CPU_BF16) ((uint16_t *)scales)[i] = to_bf16(sc);
+        else ((float *)scales)[i] = sc;
+    }
+    for (size_t i = 0; i < amx_elems((size_t)in); i++) xb[i] = 0x7fc0; /* NaN in every unused token column */
+    for (int t = 0; t < T; t++)
+        for (int e = 0; e < in; e++) {
+            uint16_t v = to_bf16(((float)(rnd() % 2001) - 1000.0f) / 250.0f);
+            xf[(size_t)t * in + e] = pf_bf16_to_f32(v);
+            xb[amx_pos_rows((size_t)t, (size_t)e)] = v;
+        }
+    for (int i = 0; i < T * rows; i++) y[i] = ref[i] = -12345.0f;
+    const rows_w m = {.w = w, .scales = scales, .fmt = fmt, .sfmt = sfmt, .block = block, .in = in, .round = 1};
+    dense_rows_amx(&m, r0, r1, xb, T, y, rows);
+    dense_rows_scalar(&m, r0, r1, xf, T, ref, rows);
+    int ok = 1, untouched = 1;
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < rows; r++) {
+            float a = y[t * rows + r], b = ref[t * rows + r];
+            if (r < r0 || r >= r1) {
+                untouched = untouched && a == -12345.0f;
+                continue;
+            }
+            if (isnan(b)) {
+                ok = ok && isnan(a);
+                continue;
+            }
+            double mag = 0.0;
+            for (int e = 0; e < in; e++) mag += fabs((double)rows_weight(&m, r, e) * xf[(size_t)t * in + e]);
+            ok = ok && fabs((double)a - b) <= 1e-5 * mag + 1e-30;
+        }
+    char what[200];
+    snprintf(what, sizeof what, "rows format %d scales %d block %d in %d rows %d T %d [%d, %d) nan %d", fmt, sfmt,
+             block, in, rows, T, r0, r1, nan_code);
+    count(ok, what);
+    count(untouched, "rows outside [r0, r1) untouched");
+    free(w);
+    free(scales);
+    free(xf);
+    free(xb);
+    free(y);
+    free(ref);
+}
+
 /* The whole call (pf_cpu_expert: token rows, gate_up, SwiGLU, down) on a context whose AMX kernel is
  * the software tiles: with pf_cpu_set_invariant on, each token of a T-token call (T >= AMX_MIN_TOKENS,
  * the tiles' range) gives its one-token call's result bit for bit; off, the tiles take those calls
@@ -182,6 +250,22 @@ int main(int argc, char **argv) {
                 check(in, 40, T, 8, 24, 2);    /* a scale of 255 (inf weights) */
             }
         }
+    if (__builtin_cpu_supports("avx512bf16")) { /* rows_load32_bf16 rounds with AVX512_BF16 */
+        const int rins[] = {32, 96, 256, 768, 2048};
+        for (size_t k = 0; k < sizeof rins / sizeof rins[0]; k++) {
+            const int in = rins[k];
+            for (int T = 1; T <= 16; T += (in > 256 ? 5 : 3)) {
+                check_rows(PF_CPU_BF16_ROWS, 0, 0, in, 48, T, 0, 48, 0);
+                check_rows(PF_CPU_BF16_ROWS, 0, 0, in, 48, T, 5, 43, 0); /* blocks cut at both ends */
+                check_rows(PF_CPU_F32_ROWS, 0, 0, in, 40, T, 3, 37, 0);
+                check_rows(PF_CPU_FP8_ROWS, PF_CPU_F32, 32, in, 64, T, 0, 64, 0);
+                check_rows(PF_CPU_FP8_ROWS, PF_CPU_BF16, 32, in, 64, T, 7, 50, 1);
+                if (in % 128 == 0) check_rows(PF_CPU_FP8_ROWS, PF_CPU_F32, 128, in, 256, T, 16, 240, 1);
+            }
+        }
+    } else {
+        printf("amx_check: the row formats' tiles skipped (no avx512_bf16 here)\n");
+    }
 #ifndef PF_AMX_HARDWARE
     check_invariant(160, 96, 0);
     check_invariant(2880, 2880, 1);

@@ -311,6 +311,9 @@ static int random_call(pf_cpu *c, uint64_t *rng, int small) {
     if (fmt == PF_CPU_MXFP4) {
         H = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10))); /* 128-element chunks and lone groups */
         I = 32 * (1 + (int)(rng_next(rng) % (small ? 6 : 10)));
+    } else if (is_rows_fmt(fmt) && rng_next(rng) % 2) { /* whole 32-weight chunks: the AMX tiles' shapes */
+        H = 32 * (1 + (int)(rng_next(rng) % (small ? 4 : 8)));
+        I = 32 * (1 + (int)(rng_next(rng) % (small ? 3 : 5)));
     } else if (fmt == PF_CPU_FP8_ROWS) { /* blocks of 8, 16 or 32; vector chunks of 16 whole or not */
         H = 8 * (1 + (int)(rng_next(rng) % (small ? 12 : 24)));
         I = 8 * (1 + (int)(rng_next(rng) % (small ? 8 : 16)));
@@ -347,7 +350,7 @@ static int random_batch(pf_cpu *c, uint64_t *rng) {
     int counts[MAXN], total = 0;
     for (int k = 0; k < n; k++) {
         int fmt = fmts[rng_next(rng) % 6];
-        int I = fmt == PF_CPU_MXFP4 ? 32 * (1 + (int)(rng_next(rng) % 4))
+        int I = fmt == PF_CPU_MXFP4 || (is_rows_fmt(fmt) && rng_next(rng) % 2) ? 32 * (1 + (int)(rng_next(rng) % 4))
                 : fmt == PF_CPU_FP8_ROWS ? 8 * (1 + (int)(rng_next(rng) % 9)) : 1 + (int)(rng_next(rng) % 70);
         expert_make(&e[k], rng, fmt, H, I, rng_next(rng) % 2 ? PF_CPU_BF16 : PF_CPU_F32, (int)(rng_next(rng) % 4 != 0));
         e[k].w.round_bf16 = (int)(rng_next(rng) % 3 == 0);
