@@ -433,16 +433,18 @@ class RowsExpertRunner(CpuExpertRunner):
 
 GUARD_ARMS = ("off", "all", "model", "host")  # the default order of a check
 HOST_FIRST_FACTOR = 2.0  # with host steps: host arms first unless the link moves an expert this many times sooner
-HOST_FIRST_FACTOR_SEGMENTED = 1.0  # the same where the host arms' layers run between graph segments
+HOST_FIRST_FACTOR_SEGMENTED = 0.5  # the same where the host arms' layers run between graph segments
 
 
-def guard_order(host_expert_s: float | None, fetch_expert_s: float, host_steps: bool = False) -> tuple[str, ...]:
+def guard_order(host_expert_s: float | None, fetch_expert_s: float, host_steps: bool = False,
+                segmented: bool = False) -> tuple[str, ...]:
     """The order a guard checks its arms in. The first arm's window always runs in full, the
     others' end early when they measure far behind (``HybridGuard.abandon``), so the arm most likely
     to win goes first: the host arms unless the link moves an expert ``factor`` times sooner than
     the calibrated kernel computes a one-token one, fetch-only first then. Among the host arms,
     "host" leads where its steps run as host steps (``host_steps``: CUDA graphs with the fused
-    kernel), "all" elsewhere.
+    kernel), "all" elsewhere. ``segmented``: the host arms' layers run between graph segments on
+    a GPU (CUDA without host steps), each layer with CPU work handed to the host and back.
 
     The cost model's per-layer split ranks "model" best wherever both pipes are open, but the
     steps measured on GPU hosts (docs/benchmarks.md) rank the whole-step host graphs first: "all"
@@ -456,16 +458,18 @@ def guard_order(host_expert_s: float | None, fetch_expert_s: float, host_steps: 
     the kernel calibrated 2.8-3.2 GB/s (session 37), yet the fetch-only arm's steps took 4-8 ms
     against 1.3-2.2 ms for the host arm; in session 40 four of eight default runs and one of eight
     ``--no-draft`` runs began with fetch-only (a calibration under the link's rate, by the per-step
-    traces), and their first 7-8 steps took 3-6 ms instead of 1.3-1.7. Without host steps
-    (``HOST_FIRST_FACTOR_SEGMENTED``) the host arms pay a segment per layer too, plus the hand-off
-    of its rows: only a kernel faster an expert than the link leads. gpt-oss-20b's experts without
-    host steps (sessions 5-6, H200 host; 13 MB, the kernel 0.16-0.22 ms, the link about 0.24 ms):
-    "all" 1.3-1.6x fetch-only. Qwen3-30B-A3B-shaped FP8 experts on an H100 host (session 42;
-    4.7 MB, the kernel calibrated 0.20 ms an expert, the link unmeasured at the guard's start and
-    taken at its 25 GB/s prior, 0.19 ms): "all" 64 ms, "host" 69 ms, fetch-only 25 ms a step, yet
-    the host arms went first and their windows cost 37 % of 48 tokens. The runtime times the link
-    before ordering the arms (``OffloadedModel._probe_link``)."""
-    factor = HOST_FIRST_FACTOR if host_steps else HOST_FIRST_FACTOR_SEGMENTED
+    traces), and their first 7-8 steps took 3-6 ms instead of 1.3-1.7. The CPU device calls the
+    kernel directly and takes the same factor. Segmented (``HOST_FIRST_FACTOR_SEGMENTED``) the host arms pay a hand-off per layer with CPU work (the
+    layer's rows to the host and back, a segment boundary), which the per-expert rates do not
+    see: only a kernel twice as fast an expert as the link leads. Qwen3-30B-A3B-shaped FP8 experts
+    on H100 hosts (4.7 MB; sessions 42-43): the kernel 0.20-0.21 ms an expert, the link 0.19 ms
+    (25 GB/s, timed at load by ``OffloadedModel._probe_link``), yet "all" took 64-68 ms a step,
+    "host" 69-71 (about 97 CPU experts a token: some 50 ms of hand-offs over 48 layers), fetch-only
+    25-27; the host arms went first and their windows cost 37-47 % of 48 tokens. gpt-oss-20b's
+    experts without host steps (sessions 5-6, H200 host; 13 MB, the kernel 0.16-0.22 ms, the link
+    about 0.24): "all" 1.3-1.6x fetch-only. A fetch-only start still tries the host arms: the guard
+    keeps the arm its steps measure best, and a wrong first arm costs its window."""
+    factor = HOST_FIRST_FACTOR_SEGMENTED if segmented and not host_steps else HOST_FIRST_FACTOR
     if host_expert_s is not None and host_expert_s < factor * fetch_expert_s:
         return ("host", "all", "model", "off") if host_steps else ("all", "host", "model", "off")
     return GUARD_ARMS

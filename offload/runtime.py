@@ -259,6 +259,7 @@ class OffloadedModel:
         self.cache = ExpertCache(self.host, self.scheduler, dev, n_slots, policy=eviction)
         self.placer = None
         self.link_probe_bps = None  # _probe_link's rate (bytes/s), where the guard's order was timed
+        self.guard_order = None  # the guard's arm order and its inputs (_start_cpu)
         self.link_gbps = link_gbps
         self.link_emulated = link_gbps is not None and dev.type == "cuda"  # real copies paced to link_gbps
         self.block_tokens = block_tokens
@@ -324,7 +325,11 @@ class OffloadedModel:
             self.cpu.calibrate()
             if self.device.type == "cuda" and self.link_gbps is None:
                 self.link_probe_bps = self._probe_link()
-            order = guard_order(self.cpu.seconds_for(1), self.cost.seconds_per_expert_fetch(), self._host_steps_likely())
+            host_s, fetch_s, host_steps = self.cpu.seconds_for(1), self.cost.seconds_per_expert_fetch(), self._host_steps_likely()
+            segmented = self.device.type == "cuda" and not host_steps
+            order = guard_order(host_s, fetch_s, host_steps, segmented)
+            self.guard_order = {"order": list(order), "host_expert_ms": host_s * 1e3 if host_s else None,
+                                "fetch_expert_ms": fetch_s * 1e3, "host_steps": host_steps, "segmented": segmented}
             guard = HybridGuard(arms=order, trace=GUARD_TRACE_STEPS) if hybrid_guard else None
             self.placer = CpuPlacement(self.cache, self.scheduler, self.cpu, self.cost,
                                        background_band=self._background_priority, guard=guard)
@@ -661,6 +666,7 @@ class OffloadedModel:
                                 "precision": fs.route_ahead_used / fs.route_ahead_sent if fs.route_ahead_sent else None},
                 "guard": self.placer.guard.stats() if self.placer is not None and self.placer.guard is not None else None,
                 "link_probe_gbps": self.link_probe_bps / 1e9 if self.link_probe_bps else None,  # timed at load
+                "guard_order": self.guard_order,  # the arms' order and what set it (cpu_compute.guard_order)
                 "cache_experts_native": self.slot_cpu is not None,
                 **(self.cpu.stats() if self.cpu is not None else {}),
             },
