@@ -112,14 +112,6 @@ static inline float round_bf16(float f) {
     return f;
 }
 
-/* float32 -> the bits of the nearest bfloat16 (round_bf16's; a NaN stays a NaN) */
-static inline uint16_t bf16_bits(float f) {
-    uint32_t u;
-    f = round_bf16(f);
-    memcpy(&u, &f, sizeof u);
-    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)(u >> 16);
-}
-
 static inline int is_rows(int fmt) { return fmt >= PF_CPU_F32_ROWS && fmt <= PF_CPU_FP8_ROWS; }
 
 /* One matrix of a row format (pf_cpu_weights' gate_up or down, with its scales): nrows rows of
@@ -1367,6 +1359,31 @@ T_BF16 INL __m512 exp512(__m512 v) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* AMX rows, phase 0 for a whole task: its T token rows of x (x's rows xrow[0 .. T), x_size bytes
+ * an element, x_stride elements apart) as bf16 B tiles (amx_pos_rows): per 32-element chunk, the 16 tokens' pairs transposed in registers
+ * into the tile's 16 rows (token columns past T zeros). float32 x is rounded as rows_block_bf16
+ * rounds it. */
+T_BF16 static void rows_amx_x(const void *x, int x_format, int x_size, int x_stride, const int *xrow, int H, int T,
+                              uint16_t *xb) {
+    const char *xs[16];
+    for (int t = 0; t < T; t++) xs[t] = (const char *)x + (size_t)xrow[t] * x_stride * x_size;
+    for (int q = 0; q < H / 32; q++) {
+        __m512 v[16];
+        for (int t = 0; t < 16; t++) {
+            if (t >= T) {
+                v[t] = _mm512_setzero_ps();
+            } else if (x_format == PF_CPU_BF16) {
+                v[t] = _mm512_loadu_ps((const void *)((const uint16_t *)xs[t] + 32 * q));
+            } else {
+                const float *f = (const float *)xs[t] + 32 * q;
+                v[t] = (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(f + 16), _mm512_loadu_ps(f));
+            }
+        }
+        transpose16(v); /* bit moves only */
+        for (int kp = 0; kp < 16; kp++) _mm512_storeu_ps((void *)(xb + (size_t)q * 512 + kp * 32), v[kp]);
+    }
+}
+
 /* AMX rows, phase 1's tail: pairs [k0, k1) of each token's gate_up results gu (gate k, up I + k)
  * -> h = silu_h(gate, up, rounded), as bf16 in the down tiles' B order (amx_pos_rows). k0, k1:
  * multiples of 16 (grabs of whole tiles). */
@@ -1608,17 +1625,18 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
     int base = 0;
     for (int k = 0; k < j->ntasks && base < r1; k++) {
         const task *tk = &j->tasks[k];
+        if (tk->amx_rows) { /* the whole task, by the range holding its first row */
+#if PF_X86
+            if (base >= r0)
+                rows_amx_x(j->x, j->x_format, j->x_size, j->x_stride, j->xrow + base, tk->w->hidden, tk->T, c->xb + tk->xo);
+#endif
+            base += tk->T;
+            continue;
+        }
         const pf_cpu_weights *w = tk->w;
         const int H = w->hidden, mx = w->format == PF_CPU_MXFP4;
         for (int t = r0 > base ? r0 - base : 0; t < tk->T && base + t < r1; t++) {
             const char *xt = (const char *)j->x + (size_t)j->xrow[base + t] * j->x_stride * j->x_size;
-            if (tk->amx_rows) { /* B tiles in natural order; whole chunks, nothing to pad */
-                uint16_t *dt = c->xb + tk->xo;
-                for (int e = 0; e < H; e++)
-                    dt[amx_pos_rows((size_t)t, (size_t)e)] = j->x_format == PF_CPU_BF16
-                        ? ((const uint16_t *)xt)[e] : bf16_bits(((const float *)xt)[e]);
-                continue;
-            }
             if (tk->bf16_h && !tk->amx_h) { /* the padding of this row of hb (phase 1 writes the rest) */
                 const size_t I = (size_t)w->inter;
                 uint16_t *ht = c->hb + tk->ho + (size_t)t * pad128(I);
