@@ -910,6 +910,16 @@ typedef struct {
     uint8_t rows[16];
 } amx_tilecfg;
 
+/* every tile 16 rows of 64 bytes (palette 1), the kernels' one shape; AMX_RELEASE() after */
+T_AMX INL void amx_config_16x64(void) {
+    amx_tilecfg cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    AMX_CONFIG(&cfg);
+}
+
 /* xb: the B tiles of the T token rows (amx_pos), T <= 16 */
 T_AMX static void mx_rows_amx(const uint8_t *blocks, const uint8_t *scales, int in, int nrows, int r0, int r1,
                               const uint16_t *xb, int T, float *y, int ys) {
@@ -921,12 +931,7 @@ T_AMX static void mx_rows_amx(const uint8_t *blocks, const uint8_t *scales, int 
     _Alignas(64) float cb[4][16 * 16];
     /* tiles 0-3: one accumulator per k (a single one would chain every multiply on the one
      * before: latency, not throughput, would bound the loop); 4, 5: A; 6, 7: B */
-    amx_tilecfg cfg = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    AMX_CONFIG(&cfg);
+    amx_config_16x64();
     for (int rb = r0; rb < r1; rb += 16) {
         const int rows = r1 - rb < 16 ? r1 - rb : 16;
         if (!rows_foldable(scales, G, rb, rows)) {
@@ -1299,12 +1304,7 @@ T_AMXR static void dense_rows_amx(const rows_w *m, int r0, int r1, const uint16_
     _Alignas(64) float cb[4][16 * 16];
     float sc[16] = {0};
     /* tiles 0-3: one accumulator per chunk of four (see mx_rows_amx); 4, 5: A; 6, 7: B */
-    amx_tilecfg cfg = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    AMX_CONFIG(&cfg);
+    amx_config_16x64();
     for (int rb = r0; rb < r1; rb += 16) {
         const int rows = r1 - rb < 16 ? r1 - rb : 16;
         const int direct = m->fmt == PF_CPU_BF16_ROWS && rows == 16;

@@ -41,6 +41,42 @@ static uint16_t to_bf16(float f) { /* truncation: any bf16 value serves as input
     return (uint16_t)(u >> 16);
 }
 
+/* y (the tiles) against ref (the portable kernel), T tokens x `rows` rows (token-major), rows
+ * [r0, r1) computed, the others still -12345: NaN and inf as ref has them, every other result
+ * within 1e-5 of the sum of |w x| (mag(ctx, r, t)), which bounds the rounding of any order of
+ * summation. Counts the result as `what`. */
+static void compare(const float *y, const float *ref, int T, int rows, int r0, int r1,
+                    double (*mag)(const void *ctx, int r, int t), const void *ctx, const char *what) {
+    int ok = 1, untouched = 1;
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < rows; r++) {
+            const float a = y[t * rows + r], b = ref[t * rows + r];
+            if (r < r0 || r >= r1) untouched = untouched && a == -12345.0f;
+            else if (isinf(b) || isnan(b)) ok = ok && (isnan(b) ? isnan(a) : a == b);
+            else ok = ok && fabs((double)a - b) <= 1e-5 * mag(ctx, r, t) + 1e-30;
+        }
+    count(ok, what);
+    count(untouched, "rows outside [r0, r1) untouched");
+}
+
+typedef struct {
+    const uint8_t *blocks, *scales;
+    const float *xf;
+    int in;
+} mx_case;
+
+static double mx_mag(const void *ctx, int r, int t) {
+    const mx_case *k = ctx;
+    const int G = k->in / 32;
+    const uint8_t *bp = k->blocks + (size_t)r * G * 16, *sp = k->scales + (size_t)r * G;
+    double mag = 0.0;
+    for (int e = 0; e < k->in; e++) {
+        uint8_t v = bp[e / 2];
+        mag += fabs((double)FP4[(e & 1) ? v >> 4 : v & 15] * SCALE[sp[e / 32]] * k->xf[(size_t)t * k->in + e]);
+    }
+    return mag;
+}
+
 /* one configuration: `rows` rows of `in` elements, tokens T, rows [r0, r1) computed */
 static void check(int in, int rows, int T, int r0, int r1, int extreme) {
     const int G = in / 32;
@@ -63,30 +99,10 @@ static void check(int in, int rows, int T, int r0, int r1, int extreme) {
     for (int i = 0; i < T * rows; i++) y[i] = ref[i] = -12345.0f;
     mx_rows_amx(blocks, scales, in, rows, r0, r1, xb, T, y, rows);
     mx_rows_scalar(blocks, scales, in, rows, r0, r1, xp, T, ref, rows);
-    int ok = 1, untouched = 1;
-    for (int t = 0; t < T; t++)
-        for (int r = 0; r < rows; r++) {
-            float a = y[t * rows + r], b = ref[t * rows + r];
-            if (r < r0 || r >= r1) {
-                untouched = untouched && a == -12345.0f;
-                continue;
-            }
-            if (isinf(b) || isnan(b)) {
-                ok = ok && (isnan(b) ? isnan(a) : a == b);
-                continue;
-            }
-            double mag = 0.0; /* the sum of |w x| bounds the rounding of any order of summation */
-            const uint8_t *bp = blocks + (size_t)r * G * 16, *sp = scales + (size_t)r * G;
-            for (int e = 0; e < in; e++) {
-                uint8_t v = bp[e / 2];
-                mag += fabs((double)FP4[(e & 1) ? v >> 4 : v & 15] * SCALE[sp[e / 32]] * xf[(size_t)t * in + e]);
-            }
-            ok = ok && fabs((double)a - b) <= 1e-5 * mag + 1e-30;
-        }
     char what[160];
     snprintf(what, sizeof what, "in %d rows %d T %d [%d, %d) extreme %d", in, rows, T, r0, r1, extreme);
-    count(ok, what);
-    count(untouched, "rows outside [r0, r1) untouched");
+    const mx_case k = {blocks, scales, xf, in};
+    compare(y, ref, T, rows, r0, r1, mx_mag, &k, what);
     free(blocks);
     free(scales);
     free(xf);
@@ -94,6 +110,18 @@ static void check(int in, int rows, int T, int r0, int r1, int extreme) {
     free(xb);
     free(y);
     free(ref);
+}
+
+typedef struct {
+    const rows_w *m;
+    const float *xf;
+} rows_case;
+
+static double rows_mag(const void *ctx, int r, int t) {
+    const rows_case *k = ctx;
+    double mag = 0.0;
+    for (int e = 0; e < k->m->in; e++) mag += fabs((double)rows_weight(k->m, r, e) * k->xf[(size_t)t * k->m->in + e]);
+    return mag;
 }
 
 /* The row formats' tiles (dense_rows_amx) against the portable row kernel, for a bf16 model's rows:
@@ -135,27 +163,11 @@ static void check_rows(int fmt, int sfmt, int block, int in, int rows, int T, in
     const rows_w m = {.w = w, .scales = scales, .fmt = fmt, .sfmt = sfmt, .block = block, .in = in, .round = 1};
     dense_rows_amx(&m, r0, r1, xb, T, y, rows);
     dense_rows_scalar(&m, r0, r1, xf, T, ref, rows);
-    int ok = 1, untouched = 1;
-    for (int t = 0; t < T; t++)
-        for (int r = 0; r < rows; r++) {
-            float a = y[t * rows + r], b = ref[t * rows + r];
-            if (r < r0 || r >= r1) {
-                untouched = untouched && a == -12345.0f;
-                continue;
-            }
-            if (isnan(b)) {
-                ok = ok && isnan(a);
-                continue;
-            }
-            double mag = 0.0;
-            for (int e = 0; e < in; e++) mag += fabs((double)rows_weight(&m, r, e) * xf[(size_t)t * in + e]);
-            ok = ok && fabs((double)a - b) <= 1e-5 * mag + 1e-30;
-        }
     char what[200];
     snprintf(what, sizeof what, "rows format %d scales %d block %d in %d rows %d T %d [%d, %d) nan %d", fmt, sfmt,
              block, in, rows, T, r0, r1, nan_code);
-    count(ok, what);
-    count(untouched, "rows outside [r0, r1) untouched");
+    const rows_case k = {&m, xf};
+    compare(y, ref, T, rows, r0, r1, rows_mag, &k, what);
     free(w);
     free(scales);
     free(xf);
