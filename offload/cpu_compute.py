@@ -459,16 +459,19 @@ def guard_order(host_expert_s: float | None, fetch_expert_s: float, host_steps: 
     against 1.3-2.2 ms for the host arm; in session 40 four of eight default runs and one of eight
     ``--no-draft`` runs began with fetch-only (a calibration under the link's rate, by the per-step
     traces), and their first 7-8 steps took 3-6 ms instead of 1.3-1.7. The CPU device calls the
-    kernel directly and takes the same factor. Segmented (``HOST_FIRST_FACTOR_SEGMENTED``) the host arms pay a hand-off per layer with CPU work (the
-    layer's rows to the host and back, a segment boundary), which the per-expert rates do not
-    see: only a kernel twice as fast an expert as the link leads. Qwen3-30B-A3B-shaped FP8 experts
-    on H100 hosts (4.7 MB; sessions 42-43): the kernel 0.20-0.21 ms an expert, the link 0.19 ms
-    (25 GB/s, timed at load by ``OffloadedModel._probe_link``), yet "all" took 64-68 ms a step,
-    "host" 69-71 (about 97 CPU experts a token: some 50 ms of hand-offs over 48 layers), fetch-only
-    25-27; the host arms went first and their windows cost 37-47 % of 48 tokens. gpt-oss-20b's
-    experts without host steps (sessions 5-6, H200 host; 13 MB, the kernel 0.16-0.22 ms, the link
-    about 0.24): "all" 1.3-1.6x fetch-only. A fetch-only start still tries the host arms: the guard
-    keeps the arm its steps measure best, and a wrong first arm costs its window."""
+    kernel directly and takes the same factor.
+
+    Segmented (``HOST_FIRST_FACTOR_SEGMENTED``), the host arms pay a hand-off per layer with CPU
+    work (the layer's rows to the host and back, a segment boundary) that the per-expert rates do
+    not see: only a kernel twice as fast an expert as the link leads. Qwen3-30B-A3B-shaped FP8
+    experts on H100 hosts (4.7 MB; sessions 42-43): the kernel 0.16-0.21 ms an expert, the link
+    0.19 ms (25 GB/s, timed at load by ``OffloadedModel._probe_link``), yet "all" took 64-78 ms a
+    step, "host" 36-74 (about 97 CPU experts a token over 48 layers), fetch-only 25-37. With the
+    host arms first their windows cost 37-47 % of 48 tokens; fetch-only first, `auto` ran 0.96x
+    fetch-only, keeping the split ("model"). gpt-oss-20b's experts without host steps (sessions
+    5-6, H200 host; 13 MB, the kernel 0.16-0.22 ms, the link about 0.24): "all" 1.3-1.6x
+    fetch-only. A fetch-only start still tries the host arms: the guard keeps the arm its steps
+    measure best, and a wrong first arm costs its window."""
     factor = HOST_FIRST_FACTOR_SEGMENTED if segmented and not host_steps else HOST_FIRST_FACTOR
     if host_expert_s is not None and host_expert_s < factor * fetch_expert_s:
         return ("host", "all", "model", "off") if host_steps else ("all", "host", "model", "off")
