@@ -1262,6 +1262,44 @@ T_512 INL void transpose16(__m512 r[16]) {
     }
 }
 
+/* MXFP4 on the tiles, phase 0 for a whole task: its T bf16 token rows of x (x's rows xrow[0 ..
+ * T), x_stride elements apart) as B tiles in amx_pos order: per 128-element chunk and tile k,
+ * each token's elements 4j + k (j = 0 .. 31: group j / 8, element (j % 8) * 4 + k of it) in
+ * one register, the 16 tokens' registers transposed into the tile's 16 rows. Groups past H and
+ * token columns past T come out zero (amx_zero_pad's zeros). */
+T_512 static void mx_amx_x(const uint16_t *x, int x_stride, const int *xrow, int H, int T, uint16_t *xb) {
+    const uint16_t *xs[16];
+    for (int t = 0; t < T; t++) xs[t] = x + (size_t)xrow[t] * x_stride;
+    __m512i idx[4]; /* lanes 0 .. 15: 4j + k of a register pair (elements 0 .. 63) */
+    for (int k = 0; k < 4; k++) {
+        _Alignas(64) uint16_t l[32] = {0};
+        for (int j = 0; j < 16; j++) l[j] = (uint16_t)(4 * j + k);
+        idx[k] = _mm512_load_si512((const void *)l);
+    }
+    for (int c = 0; c < (H + 127) / 128; c++) {
+        __m512 v[4][16];
+        for (int t = 0; t < 16; t++) {
+            if (t >= T) {
+                for (int k = 0; k < 4; k++) v[k][t] = _mm512_setzero_ps();
+                continue;
+            }
+            __m512i a[4];
+            for (int i = 0; i < 4; i++) /* H is whole groups: a register is all in or all out */
+                a[i] = 128 * c + 32 * i < H ? _mm512_loadu_si512((const void *)(xs[t] + 128 * c + 32 * i))
+                                            : _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                const __m512i lo = _mm512_permutex2var_epi16(a[0], idx[k], a[1]);
+                const __m512i hi = _mm512_permutex2var_epi16(a[2], idx[k], a[3]);
+                v[k][t] = _mm512_castsi512_ps(_mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1));
+            }
+        }
+        for (int k = 0; k < 4; k++) {
+            transpose16(v[k]); /* bit moves only */
+            for (int kp = 0; kp < 16; kp++) _mm512_storeu_ps((void *)(xb + ((size_t)c * 4 + k) * 512 + kp * 32), v[k][kp]);
+        }
+    }
+}
+
 #ifdef PF_AMX_EMULATE
 #define T_AMXR T_BF16
 #else
@@ -1401,17 +1439,67 @@ T_BF16 static void rows_amx_h(const float *gu, int I, int T, int k0, int k1, uin
     }
 }
 
-/* AMX rows, phase 2's tail: outputs [lo, hi) of each token (y, rounded to bf16) times its scale
- * into out's rows (down_part without a bias) */
-T_BF16 static void rows_amx_out(const float *y, int H, int T, int lo, int hi, const float *scale, const int *dest,
-                                float *out, int out_stride) {
+/* lanes m of a bias (bias_format) from element i on, as float32 */
+T_512 INL __m512 bias16(const void *bias, int bias_format, size_t i, __mmask16 m) {
+    if (bias_format == PF_CPU_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)bias + i)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)bias + i);
+}
+
+/* The tiles' phase 2 tail for a bf16 model (down_part's): outputs [lo, hi) of each token (y
+ * rounded to bf16; plus the rounded bias, rounded again) times its scale into out's rows */
+T_BF16 static void amx_out(const float *y, int H, int T, int lo, int hi, const void *bias, int bias_format,
+                           const float *scale, const int *dest, float *out, int out_stride) {
     for (int t = 0; t < T; t++) {
         const float *yt = y + (size_t)t * H;
         float *ot = out + (size_t)dest[t] * out_stride;
         const __m512 s = _mm512_set1_ps(scale ? scale[t] : 1.0f);
         for (int o = lo; o < hi; o += 16) {
             const __mmask16 m = hi - o >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi - o)) - 1);
-            _mm512_mask_storeu_ps(ot + o, m, _mm512_mul_ps(round512(_mm512_maskz_loadu_ps(m, yt + o), 1), s));
+            __m512 v = round512(_mm512_maskz_loadu_ps(m, yt + o), 1);
+            if (bias) v = round512(_mm512_add_ps(v, round512(bias16(bias, bias_format, (size_t)o, m), 1)), 1);
+            _mm512_mask_storeu_ps(ot + o, m, _mm512_mul_ps(v, s));
+        }
+    }
+}
+
+/* MXFP4 on the tiles, phase 1's tail for a bf16 model (gate_up_part's): pairs [k0, k1) of each
+ * token's interleaved gate_up results gu (gate 2k, up 2k + 1; the bias added, every step rounded
+ * to bf16 as swiglu_bf16 rounds) -> h as bf16 at its amx_pos place in hb */
+T_BF16 static void mx_amx_h(const float *gu, int I, int T, int k0, int k1, const pf_cpu_weights *w, uint16_t *hb) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512 one = _mm512_set1_ps(1.0f), lim = _mm512_set1_ps(w->limit), alpha = _mm512_set1_ps(w->alpha);
+    for (int k = k0; k < k1; k += 16) {
+        const int n = k1 - k < 16 ? k1 - k : 16;
+        const __mmask16 lo = (__mmask16)(n >= 8 ? 0xffff : (1u << (2 * n)) - 1);
+        const __mmask16 hi = (__mmask16)(n >= 16 ? 0xffff : n > 8 ? (1u << (2 * (n - 8))) - 1 : 0);
+        __m512 bg = _mm512_setzero_ps(), bu = bg;
+        if (w->gate_up_bias) {
+            const __m512 b0 = bias16(w->gate_up_bias, w->bias_format, (size_t)2 * k, lo);
+            const __m512 b1 = bias16(w->gate_up_bias, w->bias_format, (size_t)2 * k + 16, hi);
+            bg = round512(_mm512_permutex2var_ps(b0, even, b1), 1);
+            bu = round512(_mm512_permutex2var_ps(b0, odd, b1), 1);
+        }
+        size_t pos[16];
+        for (int i = 0; i < n; i++) pos[i] = amx_pos(0, (size_t)(k + i));
+        for (int t = 0; t < T; t++) {
+            const float *g = gu + (size_t)t * 2 * I + 2 * (size_t)k;
+            const __m512 a0 = _mm512_maskz_loadu_ps(lo, g), a1 = _mm512_maskz_loadu_ps(hi, g + 16);
+            __m512 gate = round512(_mm512_permutex2var_ps(a0, even, a1), 1);
+            __m512 up = round512(_mm512_permutex2var_ps(a0, odd, a1), 1);
+            if (w->gate_up_bias) {
+                gate = round512(_mm512_add_ps(gate, bg), 1);
+                up = round512(_mm512_add_ps(up, bu), 1);
+            }
+            gate = _mm512_min_ps(lim, gate); /* NaN stays NaN (the second operand), as in swiglu_bf16 */
+            up = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim), _mm512_min_ps(lim, up));
+            const __m512 ga = round512(_mm512_mul_ps(gate, alpha), 1);
+            const __m512 sg = round512(_mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), ga)))), 1);
+            const __m512 glu = round512(_mm512_mul_ps(gate, sg), 1);
+            _Alignas(32) uint16_t h[16];
+            _mm256_store_si256((__m256i *)h, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round512(_mm512_add_ps(up, one), 1), glu)));
+            for (int i = 0; i < n; i++) hb[pos[i] + 2 * (size_t)t] = h[i];
         }
     }
 }
@@ -1633,6 +1721,16 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
             base += tk->T;
             continue;
         }
+        if (tk->amx_x) { /* MXFP4 on the tiles (x in bf16): the same, and hb's padding where the down tiles run */
+#if PF_X86
+            if (base >= r0) {
+                mx_amx_x((const uint16_t *)j->x, j->x_stride, j->xrow + base, tk->w->hidden, tk->T, c->xb + tk->xo);
+                for (int t = 0; tk->amx_h && t < tk->T; t++) amx_zero_pad(c->hb + tk->ho, (size_t)tk->w->inter, (size_t)t);
+            }
+#endif
+            base += tk->T;
+            continue;
+        }
         const pf_cpu_weights *w = tk->w;
         const int H = w->hidden, mx = w->format == PF_CPU_MXFP4;
         for (int t = r0 > base ? r0 - base : 0; t < tk->T && base + t < r1; t++) {
@@ -1643,12 +1741,6 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
                 for (size_t e = I; e < pad128(I); e++) ht[mx_pos_bf16(e)] = 0;
             }
             if (tk->amx_h) amx_zero_pad(c->hb + tk->ho, (size_t)w->inter, (size_t)t); /* phase 1 writes the rest */
-            if (tk->amx_x) { /* B tiles (token columns past T are not read) */
-                uint16_t *dt = c->xb + tk->xo;
-                for (int e = 0; e < H; e++) dt[amx_pos((size_t)t, (size_t)e)] = ((const uint16_t *)xt)[e];
-                amx_zero_pad(dt, (size_t)H, (size_t)t);
-                continue;
-            }
             if (tk->bf16_x) {
                 uint16_t *dt = c->xb + tk->xo + (size_t)t * pad128((size_t)H);
                 for (int e = 0; e < H; e++) dt[mx_pos_bf16((size_t)e)] = ((const uint16_t *)xt)[e];
@@ -1717,6 +1809,12 @@ static void gate_up_part(pf_cpu *c, const task *tk, int lo, int hi) {
         c->mx_rows((const uint8_t *)w->gate_up, w->gate_up_scales, H, 2 * I, lo, hi, c->xp + tk->xo, T, gu, 2 * I);
     else
         c->dense_cols(w->gate_up, w->format, H, 2 * I, lo, hi, c->xp + tk->xo, T, gu, 2 * I);
+#if PF_X86
+    if (tk->amx_h) { /* a bf16 model's h for the down tiles: the tail 16 lanes at a time */
+        mx_amx_h(gu, I, T, lo / 2, hi / 2, w, hb);
+        return;
+    }
+#endif
     for (int t = 0; t < T; t++) {
         const float *g = gu + (size_t)t * 2 * I;
         float *ht = h ? h + (size_t)t * I : NULL;
@@ -1758,12 +1856,6 @@ static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
     if (tk->amx_rows) {
         const rows_w m = rows_of(w, 0);
         c->rows_amx(&m, lo, hi, c->hb + tk->ho, T, y, H);
-#if PF_X86
-        if (!w->down_bias) {
-            rows_amx_out(y, H, T, lo, hi, tk->scale, tk->dest, j->out, j->out_stride);
-            return;
-        }
-#endif
     } else if (tk->amx_h)
         c->mx_rows_amx((const uint8_t *)w->down, w->down_scales, I, H, lo, hi, c->hb + tk->ho, T, y, H);
     else if (tk->bf16_h)
@@ -1775,6 +1867,12 @@ static void down_part(pf_cpu *c, const job *j, const task *tk, int lo, int hi) {
         c->dense_rows(&m, lo, hi, c->h + tk->ho, T, y, H);
     } else
         c->dense_cols(w->down, w->format, I, H, lo, hi, c->h + tk->ho, T, y, H);
+#if PF_X86
+    if (tk->amx_h) { /* a bf16 model on the tiles (rows or MXFP4): the tail 16 lanes at a time */
+        amx_out(y, H, T, lo, hi, w->down_bias, w->bias_format, tk->scale, tk->dest, j->out, j->out_stride);
+        return;
+    }
+#endif
     for (int t = 0; t < T; t++) {
         const float *yt = y + (size_t)t * H;
         float *ot = j->out + (size_t)tk->dest[t] * j->out_stride;
@@ -2296,8 +2394,8 @@ static int run_experts(pf_cpu *c, int n, const pf_cpu_weights *const *w, const i
         else nh += (size_t)T * I;
         tk->yo = (size_t)base * H;
         /* AMX rows: grabs of whole tiles (16 gate and 16 up rows; 16 down rows), not of 4 rows */
-        tk->unit1 = tk->amx_rows ? 32 : unit;
-        tk->unit2 = tk->amx_rows ? 16 : unit;
+        tk->unit1 = tk->amx_rows ? 32 : tk->amx_x ? 16 : unit;
+        tk->unit2 = tk->amx_rows || tk->amx_h ? 16 : unit;
         tk->u1 = first1;
         tk->u2 = first2;
         first1 += (2 * I + tk->unit1 - 1) / tk->unit1;

@@ -96,6 +96,22 @@ static void check(int in, int rows, int T, int r0, int r1, int extreme) {
             xb[amx_pos((size_t)t, (size_t)e)] = v;
         }
     for (int t = 0; t < T; t++) amx_zero_pad(xb, (size_t)in, (size_t)t); /* as the kernel's writers do */
+    { /* phase 0's vector writer (mx_amx_x) against the element-wise layout, in reversed token order */
+        uint16_t *xr = calloc((size_t)T * in, sizeof(uint16_t)), *xv = aligned_alloc(64, amx_elems((size_t)in) * 2);
+        int order[16] = {0};
+        for (int t = 0; t < T; t++) {
+            order[t] = T - 1 - t;
+            for (int e = 0; e < in; e++) xr[(size_t)(T - 1 - t) * in + e] = to_bf16(xf[(size_t)t * in + e]);
+        }
+        mx_amx_x(xr, in, order, in, T, xv);
+        int same = 1;
+        for (int t = 0; t < T; t++)
+            for (int e = 0; e < (in + 127) / 128 * 128; e++) same = same && xv[amx_pos((size_t)t, (size_t)e)] == xb[amx_pos((size_t)t, (size_t)e)];
+        for (int t = T; t < 16; t++) same = same && xv[amx_pos((size_t)t, 0)] == 0;
+        count(same, "mx_amx_x: the B tiles of amx_pos, zeros past the row and past T");
+        free(xr);
+        free(xv);
+    }
     for (int i = 0; i < T * rows; i++) y[i] = ref[i] = -12345.0f;
     mx_rows_amx(blocks, scales, in, rows, r0, r1, xb, T, y, rows);
     mx_rows_scalar(blocks, scales, in, rows, r0, r1, xp, T, ref, rows);
