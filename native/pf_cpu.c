@@ -1262,6 +1262,12 @@ T_512 INL void transpose16(__m512 r[16]) {
     }
 }
 
+/* v[0 .. 16): 16 tokens' registers of 16 bf16 pairs -> the B tile at b (row kp: every token's pair kp) */
+T_512 INL void store_b_tile(__m512 v[16], uint16_t *b) {
+    transpose16(v); /* bit moves only */
+    for (int kp = 0; kp < 16; kp++) _mm512_storeu_ps((void *)(b + kp * 32), v[kp]);
+}
+
 /* MXFP4 on the tiles, phase 0 for a whole task: its T bf16 token rows of x (x's rows xrow[0 ..
  * T), x_stride elements apart) as B tiles in amx_pos order: per 128-element chunk and tile k,
  * each token's elements 4j + k (j = 0 .. 31: group j / 8, element (j % 8) * 4 + k of it) in
@@ -1293,10 +1299,7 @@ T_512 static void mx_amx_x(const uint16_t *x, int x_stride, const int *xrow, int
                 v[k][t] = _mm512_castsi512_ps(_mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1));
             }
         }
-        for (int k = 0; k < 4; k++) {
-            transpose16(v[k]); /* bit moves only */
-            for (int kp = 0; kp < 16; kp++) _mm512_storeu_ps((void *)(xb + ((size_t)c * 4 + k) * 512 + kp * 32), v[k][kp]);
-        }
+        for (int k = 0; k < 4; k++) store_b_tile(v[k], xb + ((size_t)c * 4 + k) * 512);
     }
 }
 
@@ -1417,8 +1420,7 @@ T_BF16 static void rows_amx_x(const void *x, int x_format, int x_size, int x_str
                 v[t] = (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(f + 16), _mm512_loadu_ps(f));
             }
         }
-        transpose16(v); /* bit moves only */
-        for (int kp = 0; kp < 16; kp++) _mm512_storeu_ps((void *)(xb + (size_t)q * 512 + kp * 32), v[kp]);
+        store_b_tile(v, xb + (size_t)q * 512);
     }
 }
 
@@ -1713,17 +1715,11 @@ static void prepare_rows(pf_cpu *c, const job *j, int r0, int r1) {
     int base = 0;
     for (int k = 0; k < j->ntasks && base < r1; k++) {
         const task *tk = &j->tasks[k];
-        if (tk->amx_rows) { /* the whole task, by the range holding its first row */
+        if (tk->amx_x) { /* B tiles: the whole task, by the range holding its first row */
 #if PF_X86
-            if (base >= r0)
+            if (base >= r0 && tk->amx_rows) {
                 rows_amx_x(j->x, j->x_format, j->x_size, j->x_stride, j->xrow + base, tk->w->hidden, tk->T, c->xb + tk->xo);
-#endif
-            base += tk->T;
-            continue;
-        }
-        if (tk->amx_x) { /* MXFP4 on the tiles (x in bf16): the same, and hb's padding where the down tiles run */
-#if PF_X86
-            if (base >= r0) {
+            } else if (base >= r0) { /* MXFP4 (x in bf16), and hb's padding where the down tiles run */
                 mx_amx_x((const uint16_t *)j->x, j->x_stride, j->xrow + base, tk->w->hidden, tk->T, c->xb + tk->xo);
                 for (int t = 0; tk->amx_h && t < tk->T; t++) amx_zero_pad(c->hb + tk->ho, (size_t)tk->w->inter, (size_t)t);
             }
